@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The test command of README.md. Installs what the tests need on a fresh Debian/Ubuntu machine
+# (as root; otherwise it says what is missing), then runs the fast and integration suites, and
+# last, in a step of its own, the long real builds.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
+
+step "system packages"
+pkgs=(git build-essential autoconf automake libtool pkg-config cmake ninja-build libnuma-dev
+      libze-dev dpkg-dev quilt python3-dev)
+missing=()
+for p in "${pkgs[@]}"; do dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii' || missing+=("$p"); done
+if ((${#missing[@]})); then
+  if [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  else
+    echo "missing: ${missing[*]}; run: sudo apt-get install ${missing[*]}" >&2; exit 1
+  fi
+fi
+
+step "python packages"
+# torch first (2.13.0 from PyPI is a CPU build; a bare `torch` pulls a multi-GB CUDA build), then
+# NIXL's wheel with its bundled UCX, without letting it pull anything else.
+$PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
+$PY -m pip install -q --disable-pip-version-check -e ".[test]" numpy
+$PY -m pip install -q --disable-pip-version-check --no-deps nixl-cu12
+
+# pytest exits 5 when a selection holds no test: that is a failure here, never a pass.
+run_pytest() { $PY -m pytest -p no:cacheprovider "$@"; }
+
+step "unit and integration tests"
+run_pytest -m "not build" "$@"
+
+step "real builds (UCX from Debian's source package through the installer)"
+run_pytest -m build "$@"
