@@ -1,0 +1,62 @@
+"""env.sh: what a shell (or a process the installer starts) needs to use a build: library and
+plugin paths, NIXL's Python module, and the platform's UCX settings."""
+from __future__ import annotations
+
+import glob
+import os
+import shlex
+from pathlib import Path
+
+from .plan import Plan
+
+
+def nixl_site_packages(build_dir: Path) -> Path | None:
+    hits = sorted(glob.glob(str(build_dir / "nixl" / "lib" / "python3*" / "site-packages")))
+    return Path(hits[-1]) if hits else None
+
+
+def nixl_module(build_dir: Path, pattern: str) -> str | None:
+    site = nixl_site_packages(build_dir)
+    if site is None:
+        return None
+    mods = sorted(p.name for p in site.glob(pattern) if (p / "__init__.py").exists())
+    return mods[0] if mods else None
+
+
+def runtime_env(plan: Plan, build_dir: Path) -> dict[str, str]:
+    """Variables env.sh sets, as absolute values (prepended to what is already there)."""
+    env = {
+        "KVSTACK_HOME": str(build_dir),
+        "PATH": str(build_dir / "ucx" / "bin"),
+        "LD_LIBRARY_PATH": os.pathsep.join([str(build_dir / "nixl" / "lib"), str(build_dir / "ucx" / "lib")]),
+        "NIXL_PLUGIN_DIR": str(build_dir / "nixl" / "lib" / "plugins"),
+    }
+    site = nixl_site_packages(build_dir)
+    if site:
+        env["PYTHONPATH"] = str(site)
+    module = nixl_module(build_dir, plan.verify["nixl"]["module"])
+    if module:
+        env["KVRUNTIME_NIXL_MODULE"] = module
+    env.update(plan.runtime_env)
+    return env
+
+
+PREPENDED = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH")
+
+
+def apply(env: dict[str, str], base: dict[str, str]) -> dict[str, str]:
+    out = dict(base)
+    for k, v in env.items():
+        out[k] = v + os.pathsep + base[k] if k in PREPENDED and base.get(k) else v
+    return out
+
+
+def render(plan: Plan, env: dict[str, str]) -> str:
+    lines = [f"# kvstack {plan.platform} build {plan.build_id}: `. {env['KVSTACK_HOME']}/env.sh`",
+             "# Written by python -m installer; the build it describes never changes."]
+    for k, v in env.items():
+        if k in PREPENDED:
+            lines.append(f'export {k}={shlex.quote(v)}"${{{k}:+:${k}}}"')
+        else:
+            lines.append(f"export {k}={shlex.quote(v)}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,42 @@
+"""The extract phase: a checked archive (or a pinned git commit) into a fresh source directory,
+top-level directory stripped, nothing written outside it."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tarfile
+from pathlib import Path
+
+from .errors import BuildError
+from .sources import Fetched
+
+
+def extract(fetched: Fetched, dest: Path) -> Path:
+    tmp = dest.with_name(dest.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if fetched.kind == "git":
+        archive = subprocess.run(["git", "--git-dir", str(fetched.path), "archive", "--format=tar", fetched.commit],
+                                 capture_output=True, check=False)
+        if archive.returncode:
+            raise BuildError(f"{fetched.name}: git archive {fetched.commit} failed: {archive.stderr.decode()[-300:]}")
+        subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
+        tmp.rename(dest)
+        return dest
+    try:
+        with tarfile.open(fetched.path, "r:*") as tf:
+            members = tf.getmembers()
+            tops = {m.name.split("/", 1)[0] for m in members if m.name not in ("", ".")}
+            tf.extractall(tmp, filter="data")
+    except (tarfile.TarError, OSError) as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise BuildError(f"{fetched.name}: cannot extract {fetched.path}: {e}",
+                         fix="delete the cached file and run again") from None
+    root = tmp / next(iter(tops)) if len(tops) == 1 and (tmp / next(iter(tops))).is_dir() else tmp
+    if root is tmp:
+        tmp.rename(dest)
+    else:
+        root.rename(dest)
+        shutil.rmtree(tmp)
+    return dest

@@ -1,0 +1,325 @@
+"""The install pipeline: resolve (done by the caller) -> fetch -> check -> system packages ->
+build tools -> extract -> configure -> build -> install -> verify -> switch the prefix.
+
+Components build straight into their final directory, `P.builds/<build id>/<component>`, which no
+prefix points to until verification passed; a per-component stamp lets a re-run resume after a
+failure, and a build whose manifest says complete is never rebuilt (a no-op re-run)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform as pyplatform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import envfile, prefix as prefixmod, syspkgs, tools, verify
+from .build.step import Step
+from .cache import Cache
+from .detect import detect_platform
+from .errors import InstallerError, VerifyError
+from .extract import extract
+from .phases import PhaseLog
+from .plan import Plan
+from .runner import run_step
+from .sources import Fetched, Fetcher
+
+log = logging.getLogger("kvstack.installer")
+MANIFEST_FORMAT = 1
+
+
+def run(plan: Plan, *, mirror: str | None, system_packages: bool = True) -> dict[str, Any]:
+    with prefixmod.locked(plan.prefix):
+        previous = prefixmod.current(plan.prefix)
+        if prefixmod.is_complete(plan.install_dir):
+            manifest = json.loads((plan.install_dir / prefixmod.COMPLETE).read_text())
+            if previous != plan.install_dir.resolve():
+                prefixmod.switch(plan.prefix, plan.install_dir)
+                _link_python(plan)
+                log.info("%s -> %s (built before; switched)", plan.prefix, plan.install_dir)
+            else:
+                log.info("%s is up to date (build %s)", plan.prefix, plan.build_id)
+            manifest["noop"] = True
+            return manifest
+        return _build(plan, mirror, system_packages, previous)
+
+
+def _build(plan: Plan, mirror: str | None, system_packages: bool, previous: Path | None) -> dict[str, Any]:
+    phases = PhaseLog()
+    log_dir = plan.work_dir / "logs"
+    stamps = plan.install_dir / ".kvstack"
+    manifest = _manifest_head(plan, mirror)
+    started = time.monotonic()
+    try:
+        cache = Cache(plan.cache_dir)
+        fetcher = Fetcher(cache, mirror)
+        with phases.phase("fetch") as rec:
+            with cache.locked():
+                fetched = {n: fetcher.fetch(n, plan.sources[n]) for n in plan.used_sources()}
+        with phases.phase("check") as rec:
+            manifest["sources"] = {n: fetcher.check(f, plan.sources[n]) for n, f in fetched.items()}
+        with phases.phase("system-packages") as rec:
+            rec.update(syspkgs.ensure(plan.system_packages, install=system_packages,
+                                      log_path=log_dir / "system-packages.log"))
+        with phases.phase("build-tools") as rec:
+            venv = tools.ensure_build_tools(plan, mirror, log_dir)
+            rec["target_packages"] = tools.ensure_target_packages(plan, mirror, log_dir)
+            rec["build_tools"] = {"venv": str(venv), "requirements": plan.recipe.data["build_tools"]["python"]}
+        env = _build_env(venv)
+        manifest["tools"] = _tool_versions(env)
+        stamps.mkdir(parents=True, exist_ok=True)
+        for phase in ("extract", "configure", "build", "install"):
+            phases.records.setdefault(phase, {"status": "done", "seconds": 0.0, "components": {}})
+        for comp in plan.components:
+            stamp = stamps / f"{comp.name}.done"
+            if stamp.exists():
+                log.info("  %s: already built in %s", comp.name, comp.install_dir)
+                continue
+            log.info("--> %s (%s)", comp.name, comp.build)
+            _timed(phases, "extract", comp.name, lambda: extract(fetched[comp.source], comp.src_dir))
+            shutil.rmtree(comp.build_dir, ignore_errors=True)
+            shutil.rmtree(comp.install_dir, ignore_errors=True)
+            cenv = envfile.apply(comp.env, env) if comp.env else dict(env)
+            cenv.update({k: v for k, v in comp.env.items() if k not in envfile.PREPENDED})
+            actions = _actions(fetched, plan)
+            for phase in ("configure", "build", "install"):
+                steps = [s for s in comp.steps if s.phase == phase]
+                _timed(phases, phase, comp.name,
+                       lambda: [run_step(s, component=comp.name, env=cenv, log_dir=log_dir, actions=actions) for s in steps],
+                       steps=True)
+            stamp.write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+        _fix_python_extensions(plan, env)
+        renv = envfile.runtime_env(plan, plan.install_dir)
+        (plan.install_dir / "env.sh").write_text(envfile.render(plan, renv))
+        manifest["env"] = renv
+        with phases.phase("verify") as rec:
+            report = verify_build(plan, renv, fetched, env, log_dir)
+            rec["levels"] = {k: v["status"] for k, v in report["levels"].items()}
+            manifest["verification"] = report
+            if not report["ok"]:
+                failed = [f"{lvl}: {c['check']} ({c['detail']})" for lvl, v in report["levels"].items()
+                          for c in v["checks"] if not c["ok"]]
+                raise VerifyError(f"the new build did not prove itself: {failed[0] if failed else 'see manifest'}",
+                                  fix=f"nothing was switched; {plan.prefix} still points to "
+                                      f"{previous or 'nothing'}; details in {plan.work_dir / 'manifest.failed.json'}")
+    except (InstallerError, KeyboardInterrupt) as e:
+        manifest.update(complete=False, phases=phases.records, error=getattr(e, "line", lambda: "interrupted")())
+        plan.work_dir.mkdir(parents=True, exist_ok=True)
+        (plan.work_dir / "manifest.failed.json").write_text(json.dumps(manifest, indent=2, default=str))
+        raise
+    manifest.update(complete=True, phases=phases.records, seconds=round(time.monotonic() - started, 1),
+                    logs=str(plan.install_dir / "logs"))
+    shutil.copytree(log_dir, plan.install_dir / "logs", dirs_exist_ok=True)
+    (plan.install_dir / prefixmod.COMPLETE).write_text(json.dumps(manifest, indent=2, default=str))
+    old = prefixmod.switch(plan.prefix, plan.install_dir)
+    manifest["python_link"] = _link_python(plan)
+    removed = prefixmod.prune(plan.prefix, keep=[plan.install_dir, old] if old else [plan.install_dir])
+    log.info("%s -> %s%s", plan.prefix, plan.install_dir, f" (previous: {old})" if old else "")
+    if removed:
+        log.info("removed older builds: %s", ", ".join(str(r) for r in removed))
+    return manifest
+
+
+def _timed(phases: PhaseLog, phase: str, component: str, fn, steps: bool = False) -> None:
+    start = time.monotonic()
+    rec = phases.records[phase]
+    try:
+        out = fn()
+    except BaseException:
+        rec["status"] = "failed"
+        rec["components"][component] = {"seconds": round(time.monotonic() - start, 3), "status": "failed"}
+        raise
+    took = round(time.monotonic() - start, 3)
+    rec["seconds"] = round(rec["seconds"] + took, 3)
+    entry: dict[str, Any] = {"seconds": took}
+    if steps:
+        entry["steps"] = out
+    rec["components"][component] = entry
+
+
+def _manifest_head(plan: Plan, mirror: str | None) -> dict[str, Any]:
+    return {
+        "format": MANIFEST_FORMAT,
+        "kvstack_plan": plan.to_dict(),
+        "recipe": plan.recipe.data,
+        "platform": plan.platform,
+        "build_id": plan.build_id,
+        "install_dir": str(plan.install_dir),
+        "prefix": str(plan.prefix),
+        "python": {"path": plan.target.python, "version": plan.target.version},
+        "mirror": mirror,
+        "host": {"machine": pyplatform.machine(), "system": pyplatform.platform(), "installer_python": sys.version.split()[0]},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _build_env(venv: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("PYTHONPATH", None)
+    env.setdefault("LC_ALL", "C")
+    return env
+
+
+def _tool_versions(env: dict[str, str]) -> dict[str, str]:
+    out = {}
+    for tool, args in {"gcc": ["--version"], "g++": ["--version"], "make": ["--version"], "autoconf": ["--version"],
+                       "automake": ["--version"], "libtoolize": ["--version"], "cmake": ["--version"],
+                       "meson": ["--version"], "ninja": ["--version"], "pkg-config": ["--version"]}.items():
+        path = shutil.which(tool, path=env["PATH"])
+        if not path:
+            out[tool] = "missing"
+            continue
+        r = subprocess.run([path, *args], capture_output=True, text=True, env=env)
+        out[tool] = (r.stdout or r.stderr).strip().splitlines()[0] if (r.stdout or r.stderr).strip() else "?"
+    return out
+
+
+def _actions(fetched: dict[str, Fetched], plan: Plan):
+    def stage_subprojects(into: Path, files: str) -> None:
+        into.mkdir(parents=True, exist_ok=True)
+        for name in [f.strip() for f in files.split(",")]:
+            shutil.copyfile(fetched[name].path, into / plan.sources[name]["filename"])
+
+    def copy_tree(src: Path, dst: Path) -> None:
+        shutil.copytree(src, dst, dirs_exist_ok=True)
+
+    def write_pkgconfig(path: Path, version: str) -> None:
+        root = path.parent.parent.parent
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"prefix={root}\nincludedir=${{prefix}}/include\n\nName: {path.stem}\n"
+                        f"Description: {path.stem} (header-only, installed by kvstack)\nVersion: {version}\n"
+                        f"Cflags: -I${{includedir}}\n")
+
+    return {"stage-subprojects": stage_subprojects, "copy-tree": copy_tree, "write-pkgconfig": write_pkgconfig}
+
+
+def _fix_python_extensions(plan: Plan, env: dict[str, str]) -> None:
+    """NIXL's extension modules have no RUNPATH; give them one relative to themselves, so the
+    module imports without LD_LIBRARY_PATH wherever the build is reached from."""
+    site = envfile.nixl_site_packages(plan.install_dir)
+    if site is None:
+        return
+    libdirs = [plan.install_dir / "nixl" / "lib", plan.install_dir / "ucx" / "lib"]
+    for so in site.rglob("*.so"):
+        rpath = ":".join("$ORIGIN/" + os.path.relpath(d, so.parent) for d in libdirs)
+        r = subprocess.run(["patchelf", "--set-rpath", rpath, str(so)], env=env, capture_output=True, text=True)
+        if r.returncode:
+            log.warning("patchelf %s: %s", so, r.stderr.strip())
+
+
+def _link_python(plan: Plan) -> str | None:
+    """A .pth in the target Python naming NIXL's module directory through the prefix link, so
+    `import nixl_cpu` works there and follows later switches."""
+    site = envfile.nixl_site_packages(plan.install_dir)
+    if site is None:
+        return None
+    via_prefix = plan.prefix / "nixl" / site.relative_to(plan.install_dir / "nixl")
+    r = subprocess.run([plan.target.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                       capture_output=True, text=True)
+    purelib = Path(r.stdout.strip()) if r.returncode == 0 else None
+    if not purelib or not os.access(purelib, os.W_OK):
+        log.warning("cannot write to %s: source %s/env.sh to use NIXL's module", purelib, plan.prefix)
+        return None
+    pth = purelib / "kvstack-nixl.pth"
+    tmp = pth.with_suffix(".pth.tmp")
+    tmp.write_text(f"{via_prefix}\n")
+    os.replace(tmp, pth)
+    return str(pth)
+
+
+def verify_build(plan: Plan, renv: dict[str, str], fetched: dict[str, Fetched] | None,
+                 build_env: dict[str, str] | None, log_dir: Path) -> dict[str, Any]:
+    env = envfile.apply(renv, dict(os.environ))
+    has_device = detect_platform()[0] == plan.platform
+    null_driver = None
+    lz = plan.verify.get("level_zero")
+    if lz and not has_device:
+        null_driver = _null_driver(plan, fetched, build_env, log_dir)
+    with_table = plan.recipe.components.get("ucx", {}).get("with", {})
+    return report_levels(plan.verify, plan.platform, plan.install_dir, env, plan.target.python,
+                         plan.kv_buffer, with_table, null_driver, has_device)
+
+
+def report_levels(spec, platform, build_dir, env, python, kv_buffer, with_table, null_driver, has_device):
+    levels = {"built": verify.built(spec, build_dir, env, with_table)}
+    levels["loaded"] = verify.loaded(spec, build_dir, env, python, platform, null_driver, has_device)
+    if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
+        levels["moved"] = {"status": "skipped", "reason": "an earlier level failed", "checks": []}
+    else:
+        levels["moved"] = verify.moved(build_dir, env, python, kv_buffer)
+    ok = all(v["status"] != "failed" for v in levels.values()) and levels["built"]["status"] == "passed"
+    return {"ok": ok, "levels": levels, "has_device": has_device}
+
+
+def _null_driver(plan: Plan, fetched, build_env, log_dir: Path) -> Path | None:
+    """Build the Level Zero null driver (cmake target ze_null) and keep it in the build, so a
+    later `installer verify` finds it too."""
+    lz = plan.verify["level_zero"]
+    dest = plan.install_dir / "verify" / "ze_null"
+    if any(dest.glob("libze_null.so*")):
+        return dest
+    if not fetched or build_env is None:
+        return None
+    src = plan.work_dir / "src" / "level-zero"
+    build = plan.work_dir / "build" / "level-zero"
+    extract(fetched[lz["null_driver_source"]], src)
+    shutil.rmtree(build, ignore_errors=True)
+    steps = [Step("configure", "ze-null-configure", ("cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
+                                                      "-DCMAKE_BUILD_TYPE=Release")),
+             Step("build", "ze-null-build", ("cmake", "--build", str(build), "--target", lz["cmake_target"],
+                                             "-j", str(plan.jobs)))]
+    for s in steps:
+        run_step(s, component="level-zero", env=build_env, log_dir=log_dir, actions={})
+    dest.mkdir(parents=True, exist_ok=True)
+    for lib in build.rglob("libze_null.so*"):
+        shutil.copy2(lib, dest / lib.name, follow_symlinks=False)
+    return dest
+
+
+def verify_prefix(prefix: Path) -> dict[str, Any]:
+    """`installer verify`: re-run the levels on an installed build, from its manifest."""
+    from .errors import PrefixError
+    build_dir = prefixmod.current(prefix)
+    if build_dir is None or not prefixmod.is_complete(build_dir):
+        raise PrefixError(f"{prefix} holds no finished kvstack build", fix="install first: python -m installer")
+    manifest = json.loads((build_dir / prefixmod.COMPLETE).read_text())
+    recipe = manifest["recipe"]
+    platform = manifest["platform"]
+    env = envfile.apply(manifest["env"], dict(os.environ))
+    has_device = detect_platform()[0] == platform
+    nd = build_dir / "verify" / "ze_null"
+    report = report_levels(recipe["verify"], platform, build_dir, env, manifest["python"]["path"],
+                           recipe["runtime"]["kv_buffer"], recipe["components"].get("ucx", {}).get("with", {}),
+                           nd if nd.exists() else None, has_device)
+    report["build_dir"] = str(build_dir)
+    return report
+
+
+def render_verification(report: dict[str, Any]) -> str:
+    lines = []
+    for level, v in report["levels"].items():
+        lines.append(f"{level:7} {v['status']}" + (f" ({v['reason']})" if v.get("reason") else ""))
+        for c in v["checks"]:
+            lines.append(f"   {'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {c['detail']}")
+    lines.append("verification " + ("passed" if report["ok"] else "FAILED"))
+    return "\n".join(lines)
+
+
+def summary(manifest: dict[str, Any]) -> str:
+    if manifest.get("noop"):
+        return f"kvstack {manifest['platform']}: {manifest['prefix']} is up to date ({manifest['install_dir']})"
+    lines = [f"kvstack {manifest['platform']} installed: {manifest['prefix']} -> {manifest['install_dir']} "
+             f"in {manifest.get('seconds', '?')}s",
+             f"  use it:   . {manifest['prefix']}/env.sh",
+             f"  manifest: {manifest['prefix']}/manifest.json"]
+    for name, rec in manifest["phases"].items():
+        comps = rec.get("components")
+        extra = (" (" + ", ".join(f"{c} {v['seconds']:.1f}s" for c, v in comps.items()) + ")") if comps else ""
+        lines.append(f"  {name:16} {rec['seconds']:7.1f}s{extra}")
+    lines.append(render_verification(manifest["verification"]))
+    return "\n".join(lines)

@@ -1,0 +1,39 @@
+"""System packages, asked of the real dpkg database."""
+from __future__ import annotations
+
+import pytest
+
+from installer import syspkgs
+from installer.errors import SystemPackagesError
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(syspkgs.distro_family() != "debian", reason="needs a Debian/Ubuntu host")]
+
+
+def test_installed_packages_are_not_missing(tmp_path):
+    rec = syspkgs.ensure({"debian": {"dpkg": "always there"}}, install=True, log_path=tmp_path / "l")
+    assert rec["missing"] == [] and rec["installed"] == []
+
+
+def test_missing_package_as_non_root_prints_the_exact_command(tmp_path):
+    table = {"debian": {"dpkg": "x", "kvstack-no-such-package": "y"}}
+    with pytest.raises(SystemPackagesError) as e:
+        syspkgs.ensure(table, install=True, log_path=tmp_path / "l", is_root=False)
+    line = e.value.line()
+    assert "missing system packages: kvstack-no-such-package (not running as root)" in line
+    assert "sudo apt-get update && apt-get install -y --no-install-recommends kvstack-no-such-package" in line
+    assert e.value.exit_code == 7
+
+
+def test_no_system_packages_flag_never_runs_apt(tmp_path):
+    with pytest.raises(SystemPackagesError, match="--no-system-packages was given"):
+        syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, install=False, log_path=tmp_path / "l",
+                       is_root=True)
+    assert not (tmp_path / "l").exists()
+
+
+def test_os_release_families(tmp_path):
+    (tmp_path / "u").write_text('ID=ubuntu\nID_LIKE=debian\n')
+    (tmp_path / "f").write_text('ID="fedora"\n')
+    assert syspkgs.distro_family(tmp_path / "u") == "debian"
+    assert syspkgs.distro_family(tmp_path / "f") is None
