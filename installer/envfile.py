@@ -11,8 +11,10 @@ from .plan import Plan
 
 
 def nixl_site_packages(build_dir: Path) -> Path | None:
-    hits = sorted(glob.glob(str(build_dir / "nixl" / "lib" / "python3*" / "site-packages")))
-    return Path(hits[-1]) if hits else None
+    """Where meson installed NIXL's Python module: the directory above the package holding
+    `_bindings*.so` (lib/python3.X/site-packages, or lib/python3/dist-packages for Debian's)."""
+    hits = sorted(glob.glob(str(build_dir / "nixl" / "lib" / "python3*" / "*-packages" / "nixl*" / "_bindings*.so")))
+    return Path(hits[0]).parent.parent if hits else None
 
 
 def nixl_module(build_dir: Path, pattern: str) -> str | None:

@@ -1,5 +1,6 @@
 """Autotools (UCX): autogen.sh when the tree has no configure (git archives), an out-of-tree
-configure with every feature stated explicitly, make, make install."""
+configure with every feature stated explicitly, then make and make install — of the whole tree,
+or only of the recipe's `make_dirs` / `install_dirs` / `install_targets`."""
 from __future__ import annotations
 
 from ..options import flags
@@ -7,14 +8,21 @@ from .step import Step
 
 
 def steps(comp) -> list[Step]:
-    src, build = comp.src_dir, comp.build_dir
+    src, build, spec = comp.src_dir, comp.build_dir, comp.spec
     configure = [str(src / "configure"), f"--prefix={comp.install_dir}",
-                 *flags("with", comp.spec.get("with", {})),
-                 *flags("enable", comp.spec.get("enable", {})),
-                 *comp.spec.get("configure_args", [])]
-    return [
-        Step("configure", "autogen", ("./autogen.sh",), cwd=src, unless_exists=src / "configure"),
-        Step("configure", "configure", tuple(configure), cwd=build),
-        Step("build", "make", ("make", f"-j{comp.jobs}"), cwd=build),
-        Step("install", "make-install", ("make", "install"), cwd=build),
-    ]
+                 *flags("with", spec.get("with", {})), *flags("enable", spec.get("enable", {})),
+                 *spec.get("configure_args", [])]
+    out = [Step("configure", "autogen", ("./autogen.sh",), cwd=src, unless_exists=src / "configure"),
+           Step("configure", "configure", tuple(configure), cwd=build)]
+    make_dirs = spec.get("make_dirs", [])
+    out += [Step("build", _name("make", d), ("make", f"-j{comp.jobs}", "-C", d), cwd=build) for d in make_dirs] or \
+           [Step("build", "make", ("make", f"-j{comp.jobs}"), cwd=build)]
+    install_dirs = spec.get("install_dirs", [])
+    out += [Step("install", _name("install", d), ("make", "-C", d, "install"), cwd=build) for d in install_dirs] or \
+           [Step("install", "make-install", ("make", "install"), cwd=build)]
+    out += [Step("install", _name("install", t), ("make", t), cwd=build) for t in spec.get("install_targets", [])]
+    return out
+
+
+def _name(verb: str, what: str) -> str:
+    return f"{verb}-{what.replace('/', '-')}"
