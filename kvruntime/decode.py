@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import time
 
 from . import frames
@@ -61,21 +62,29 @@ class PrefillPeer:
         request_id = request_id or self._new_request()
         plan = make_plan(self.info.layout, src_blocks, self.client.cache.layout, dst_blocks)
         start = time.perf_counter()
-        reply = self._call({"type": "push", "request": request_id, "src": list(src_blocks),
-                            "dst": [r for r in (dst_blocks if dst_blocks is not None
-                                                else src_blocks)],
-                            "timeout": timeout, "split": split}, "pushed", timeout + 5)
-        seconds = time.perf_counter() - start
-        # The WRITE's notification must reach us too: it proves the data landed here.
+        message = {"type": "push", "request": request_id, "src": list(src_blocks),
+                   "dst": list(dst_blocks if dst_blocks is not None else src_blocks),
+                   "timeout": timeout, "split": split}
         tag = free_notification(request_id)
         agent = self.client.agent
+        noted = False
+
+        def progress() -> None:
+            # Without a NIXL progress thread our worker only moves when polled: the prefill's
+            # WRITE (its endpoint wire-up and the notification) needs us to poll meanwhile.
+            nonlocal noted
+            noted = noted or agent.call("check_remote_xfer_done",
+                                        agent.nixl.check_remote_xfer_done, self.agent, tag)
+
+        reply = self._call(message, "pushed", timeout + 5, progress)
+        seconds = time.perf_counter() - start
         deadline = time.monotonic() + timeout
-        while not agent.call("check_remote_xfer_done", agent.nixl.check_remote_xfer_done,
-                             self.agent, tag):
+        while not noted:  # the WRITE's notification proves the data landed here
             if time.monotonic() > deadline:
                 raise TransferTimeout(f"push of request {request_id} reported done but its "
                                       f"notification never arrived")
-            time.sleep(0.0005)
+            time.sleep(0.0002)
+            progress()
         return TransferResult("WRITE", plan.nbytes, seconds, len(plan.runs),
                               int(reply.get("descriptors", plan.descriptor_count)),
                               reply.get("nixl_descriptors"))
@@ -87,9 +96,15 @@ class PrefillPeer:
             raise PeerError("peer answered a digests request with the wrong number of digests")
         return out
 
-    def _call(self, message: dict, reply_type: str, timeout: float) -> dict:
+    def _call(self, message: dict, reply_type: str, timeout: float, progress=None) -> dict:
         try:
             frames.write_frame(self.sock, message, timeout)
+            if progress is not None:
+                deadline = time.monotonic() + timeout
+                while not select.select([self.sock], [], [], 0.0002)[0]:
+                    if time.monotonic() > deadline:
+                        raise PeerError(f"no answer to {message['type']!r} within {timeout}s")
+                    progress()
             reply = frames.read_frame(self.sock, timeout)
             return frames.expect(reply, reply_type)
         except PeerError as exc:
