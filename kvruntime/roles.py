@@ -25,8 +25,10 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
             cache = KVCache.allocate_host(KVLayout.from_dict(spec), options.get("huge", True))
             caches.append(cache)
             cache.fill_random(seed + i)
+            fixed = options.get("ports") or []
             server = PrefillServer(cache, binding=binding, secret=options.get("secret"),
-                                   ucx_threads=options.get("ucx_threads", 0))
+                                   ucx_threads=options.get("ucx_threads", 0),
+                                   port=fixed[i] if i < len(fixed) else 0)
             servers.append(server)
             ports.append(server.address[1])
         queue.put({"ok": True, "ports": ports, "module": binding.module_name})
