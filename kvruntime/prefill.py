@@ -130,10 +130,7 @@ class PrefillServer:
             if peer is not None:
                 self._drop_peer(peer)
             self._conns.discard(sock)
-            try:
-                sock.close()
-            except OSError:
-                pass
+            _close_gracefully(sock)
 
     def _add_peer(self, info: PeerInfo, sock: socket.socket) -> _Peer:
         old = self._peers.get(info.agent)
@@ -247,3 +244,24 @@ class PrefillServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _close_gracefully(sock: socket.socket) -> None:
+    """Close so that our last (error) frame reaches the peer: closing with unread input
+    makes the kernel send a reset, which can discard what we sent just before."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(0.1)
+        drained = 0
+        while drained < (1 << 20):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            drained += len(chunk)
+    except OSError:
+        pass
+    finally:
+        try:
+            sock.close()
+        except OSError:
+            pass
