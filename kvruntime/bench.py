@@ -61,7 +61,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from .binding import load_nixl
     from .decode import DecodeClient
     from .memory import KVCache
-    from .roles import prefill_main
+    from .roles import prefill_main, reap
 
     report: dict = {"tool": "kvruntime bench", "config": asdict(cfg), "thp": thp_mode(),
                     "results": [], "ok": False}
@@ -142,11 +142,4 @@ def run_bench(cfg: BenchConfig) -> dict:
         for buf in (ref_src, ref_dst):
             if buf is not None:
                 buf.close()
-        try:
-            control.put("stop")
-        except Exception:
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+        reap(proc, control)

@@ -41,3 +41,16 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
             server.close()
         for cache in caches:
             cache.close()
+
+
+def reap(proc, control=None, grace: float = 10.0) -> None:
+    """Ask a role process to stop (``control``), then kill it if it lingers; always join."""
+    if control is not None:
+        try:
+            control.put("stop")
+        except Exception:  # the queue's feeder may be gone with a dead child
+            pass
+    proc.join(grace)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)

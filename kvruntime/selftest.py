@@ -14,6 +14,7 @@ import time
 import traceback
 
 from .layout import CROSS_LAYER, PER_LAYER, KVLayout
+from .roles import prefill_main, reap
 
 OPS = ("pull", "push")
 SELFTEST_SHAPE = dict(num_layers=4, num_blocks=256, tokens_per_block=16, num_kv_heads=8,
@@ -132,7 +133,7 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
     report: dict = {"tool": "kvruntime selftest", "modes": []}
     ctx = mp.get_context("spawn")
     pq, control, dq = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    prefill = ctx.Process(target=_prefill_entry, args=(pq, control, layouts, seed, options),
+    prefill = ctx.Process(target=prefill_main, args=(pq, control, layouts, seed, options),
                           name="prefill", daemon=True)
     procs = [prefill]
     try:
@@ -157,19 +158,7 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
             report["trace"] = result.get("trace")
         return report
     finally:
-        try:
-            control.put("stop")
-        except Exception:
-            pass
         for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+            reap(p, control if p is prefill else None)
         report["seconds"] = round(time.perf_counter() - start, 3)
 
-
-def _prefill_entry(*args) -> None:
-    from .roles import prefill_main
-
-    prefill_main(*args)

@@ -35,7 +35,7 @@ def spawn_prefill(layouts, seed=1, **options):
     """Yield (process, ports). The process is stopped, then killed if need be, then joined."""
     ctx = mp.get_context("spawn")
     ready_q, control = ctx.Queue(), ctx.Queue()
-    from kvruntime.roles import prefill_main
+    from kvruntime.roles import prefill_main, reap
 
     proc = ctx.Process(target=prefill_main, daemon=True,
                        args=(ready_q, control, [l.to_dict() for l in layouts], seed, options))
@@ -45,14 +45,7 @@ def spawn_prefill(layouts, seed=1, **options):
         assert ready["ok"], ready
         yield proc, ready["ports"]
     finally:
-        try:
-            control.put("stop")
-        except Exception:
-            pass
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)
+        reap(proc, control)
         ready_q.close(), control.close()
 
 

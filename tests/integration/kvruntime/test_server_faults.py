@@ -13,6 +13,7 @@ from kvruntime import frames
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill import PrefillServer
+from kvruntime.roles import reap
 from kvruntime.selftest import SELFTEST_SHAPE, decode_main
 
 pytestmark = pytest.mark.integration
@@ -56,10 +57,7 @@ def _good_decode(port, secret):
     try:
         return q.get(timeout=60)
     finally:
-        p.join(20)
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+        reap(p, grace=20)
 
 
 def test_bad_clients_are_refused_and_server_keeps_serving():
