@@ -1,0 +1,137 @@
+"""CLI: ``python -m kvruntime selftest|bench [--json]``. The only place that prints.
+
+Exit codes: 0 success, 1 a mode failed (or a bench ratio missed with --require-ratio), 2 the
+stack is unusable (NIXL missing, a process failed to start), 64 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import logging
+import os
+import sys
+
+
+@contextlib.contextmanager
+def _report_stream():
+    """Yield a stream on the real stdout while fd 1 points at stderr.
+
+    NIXL's Python logger writes INFO lines to stdout, in this process and in the spawned
+    prefill/decode processes (which inherit fd 1). The report must be the only thing on
+    stdout (``--json`` is parsed by the installer), so everything else goes to stderr.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with os.fdopen(os.dup(saved), "w") as out:
+            yield out
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _secret(args) -> bytes | None:
+    text = args.secret or os.environ.get("KVRUNTIME_SECRET")
+    return text.encode() if text else None
+
+
+def _selftest(args, out) -> int:
+    say = functools.partial(print, file=out)
+    from .selftest import run_selftest
+
+    report = run_selftest(nixl_module=args.nixl_module, timeout=args.timeout,
+                          secret=_secret(args))
+    if args.json:
+        report.pop("trace", None) if report.get("ok") else None
+        say(json.dumps(report, indent=None if args.compact else 2))
+    else:
+        for m in report.get("modes", []):
+            if m["status"] == "skipped":
+                say(f"SKIP {m['mode']:28} {m['reason']}")
+            elif m["status"] == "passed":
+                say(f"PASS {m['mode']:28} {m['bytes'] / 2**20:8.1f} MiB {m['gbps']:7.2f} GB/s "
+                      f"{m['descriptors']:4} descriptors, {m['digests_checked']} digests ok")
+            else:
+                say(f"FAIL {m['mode']:28} {m.get('reason')}")
+        if report.get("error"):
+            print(f"error: {report['error']}", file=sys.stderr)
+        say(("OK" if report.get("ok") else "FAILED") + f" in {report.get('seconds')} s "
+              f"(NIXL module: {report.get('nixl_module')})")
+    if report.get("ok"):
+        return 0
+    return 1 if report.get("modes") else 2
+
+
+def _bench(args, out) -> int:
+    say = functools.partial(print, file=out)
+    from .bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(
+        sizes_mib=args.sizes, patterns=args.patterns, layouts=args.layouts, ops=args.ops,
+        splits=args.split, ucx_threads=args.ucx_threads, huge_pages=not args.no_huge,
+        iters=args.iters, block_kib=args.block_kib, nixl_module=args.nixl_module,
+        handshakes=args.handshakes)
+    report = run_bench(cfg)
+    if args.json:
+        say(json.dumps(report, indent=None if args.compact else 2))
+    else:
+        say(f"{'layout':12} {'op':5} {'pattern':10} {'split':>5} {'size MiB':>9} "
+              f"{'descs':>6} {'avg lat us':>11} {'GB/s':>7} {'memcpy':>7} {'ratio':>6}")
+        for r in report.get("results", []):
+            say(f"{r['layout']:12} {r['op']:5} {r['pattern']:10} {r['split']:5} "
+                  f"{r['size_bytes'] / 2**20:9.0f} {r['descriptors']:6} {r['avg_lat_us']:11.0f} "
+                  f"{r['gbps']:7.2f} {r['ref_gbps']:7.2f} {r['ratio']:6.2f}")
+        hs = report.get("handshake_ms")
+        if hs:
+            say(f"handshake ms: first {hs['first']:.1f}, median later {hs['median_later']:.1f}")
+        if report.get("error"):
+            print(f"error: {report['error']}", file=sys.stderr)
+    return 0 if report.get("ok") else 2
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvruntime")
+    parser.add_argument("--nixl-module", help="NIXL module to import (default: search "
+                        "nixl_cpu, nixl_xpu, nixl_cu13, nixl_cu12, nixl; env "
+                        "KVRUNTIME_NIXL_MODULE)")
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+    st = sub.add_parser("selftest", help="move KV blocks between two processes, bit-exact")
+    st.add_argument("--json", action="store_true")
+    st.add_argument("--compact", action="store_true", help="one-line JSON")
+    st.add_argument("--timeout", type=float, default=120.0)
+    st.add_argument("--secret", help="shared secret for the handshake (env KVRUNTIME_SECRET; "
+                    "default: a random one)")
+    b = sub.add_parser("bench", help="GB/s and descriptors per request vs memcpy")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--compact", action="store_true")
+    b.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], metavar="MIB")
+    b.add_argument("--patterns", nargs="+", default=["contiguous", "random"],
+                   choices=["contiguous", "random"])
+    b.add_argument("--layouts", nargs="+", default=["cross_layer", "per_layer"],
+                   choices=["cross_layer", "per_layer"])
+    b.add_argument("--ops", nargs="+", default=["pull", "push"], choices=["pull", "push"])
+    b.add_argument("--split", type=int, nargs="+", default=[1],
+                   help="pieces per contiguous run (parallel descriptors)")
+    b.add_argument("--ucx-threads", type=int, default=0, help="NIXL UCX engine threads")
+    b.add_argument("--no-huge", action="store_true", help="4 KiB pages instead of MADV_HUGEPAGE")
+    b.add_argument("--iters", type=int, default=5)
+    b.add_argument("--block-kib", type=int, default=256, help="bytes of one block, all layers")
+    b.add_argument("--handshakes", type=int, default=10)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
+                        stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        with _report_stream() as out:
+            return _selftest(args, out) if args.command == "selftest" else _bench(args, out)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

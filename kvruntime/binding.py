@@ -1,0 +1,71 @@
+"""Finding the NIXL Python module and smoothing over its quirks.
+
+NIXL ships under several module names depending on how it was built: ``nixl_cpu`` and
+``nixl_xpu`` (meson builds without CUDA), ``nixl_cu13``/``nixl_cu12`` (PyPI wheels), or the
+plain ``nixl`` meta-package. The first one that imports wins unless the caller or
+``KVRUNTIME_NIXL_MODULE`` names one.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from types import ModuleType
+
+from .errors import NixlNotFoundError
+
+CANDIDATES = ("nixl_cpu", "nixl_xpu", "nixl_cu13", "nixl_cu12", "nixl")
+ENV_OVERRIDE = "KVRUNTIME_NIXL_MODULE"
+
+
+@dataclass(frozen=True)
+class NixlBinding:
+    module_name: str
+    api: ModuleType  # the module that defines nixl_agent and nixl_agent_config
+
+    @property
+    def agent_class(self):
+        return self.api.nixl_agent
+
+    @property
+    def config_class(self):
+        return self.api.nixl_agent_config
+
+    @property
+    def version(self) -> str:
+        try:
+            from importlib.metadata import version
+
+            return version(self.module_name.replace("_", "-"))
+        except Exception:  # meson installs carry no dist-info
+            return "unknown"
+
+
+def load_nixl(module: str | None = None) -> NixlBinding:
+    """Import NIXL. ``module`` (or the env override) restricts the search to that one name."""
+    chosen = module or os.environ.get(ENV_OVERRIDE) or None
+    names = (chosen,) if chosen else CANDIDATES
+    tried = []
+    for name in names:
+        try:
+            mod = importlib.import_module(name)
+        except Exception as exc:  # ImportError, or an OSError from a missing libucp
+            tried.append(f"{name} ({type(exc).__name__}: {exc})")
+            continue
+        api = mod if hasattr(mod, "nixl_agent") else getattr(mod, "_api", None)
+        if api is None or not hasattr(api, "nixl_agent"):
+            tried.append(f"{name} (imported, but it has no nixl_agent)")
+            continue
+        return NixlBinding(name, api)
+    how = f"{ENV_OVERRIDE}/argument" if chosen else "the default search"
+    raise NixlNotFoundError(
+        f"no NIXL Python module could be loaded ({how} tried: {'; '.join(tried)}). "
+        f"Install one (e.g. `pip install nixl-cu12` or build NIXL with the installer) "
+        f"or set {ENV_OVERRIDE} to the module name."
+    )
+
+
+def as_str(name: str | bytes) -> str:
+    """NIXL returns agent names as bytes from some calls and str from others."""
+    return name.decode() if isinstance(name, (bytes, bytearray)) else str(name)

@@ -1,0 +1,148 @@
+"""Side-channel frames: a fixed header, then a JSON object.
+
+Header: 4 magic bytes ``KVRT`` and a big-endian u32 payload length. The length is checked
+against the maximum *before* any payload is read or allocated. The payload is a UTF-8 JSON
+object (typed, never pickle) with the protocol version ``v`` and a message ``type``; bytes travel
+as base64 text. Every malformed input raises ``FrameError``; nothing else escapes the decoder.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import socket
+import struct
+import time
+
+from .errors import FrameError, PeerError, ProtocolVersionError
+
+MAGIC = b"KVRT"
+HEADER = struct.Struct(">4sI")
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+
+
+def encode_frame(message: dict, max_size: int = DEFAULT_MAX_FRAME) -> bytes:
+    body = dict(message)
+    body.setdefault("v", PROTOCOL_VERSION)
+    payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    if len(payload) > max_size:
+        raise FrameError(f"frame of {len(payload)} bytes exceeds the maximum of {max_size}")
+    return HEADER.pack(MAGIC, len(payload)) + payload
+
+
+def parse_header(header: bytes, max_size: int = DEFAULT_MAX_FRAME) -> int:
+    """Payload length announced by ``header``; refuses bad magic and oversize frames."""
+    if len(header) != HEADER.size:
+        raise FrameError(f"truncated frame header: {len(header)} of {HEADER.size} bytes")
+    magic, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {magic!r} (expected {MAGIC!r}): not a kvruntime peer")
+    if length > max_size:
+        raise FrameError(f"frame announces {length} bytes, more than the maximum of {max_size}")
+    return length
+
+
+def parse_payload(payload: bytes) -> dict:
+    try:
+        message = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise FrameError(f"frame payload is not valid UTF-8 JSON: {exc}") from None
+    if not isinstance(message, dict):
+        raise FrameError(f"frame payload is a JSON {type(message).__name__}, not an object")
+    version = message.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolVersionError(
+            f"peer speaks side-channel protocol version {version!r}; "
+            f"this kvruntime speaks {PROTOCOL_VERSION}: upgrade the older side"
+        )
+    if not isinstance(message.get("type"), str):
+        raise FrameError("frame has no string 'type' field")
+    return message
+
+
+def decode_frame(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> dict:
+    """Decode one whole frame held in memory (used by tests and fuzzing)."""
+    length = parse_header(data[: HEADER.size], max_size)
+    payload = data[HEADER.size:]
+    if len(payload) != length:
+        raise FrameError(f"frame announces {length} payload bytes but carries {len(payload)}")
+    return parse_payload(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise PeerError(f"peer sent {len(buf)} of {n} expected bytes before the timeout")
+            sock.settimeout(left)
+        try:
+            chunk = sock.recv(min(n - len(buf), 1 << 20))
+        except socket.timeout:
+            raise PeerError(
+                f"peer sent {len(buf)} of {n} expected bytes before the timeout"
+            ) from None
+        except OSError as exc:
+            raise PeerError(f"side channel failed: {exc}") from None
+        if not chunk:
+            raise PeerError(
+                "peer closed the side channel"
+                + (f" after {len(buf)} of {n} bytes (truncated frame)" if buf else "")
+            )
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frame(
+    sock: socket.socket, timeout: float | None, max_size: int = DEFAULT_MAX_FRAME
+) -> dict:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    length = parse_header(_recv_exact(sock, HEADER.size, deadline), max_size)
+    return parse_payload(_recv_exact(sock, length, deadline))
+
+
+def write_frame(sock: socket.socket, message: dict, timeout: float | None = None) -> None:
+    data = encode_frame(message)
+    sock.settimeout(timeout)
+    try:
+        sock.sendall(data)
+    except OSError as exc:
+        raise PeerError(f"side channel failed while sending {message.get('type')!r}: {exc}") from None
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def unb64(text: object, what: str) -> bytes:
+    if not isinstance(text, str):
+        raise FrameError(f"{what} must be base64 text")
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (binascii.Error, UnicodeEncodeError):
+        raise FrameError(f"{what} is not valid base64") from None
+
+
+def expect(message: dict, type_: str) -> dict:
+    """``message`` if it has ``type_``; a peer error frame becomes PeerError."""
+    got = message.get("type")
+    if got == "error":
+        raise PeerError(f"peer refused: {message.get('message', 'no reason given')}")
+    if got != type_:
+        raise FrameError(f"expected a {type_!r} frame, got {got!r}")
+    return message
+
+
+def field(message: dict, name: str, kind: type | tuple[type, ...]) -> object:
+    """A typed field of ``message``, or FrameError naming what is wrong."""
+    value = message.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        raise FrameError(
+            f"{message.get('type')!r} frame field {name!r} must be "
+            f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
+        )
+    return value

@@ -1,0 +1,227 @@
+"""The side-channel handshake: version, authentication, compatibility, metadata exchange.
+
+Socket-level and NIXL-free: each side hands in its ``PeerInfo`` (layout, agent name, NIXL
+metadata, region addresses) and gets the peer's back. The order is chosen so that nothing that
+grants memory access (NIXL metadata) is sent before the peer proved it knows the secret::
+
+    decode -> prefill  hello     {layout, nonce}
+    prefill -> decode  challenge {nonce, auth}
+    decode -> prefill  auth      {proof}             HMAC(secret, "c" | prefill nonce | decode nonce)
+    prefill -> decode  welcome   {proof, info}       HMAC(secret, "s" | decode nonce | prefill nonce)
+    decode -> prefill  info      {info}
+    prefill -> decode  ready
+
+A layout mismatch is refused by the prefill side with an ``incompatible`` error listing every
+differing field; the decode side runs the same check on the welcome.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from . import frames
+from .errors import (
+    AuthError,
+    FrameError,
+    HandshakeTimeout,
+    IncompatiblePeerError,
+    KVRuntimeError,
+    LayoutError,
+    PeerError,
+)
+from .layout import KVLayout, layout_differences
+
+NONCE_BYTES = 32
+MEM_TYPES = ("DRAM", "VRAM")
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    layout: KVLayout
+    agent: str
+    metadata: bytes
+    regions: tuple[tuple[int, int, int], ...]  # (address, length, device id) per layout region
+    mem_type: str
+
+    def to_dict(self) -> dict:
+        return {
+            "layout": self.layout.to_dict(),
+            "agent": self.agent,
+            "metadata": frames.b64(self.metadata),
+            "regions": [list(r) for r in self.regions],
+            "mem_type": self.mem_type,
+        }
+
+    @classmethod
+    def from_dict(cls, data: object) -> "PeerInfo":
+        if not isinstance(data, dict):
+            raise FrameError("peer info must be an object")
+        try:
+            layout = KVLayout.from_dict(data.get("layout"))
+        except LayoutError as exc:
+            raise FrameError(f"peer sent an invalid layout: {exc}") from None
+        agent = data.get("agent")
+        if not isinstance(agent, str) or not agent:
+            raise FrameError("peer info has no agent name")
+        mem_type = data.get("mem_type")
+        if mem_type not in MEM_TYPES:
+            raise FrameError(f"peer memory type {mem_type!r} is not one of {MEM_TYPES}")
+        regions = data.get("regions")
+        if not isinstance(regions, list) or len(regions) != layout.num_regions:
+            raise FrameError(f"peer must describe exactly {layout.num_regions} region(s)")
+        out = []
+        for r in regions:
+            if (not isinstance(r, list) or len(r) != 3
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                               for x in r)):
+                raise FrameError(f"peer region {r!r} is not [address, length, device]")
+            if r[1] < layout.region_bytes:
+                raise FrameError(
+                    f"peer region of {r[1]} bytes is smaller than its layout needs "
+                    f"({layout.region_bytes})"
+                )
+            out.append(tuple(r))
+        return cls(layout, agent, frames.unb64(data.get("metadata"), "metadata"),
+                   tuple(out), mem_type)
+
+
+def _proof(secret: bytes, tag: bytes, first: bytes, second: bytes) -> str:
+    return hmac.new(secret, tag + first + second, hashlib.sha256).hexdigest()
+
+
+def check_compat(ours: KVLayout, theirs: KVLayout) -> None:
+    diffs = layout_differences(ours, theirs)
+    if diffs:
+        raise IncompatiblePeerError(
+            "peer KV layout is incompatible: " + "; ".join(diffs),
+            [d.split(":", 1)[0] for d in diffs],
+        )
+
+
+def _nonce(message: dict) -> bytes:
+    nonce = frames.unb64(message.get("nonce"), "nonce")
+    if len(nonce) != NONCE_BYTES:
+        raise FrameError(f"nonce must be {NONCE_BYTES} bytes")
+    return nonce
+
+
+def serve_handshake(
+    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float
+) -> PeerInfo:
+    """Prefill side. Returns the decode peer's info; on any failure sends an error frame
+    (when the socket still works) and raises. The caller closes the socket."""
+    try:
+        hello = frames.expect(frames.read_frame(sock, timeout), "hello")
+        client_nonce = _nonce(hello)
+        try:
+            their_layout = KVLayout.from_dict(hello.get("layout"))
+        except LayoutError as exc:
+            raise FrameError(f"peer sent an invalid layout: {exc}") from None
+        server_nonce = os.urandom(NONCE_BYTES)
+        frames.write_frame(sock, {"type": "challenge", "nonce": frames.b64(server_nonce),
+                                  "auth": secret is not None}, timeout)
+        auth = frames.expect(frames.read_frame(sock, timeout), "auth")
+        server_proof = ""
+        if secret is not None:
+            proof = auth.get("proof")
+            expected = _proof(secret, b"c", server_nonce, client_nonce)
+            if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
+                raise AuthError("peer failed the shared-secret challenge (wrong or no secret)")
+            server_proof = _proof(secret, b"s", client_nonce, server_nonce)
+        try:
+            check_compat(local.layout, their_layout)
+        except IncompatiblePeerError as exc:
+            _send_error(sock, str(exc), "incompatible", exc.fields, timeout)
+            raise
+        frames.write_frame(sock, {"type": "welcome", "proof": server_proof,
+                                  "info": local.to_dict()}, timeout)
+        info = frames.expect(frames.read_frame(sock, timeout), "info")
+        peer = PeerInfo.from_dict(info.get("info"))
+        check_compat(local.layout, peer.layout)
+        frames.write_frame(sock, {"type": "ready"}, timeout)
+        return peer
+    except IncompatiblePeerError:
+        raise
+    except AuthError as exc:
+        _send_error(sock, "authentication failed", "auth", [], timeout)
+        raise exc
+    except FrameError as exc:
+        _send_error(sock, str(exc), "frame", [], timeout)
+        raise
+
+
+def client_handshake(
+    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float
+) -> PeerInfo:
+    """Decode side. Returns the prefill peer's info or raises."""
+    client_nonce = os.urandom(NONCE_BYTES)
+    frames.write_frame(sock, {"type": "hello", "layout": local.layout.to_dict(),
+                              "nonce": frames.b64(client_nonce)}, timeout)
+    challenge = _expect_or_raise(frames.read_frame(sock, timeout), "challenge")
+    server_nonce = _nonce(challenge)
+    if challenge.get("auth") and secret is None:
+        raise AuthError("peer requires a shared secret and none was configured")
+    if secret is not None and not challenge.get("auth"):
+        raise AuthError("a shared secret is configured but the peer does not authenticate")
+    proof = _proof(secret, b"c", server_nonce, client_nonce) if secret is not None else ""
+    frames.write_frame(sock, {"type": "auth", "proof": proof}, timeout)
+    welcome = _expect_or_raise(frames.read_frame(sock, timeout), "welcome")
+    if secret is not None:
+        expected = _proof(secret, b"s", client_nonce, server_nonce)
+        got = welcome.get("proof")
+        if not isinstance(got, str) or not hmac.compare_digest(got, expected):
+            raise AuthError("peer did not prove it knows the shared secret")
+    peer = PeerInfo.from_dict(welcome.get("info"))
+    check_compat(local.layout, peer.layout)
+    frames.write_frame(sock, {"type": "info", "info": local.to_dict()}, timeout)
+    _expect_or_raise(frames.read_frame(sock, timeout), "ready")
+    return peer
+
+
+def _expect_or_raise(message: dict, type_: str) -> dict:
+    if message.get("type") == "error":
+        code, text = message.get("code"), str(message.get("message", "no reason given"))
+        if code == "incompatible":
+            fields = message.get("fields")
+            raise IncompatiblePeerError(
+                text, [f for f in fields if isinstance(f, str)] if isinstance(fields, list) else []
+            )
+        if code == "auth":
+            raise AuthError(f"peer refused: {text}")
+        raise PeerError(f"peer refused: {text}")
+    return frames.expect(message, type_)
+
+
+def _send_error(sock, text: str, code: str, fields: list, timeout: float) -> None:
+    try:
+        frames.write_frame(sock, {"type": "error", "code": code, "message": text,
+                                  "fields": fields}, min(timeout, 1.0))
+    except KVRuntimeError:
+        pass  # the peer is gone; the caller closes the socket anyway
+
+
+def connect(host: str, port: int, timeout: float, attempts: int = 8) -> socket.socket:
+    """TCP connect with exponential backoff (a prefill that is still starting refuses)."""
+    deadline = time.monotonic() + timeout
+    delay = 0.02
+    last: Exception | None = None
+    for _ in range(max(1, attempts)):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            sock = socket.create_connection((host, port), timeout=left)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as exc:
+            last = exc
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay *= 2
+    raise HandshakeTimeout(
+        f"could not connect to prefill at {host}:{port} within {timeout:.1f}s: {last}"
+    )

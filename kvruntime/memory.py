@@ -1,0 +1,160 @@
+"""KV memory: host buffers (no torch needed) and device tensors (torch, when present).
+
+Host buffers are anonymous ``mmap`` areas rounded up to 2 MiB and advised ``MADV_HUGEPAGE``
+(THP is ``madvise`` on the CI hosts): UCX's cma transport copies page by page, so huge pages
+move host KV faster (DESIGN §4). Pages are touched once at allocation so that the first
+transfer does not pay the page faults. Addresses are plain ints.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import mmap
+import os
+from dataclasses import dataclass
+
+from .errors import KVRuntimeError, LayoutError
+from .layout import KVLayout
+
+HUGE_PAGE = 2 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MemoryRegion:
+    address: int
+    nbytes: int
+    device_id: int
+    mem_type: str  # "DRAM" or "VRAM"
+
+
+class HostBuffer:
+    """An anonymous, optionally huge-page backed, prefaulted host allocation."""
+
+    def __init__(self, nbytes: int, huge_pages: bool = True):
+        if nbytes <= 0:
+            raise KVRuntimeError(f"host buffer size must be positive, got {nbytes}")
+        self.nbytes = nbytes
+        size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+        self._map = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.huge_pages = False
+        if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                self._map.madvise(mmap.MADV_HUGEPAGE)
+                self.huge_pages = True
+            except OSError:
+                pass  # THP disabled ("never"): fall back to 4 KiB pages
+        anchor = ctypes.c_char.from_buffer(self._map)
+        self.address = ctypes.addressof(anchor)
+        del anchor  # release the buffer export so that close() can unmap
+        ctypes.memset(self.address, 0, size)  # prefault every page once
+
+    @property
+    def view(self) -> memoryview:
+        return memoryview(self._map)[: self.nbytes]
+
+    def close(self) -> None:
+        if not self._map.closed:
+            self._map.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
+
+class KVCache:
+    """A layout bound to memory: one ``MemoryRegion`` per layout region."""
+
+    def __init__(self, layout: KVLayout, regions: list[MemoryRegion], owner=None):
+        if len(regions) != layout.num_regions:
+            raise LayoutError(f"layout needs {layout.num_regions} regions, got {len(regions)}")
+        for r in regions:
+            if r.nbytes < layout.region_bytes:
+                raise LayoutError(f"region of {r.nbytes} bytes is smaller than "
+                                  f"{layout.region_bytes}")
+        if len({r.mem_type for r in regions}) != 1:
+            raise LayoutError("all regions of one cache must be of one memory type")
+        self.layout = layout
+        self.regions = list(regions)
+        self._owner = owner  # keeps host buffers or tensors alive
+        self._closed = False
+
+    @property
+    def mem_type(self) -> str:
+        return self.regions[0].mem_type
+
+    @classmethod
+    def allocate_host(cls, layout: KVLayout, huge_pages: bool = True) -> "KVCache":
+        """One huge-page backed host buffer, carved into the layout's regions."""
+        buf = HostBuffer(layout.total_bytes, huge_pages)
+        regions = [MemoryRegion(buf.address + i * layout.region_bytes, layout.region_bytes, 0,
+                                "DRAM") for i in range(layout.num_regions)]
+        return cls(layout, regions, owner=buf)
+
+    @classmethod
+    def from_tensors(cls, layout: KVLayout, tensors: list) -> "KVCache":
+        """Wrap torch tensors (one per region, contiguous). cuda/xpu tensors register as VRAM
+        with their own device index; cpu tensors as DRAM."""
+        regions = []
+        for t in tensors:
+            if not t.is_contiguous():
+                raise LayoutError("KV tensors must be contiguous")
+            dev = t.device
+            mem = "DRAM" if dev.type == "cpu" else "VRAM"
+            idx = 0 if dev.type == "cpu" else (dev.index if dev.index is not None else 0)
+            regions.append(MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), idx, mem))
+        return cls(layout, regions, owner=list(tensors))
+
+    # -- host-side content access (DRAM only) ------------------------------------------------
+    def _host_bytes(self, region: int, offset: int, length: int) -> bytes:
+        if self.mem_type != "DRAM":
+            raise KVRuntimeError("direct byte access needs host memory")
+        return ctypes.string_at(self.regions[region].address + offset, length)
+
+    def fill_random(self, seed: int) -> None:
+        """Deterministic pseudo-random content (fast: numpy when present)."""
+        total = self.layout.region_bytes
+        try:
+            import numpy as np
+
+            rng = np.random.default_rng(seed)
+            for r in self.regions:
+                arr = np.ctypeslib.as_array((ctypes.c_uint8 * total).from_address(r.address))
+                arr[:] = rng.integers(0, 256, size=total, dtype=np.uint8)
+        except ImportError:
+            import random
+
+            rnd = random.Random(seed)
+            for r in self.regions:
+                ctypes.memmove(r.address, rnd.randbytes(total), total)
+
+    def fill_value(self, value: int) -> None:
+        for r in self.regions:
+            ctypes.memset(r.address, value, self.layout.region_bytes)
+
+    def block_digest(self, block: int) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for region, offset, length in self.layout.block_extents(block):
+            h.update(self._host_bytes(region, offset, length))
+        return h.hexdigest()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if isinstance(self._owner, HostBuffer):
+            self._owner.close()
+        self._owner = None
+
+
+def thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+        return text[text.index("[") + 1: text.index("]")]
+    except (OSError, ValueError):
+        return "unknown"
+
+
+def page_size() -> int:
+    return os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,56 @@
+"""Process entry points for the prefill and decode sides of selftest and bench.
+
+They run in child processes started with the ``spawn`` method (a clean interpreter: no
+inherited NIXL or UCX state), report through a queue, and never print.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+from .layout import KVLayout
+
+
+def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) -> None:
+    """Serve one PrefillServer per layout until ``control`` says stop."""
+    servers, caches = [], []
+    try:
+        from .binding import load_nixl
+        from .memory import KVCache
+        from .prefill import PrefillServer
+
+        binding = load_nixl(options.get("nixl_module"))
+        ports = []
+        for i, spec in enumerate(layouts):
+            cache = KVCache.allocate_host(KVLayout.from_dict(spec), options.get("huge", True))
+            caches.append(cache)
+            cache.fill_random(seed + i)
+            fixed = options.get("ports") or []
+            server = PrefillServer(cache, binding=binding, secret=options.get("secret"),
+                                   ucx_threads=options.get("ucx_threads", 0),
+                                   port=fixed[i] if i < len(fixed) else 0)
+            servers.append(server)
+            ports.append(server.address[1])
+        queue.put({"ok": True, "ports": ports, "module": binding.module_name})
+        control.get()  # wait for the parent's stop (or its death: the pipe breaks)
+    except BaseException as exc:  # report, don't print
+        queue.put({"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                   "trace": traceback.format_exc()})
+    finally:
+        for server in servers:
+            server.close()
+        for cache in caches:
+            cache.close()
+
+
+def reap(proc, control=None, grace: float = 10.0) -> None:
+    """Ask a role process to stop (``control``), then kill it if it lingers; always join."""
+    if control is not None:
+        try:
+            control.put("stop")
+        except Exception:  # the queue's feeder may be gone with a dead child
+            pass
+    proc.join(grace)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(5)

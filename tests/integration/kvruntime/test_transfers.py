@@ -1,0 +1,113 @@
+"""Real NIXL agents in two processes over 127.0.0.1: bit-exact pull and push, dead peers,
+restarted peers, bad block ids."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kvruntime.decode import DecodeClient
+from kvruntime.errors import KVRuntimeError, PlanError, TransferError
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.memory import KVCache
+from kvruntime.plan import coalesce
+from kvruntime.selftest import request_blocks
+
+pytestmark = pytest.mark.integration
+
+
+def small(kind, blocks=64):
+    return KVLayout(kind, 3, blocks, 16, 4, 64, "float16")
+
+
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+def test_bit_exact_pull_and_push(prefill, kind):
+    layout = small(kind)
+    with prefill([layout], seed=11, secret=b"k") as (_proc, ports):
+        cache = KVCache.allocate_host(small(kind, blocks=80))
+        with DecodeClient(cache, secret=b"k") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            for n, op in enumerate(("pull", "push")):
+                src, dst = request_blocks(layout.num_blocks, n)
+                cache.fill_value(0)
+                res = getattr(peer, op)(src, dst, timeout=20)
+                assert res.nbytes == len(src) * layout.block_bytes
+                assert res.runs == len(coalesce(src, dst))
+                assert res.descriptors == res.runs * layout.num_regions
+                if res.nixl_descriptors is not None:
+                    assert res.nixl_descriptors <= res.descriptors
+                assert peer.digests(src) == [cache.block_digest(b) for b in dst]
+                untouched = sorted(set(range(80)) - set(dst))[:5]
+                zero = KVCache.allocate_host(small(kind, blocks=80))
+                assert [cache.block_digest(b) for b in untouched] == \
+                    [zero.block_digest(b) for b in untouched]
+                zero.close()
+        cache.close()
+
+
+def test_out_of_range_blocks_refused_before_sending(prefill):
+    layout = small(CROSS_LAYER)
+    with prefill([layout]) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            with pytest.raises(PlanError, match="outside 0..63"):
+                peer.pull([63, 64])
+            with pytest.raises(PlanError, match="outside"):
+                peer.push([1], [500])
+            peer.pull([0, 1])  # the connection is still fine
+        cache.close()
+
+
+def test_prefill_killed_mid_transfer_gives_error_not_hang(prefill):
+    layout = KVLayout(CROSS_LAYER, 4, 1024, 16, 8, 128, "float16")  # 256 KiB blocks, 256 MiB
+    with prefill([layout]) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        client = DecodeClient(cache)
+        try:
+            peer = client.connect("127.0.0.1", ports[0])
+            peer.pull(list(range(1024)), timeout=30)  # warm
+            killer = threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL))
+            killer.start()
+            start = time.monotonic()
+            with pytest.raises(TransferError):
+                for _ in range(10000):
+                    peer.pull(list(range(1024)), timeout=5)
+            assert time.monotonic() - start < 30
+            killer.join()
+            proc.join(10)
+            assert not proc.is_alive()
+        finally:
+            client.close()
+            client.close()  # idempotent
+            cache.close()
+
+
+def test_restarted_prefill_is_handshaked_again(prefill):
+    layout = small(CROSS_LAYER)
+    cache = KVCache.allocate_host(layout)
+    client = DecodeClient(cache)
+    try:
+        with prefill([layout], seed=1) as (_proc, ports):
+            port = ports[0]
+            peer = client.connect("127.0.0.1", port)
+            peer.pull([0, 1, 2])
+            first = [cache.block_digest(b) for b in (0, 1, 2)]
+            old_agent = peer.agent
+        # the old prefill is gone; a new one (new content) comes up on the same port
+        with prefill([layout], seed=2, ports=[port]) as (_proc, ports2):
+            assert ports2 == [port]
+            with pytest.raises(KVRuntimeError):
+                peer.pull([0, 1, 2], timeout=5)
+            peer = client.connect("127.0.0.1", port)
+            assert peer.agent != old_agent
+            assert old_agent not in client.registration.peers
+            assert client.registration.peers == [peer.agent]
+            peer.pull([0, 1, 2])
+            assert [cache.block_digest(b) for b in (0, 1, 2)] != first
+            assert peer.digests([0, 1, 2]) == [cache.block_digest(b) for b in (0, 1, 2)]
+    finally:
+        client.close()
+        cache.close()

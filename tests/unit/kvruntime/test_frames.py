@@ -1,0 +1,126 @@
+"""Frame decoder: every malformed input is a FrameError, nothing else, and nothing hangs."""
+
+import json
+import random
+import socket
+import struct
+import threading
+
+import pytest
+
+from kvruntime import frames
+from kvruntime.errors import FrameError, PeerError, ProtocolVersionError
+
+
+def test_roundtrip():
+    msg = {"type": "hello", "x": [1, 2], "blob": frames.b64(b"\x00\xff")}
+    out = frames.decode_frame(frames.encode_frame(msg))
+    assert out["v"] == frames.PROTOCOL_VERSION and out["x"] == [1, 2]
+    assert frames.unb64(out["blob"], "blob") == b"\x00\xff"
+
+
+def _raw(payload: bytes, length=None, magic=frames.MAGIC) -> bytes:
+    return struct.pack(">4sI", magic, len(payload) if length is None else length) + payload
+
+
+@pytest.mark.parametrize("data,msg", [
+    (_raw(b"{}", magic=b"HTTP"), "bad frame magic"),
+    (_raw(b"", length=1 << 30), "more than the maximum"),
+    (_raw(b'{"v":1,"type":"x"', length=100), "announces 100"),
+    (_raw(b"\xff\xfe"), "not valid UTF-8 JSON"),
+    (_raw(b"[1,2]"), "not an object"),
+    (_raw(b'{"v":1}'), "no string 'type'"),
+    (b"KVR", "truncated frame header"),
+])
+def test_malformed(data, msg):
+    with pytest.raises(FrameError, match=msg):
+        frames.decode_frame(data)
+
+
+def test_wrong_version_is_named():
+    with pytest.raises(ProtocolVersionError, match="version 99"):
+        frames.decode_frame(_raw(json.dumps({"v": 99, "type": "hello"}).encode()))
+
+
+def test_pickle_is_not_accepted():
+    import pickle
+
+    with pytest.raises(FrameError):
+        frames.decode_frame(_raw(pickle.dumps({"v": 1, "type": "hello"})))
+
+
+def test_oversize_refused_before_reading_payload():
+    a, b = socket.socketpair()
+    try:
+        a.sendall(struct.pack(">4sI", frames.MAGIC, 1 << 31))  # and no payload at all
+        with pytest.raises(FrameError, match="more than the maximum"):
+            frames.read_frame(b, timeout=1.0, max_size=1024)
+    finally:
+        a.close(), b.close()
+
+
+def test_truncated_on_socket_is_peer_error():
+    a, b = socket.socketpair()
+    try:
+        a.sendall(frames.encode_frame({"type": "x"})[:-3])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(PeerError, match="truncated"):
+            frames.read_frame(b, timeout=1.0)
+    finally:
+        a.close(), b.close()
+
+
+def test_silent_peer_times_out():
+    a, b = socket.socketpair()
+    try:
+        a.sendall(frames.encode_frame({"type": "x"})[:5])
+        with pytest.raises(PeerError, match="before the timeout"):
+            frames.read_frame(b, timeout=0.2)
+    finally:
+        a.close(), b.close()
+
+
+def test_fuzz_decoder_10000_frames():
+    """>= 10,000 random and mutated frames: only FrameError, never a crash or a hang."""
+    rnd = random.Random(20240601)
+    good = frames.encode_frame({"type": "hello", "layout": {"kind": "cross_layer"},
+                                "nonce": frames.b64(bytes(32))})
+    outcomes = {"ok": 0, "error": 0}
+    for i in range(12000):
+        mode = i % 4
+        if mode == 0:  # random bytes
+            data = bytes(rnd.getrandbits(8) for _ in range(rnd.randint(0, 64)))
+        elif mode == 1:  # bit flips in a good frame
+            data = bytearray(good)
+            for _ in range(rnd.randint(1, 4)):
+                data[rnd.randrange(len(data))] ^= 1 << rnd.randrange(8)
+            data = bytes(data)
+        elif mode == 2:  # truncation or extension
+            cut = rnd.randint(0, len(good) + 8)
+            data = (good + bytes(8))[:cut]
+        else:  # valid header, random JSON-ish payload
+            payload = rnd.choice([b"{", b"null", b'{"v":1,"type":5}', b'{"v":"1"}',
+                                  b"[" * 5000, b'{"v":1,"type":"x","a":' + b"[" * 3000,
+                                  bytes(rnd.getrandbits(8) for _ in range(32))])
+            data = _raw(payload)
+        try:
+            frames.decode_frame(data, max_size=4096)
+            outcomes["ok"] += 1
+        except FrameError:
+            outcomes["error"] += 1
+    assert sum(outcomes.values()) == 12000
+    assert outcomes["error"] > 10000
+
+
+def test_fuzz_over_a_socket_never_hangs():
+    """Random garbage streamed at read_frame ends in a FrameError/PeerError within its timeout."""
+    rnd = random.Random(7)
+    for _ in range(200):
+        a, b = socket.socketpair()
+        data = bytes(rnd.getrandbits(8) for _ in range(rnd.randint(0, 40)))
+        t = threading.Thread(target=lambda: (a.sendall(data), a.shutdown(socket.SHUT_WR)))
+        t.start()
+        with pytest.raises((FrameError, PeerError)):
+            frames.read_frame(b, timeout=1.0, max_size=1 << 16)
+        t.join()
+        a.close(), b.close()

@@ -1,0 +1,118 @@
+"""Handshake over a socket pair: auth, compat matrix, metadata only after auth."""
+
+import socket
+import threading
+
+import pytest
+
+from kvruntime.errors import AuthError, FrameError, IncompatiblePeerError, PeerError
+from kvruntime.handshake import PeerInfo, client_handshake, serve_handshake
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+
+BASE = dict(kind=CROSS_LAYER, num_layers=2, num_blocks=8, tokens_per_block=16, num_kv_heads=2,
+            head_dim=8, dtype="float16", tp_size=1)
+
+
+def info(name, **over):
+    layout = KVLayout(**{**BASE, **over})
+    regions = tuple((4096 * (i + 1), layout.region_bytes, 0) for i in range(layout.num_regions))
+    return PeerInfo(layout, name, b"META-" + name.encode(), regions, "DRAM")
+
+
+def run(server_info, client_info, server_secret=None, client_secret=None):
+    a, b = socket.socketpair()
+    out = {}
+
+    def serve():
+        try:
+            out["server"] = serve_handshake(a, server_info, server_secret, 2.0)
+        except Exception as exc:
+            out["server_error"] = exc
+        finally:
+            a.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        out["client"] = client_handshake(b, client_info, client_secret, 2.0)
+    except Exception as exc:
+        out["client_error"] = exc
+    finally:
+        t.join(5)
+        b.close()
+    assert not t.is_alive()
+    return out
+
+
+def test_success_exchanges_both_infos():
+    out = run(info("p"), info("d", num_blocks=99), b"s3cret", b"s3cret")
+    assert out["client"].agent == "p" and out["client"].metadata == b"META-p"
+    assert out["server"].agent == "d" and out["server"].layout.num_blocks == 99
+
+
+@pytest.mark.parametrize("field,value", [
+    ("kind", PER_LAYER), ("dtype", "bfloat16"), ("tokens_per_block", 32), ("num_kv_heads", 4),
+    ("head_dim", 16), ("num_layers", 3), ("tp_size", 2)])
+def test_compat_matrix_single_field(field, value):
+    out = run(info("p"), info("d", **{field: value}))
+    err = out["client_error"]
+    assert isinstance(err, IncompatiblePeerError) and err.fields == [field]
+    assert field in str(err)
+    assert isinstance(out["server_error"], IncompatiblePeerError)
+
+
+def test_compat_lists_every_differing_field():
+    out = run(info("p"), info("d", kind=PER_LAYER, dtype="float32", head_dim=16, tp_size=4))
+    assert out["client_error"].fields == ["kind", "dtype", "head_dim", "tp_size"]
+
+
+@pytest.mark.parametrize("server_secret,client_secret,client_exc", [
+    (b"right", b"wrong", AuthError),
+    (b"right", None, AuthError),
+    (None, b"mine", AuthError),
+])
+def test_auth_failures(server_secret, client_secret, client_exc):
+    out = run(info("p"), info("d"), server_secret, client_secret)
+    assert isinstance(out["client_error"], client_exc)
+    assert "client" not in out
+
+
+def test_no_secret_no_metadata():
+    """A client with a wrong secret never sees the server's NIXL metadata."""
+    a, b = socket.socketpair()
+    received = []
+    from kvruntime import frames
+
+    t = threading.Thread(target=lambda: _swallow(serve_handshake, a, info("p"), b"right"))
+    t.start()
+    frames.write_frame(b, {"type": "hello", "layout": info("d").layout.to_dict(),
+                           "nonce": frames.b64(bytes(32))})
+    received.append(frames.read_frame(b, 2))
+    frames.write_frame(b, {"type": "auth", "proof": "00" * 32})
+    received.append(frames.read_frame(b, 2))
+    t.join(5)
+    a.close(), b.close()
+    assert received[1]["type"] == "error" and received[1]["code"] == "auth"
+    assert all("META" not in str(m) and "info" not in m for m in received)
+
+
+def _swallow(fn, *args):
+    try:
+        fn(*args, 2.0)
+    except Exception:
+        pass
+
+
+def test_garbage_instead_of_hello():
+    a, b = socket.socketpair()
+    b.sendall(b"GET / HTTP/1.1\r\n\r\n")
+    with pytest.raises(FrameError):
+        serve_handshake(a, info("p"), None, 1.0)
+    a.close(), b.close()
+
+
+def test_silent_client_times_out():
+    a, b = socket.socketpair()
+    with pytest.raises(PeerError):
+        serve_handshake(a, info("p"), None, 0.2)
+    a.close(), b.close()
