@@ -169,8 +169,6 @@ def moved(build_dir: Path, env: dict[str, str], python: str, kv_buffer: str, tim
         return _level([], skipped=f"kvruntime is not in this checkout ({REPO_ROOT})")
     renv = envfile.apply({"PYTHONPATH": str(REPO_ROOT)}, env)
     cmd = [python, "-m", "kvruntime", "selftest", "--json"]
-    if kv_buffer != "host":
-        cmd += ["--kv-buffer", kv_buffer]
     r = _run(cmd, renv, timeout=timeout)
     try:
         result = json.loads(r.stdout)
@@ -182,8 +180,10 @@ def moved(build_dir: Path, env: dict[str, str], python: str, kv_buffer: str, tim
         status = mode.get("status", "passed" if mode.get("ok") else "failed")
         if status == "skipped":
             continue
-        gbps = mode.get("gbps") or mode.get("GB/s")
-        checks.append(_check(f"moved {name}", status == "passed", f"{mode.get('bytes', '?')} bytes, {gbps} GB/s"))
+        checks.append(_check(f"moved {name}", status == "passed" and mode.get("digest_ok") is True,
+                             f"{mode.get('bytes', '?')} bytes in {mode.get('descriptors', '?')} descriptors, "
+                             f"{mode.get('gbps')} GB/s, {mode.get('digests_checked', 0)} block digests checked"
+                             + (f"; {mode['error']}" if mode.get("error") else "")))
     if not checks:
         return _level([], skipped=f"selftest ran no mode on this host: {result.get('reason', 'no mode available')}")
     level = _level(checks)
