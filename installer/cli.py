@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -65,7 +66,12 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
     return {"install": inst, "mirror": mir, "verify": ver}
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt  # a kill gets the same cleanup as Ctrl-C: build processes stopped, prefix untouched
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, _terminate)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "install"
     try:
@@ -78,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e.line(), file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        e = Interrupted("stopped by Ctrl-C", fix="the previous install is untouched; run the same command again")
+        e = Interrupted("stopped (Ctrl-C or SIGTERM)", fix="the previous install is untouched; run the same command again")
         print(e.line(), file=sys.stderr)
         return e.exit_code
 

@@ -26,17 +26,22 @@ def nixl_module(build_dir: Path, pattern: str) -> str | None:
 
 
 def runtime_env(plan: Plan, build_dir: Path) -> dict[str, str]:
-    """Variables env.sh sets, as absolute values (prepended to what is already there)."""
-    env = {
-        "KVSTACK_HOME": str(build_dir),
-        "PATH": str(build_dir / "ucx" / "bin"),
-        "LD_LIBRARY_PATH": os.pathsep.join([str(build_dir / "nixl" / "lib"), str(build_dir / "ucx" / "lib")]),
-        "NIXL_PLUGIN_DIR": str(build_dir / "nixl" / "lib" / "plugins"),
-    }
+    """Variables env.sh sets, as absolute values (prepended to what is already there). Components
+    later in the build order come first: NIXL's libraries before UCX's."""
+    comps = [build_dir / c.name for c in reversed(plan.components)]
+    env = {"KVSTACK_HOME": str(build_dir)}
+    bins = [str(c / "bin") for c in comps if (c / "bin").is_dir()]
+    libs = [str(c / "lib") for c in comps if any((c / "lib").glob("*.so*"))]
+    if bins:
+        env["PATH"] = os.pathsep.join(bins)
+    if libs:
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(libs)
+    if (build_dir / "nixl" / "lib" / "plugins").is_dir():
+        env["NIXL_PLUGIN_DIR"] = str(build_dir / "nixl" / "lib" / "plugins")
     site = nixl_site_packages(build_dir)
     if site:
         env["PYTHONPATH"] = str(site)
-    module = nixl_module(build_dir, plan.verify["nixl"]["module"])
+    module = nixl_module(build_dir, plan.verify["nixl"]["module"]) if "nixl" in plan.verify else None
     if module:
         env["KVRUNTIME_NIXL_MODULE"] = module
     env.update(plan.runtime_env)

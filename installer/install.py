@@ -238,20 +238,20 @@ def verify_build(plan: Plan, renv: dict[str, str], fetched: dict[str, Fetched] |
     has_device = detect_platform()[0] == plan.platform
     null_driver = None
     lz = plan.verify.get("level_zero")
-    if lz and not has_device:
+    if lz and not has_device and "ucx" in [c.name for c in plan.components]:
         null_driver = _null_driver(plan, fetched, build_env, log_dir)
     with_table = plan.recipe.components.get("ucx", {}).get("with", {})
     return report_levels(plan.verify, plan.platform, plan.install_dir, env, plan.target.python,
-                         plan.kv_buffer, with_table, null_driver, has_device)
+                         plan.kv_buffer, with_table, null_driver, has_device, [c.name for c in plan.components])
 
 
-def report_levels(spec, platform, build_dir, env, python, kv_buffer, with_table, null_driver, has_device):
-    levels = {"built": verify.built(spec, build_dir, env, with_table)}
-    levels["loaded"] = verify.loaded(spec, build_dir, env, python, platform, null_driver, has_device)
+def report_levels(spec, platform, build_dir, env, python, kv_buffer, with_table, null_driver, has_device, components):
+    levels = {"built": verify.built(spec, build_dir, env, with_table, components)}
+    levels["loaded"] = verify.loaded(spec, build_dir, env, python, platform, null_driver, has_device, components)
     if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
         levels["moved"] = {"status": "skipped", "reason": "an earlier level failed", "checks": []}
     else:
-        levels["moved"] = verify.moved(build_dir, env, python, kv_buffer)
+        levels["moved"] = verify.moved(build_dir, env, python, kv_buffer, platform, has_device, components)
     ok = all(v["status"] != "failed" for v in levels.values()) and levels["built"]["status"] == "passed"
     return {"ok": ok, "levels": levels, "has_device": has_device}
 
@@ -295,7 +295,7 @@ def verify_prefix(prefix: Path) -> dict[str, Any]:
     nd = build_dir / "verify" / "ze_null"
     report = report_levels(recipe["verify"], platform, build_dir, env, manifest["python"]["path"],
                            recipe["runtime"]["kv_buffer"], recipe["components"].get("ucx", {}).get("with", {}),
-                           nd if nd.exists() else None, has_device)
+                           nd if nd.exists() else None, has_device, list(recipe["components"]))
     report["build_dir"] = str(build_dir)
     return report
 

@@ -80,6 +80,7 @@ def load(platform: str, overlays: Iterable[Path] = (), recipes_dir: Path = RECIP
                           expected=repr(platform), actual=repr(merged["platform"]),
                           fix="a recipe overlay may not change the platform")
     _drop_false_packages(merged)
+    _drop_disabled_components(merged)
     recipe = Recipe(platform, merged, tuple(files))
     _check_references(recipe)
     recipe.build_order()
@@ -140,6 +141,21 @@ def _validate(data: dict[str, Any], schema: dict[str, Any], path: Path) -> None:
 def _drop_false_packages(data: dict[str, Any]) -> None:
     for family, table in data.get("system_packages", {}).items():
         data["system_packages"][family] = {k: v for k, v in table.items() if v is not False}
+
+
+def _drop_disabled_components(data: dict[str, Any]) -> None:
+    """`enabled = false` removes a component (e.g. an overlay that builds UCX alone)."""
+    comps = data["components"]
+    off = [n for n, c in comps.items() if c.get("enabled") is False]
+    for name in off:
+        del comps[name]
+    for name, comp in comps.items():
+        for dep in comp.get("depends", []):
+            if dep in off:
+                raise RecipeError(f"component {name!r} depends on {dep!r}, which is disabled",
+                                  fix=f"disable {name!r} too, or enable {dep!r}")
+    if not comps:
+        raise RecipeError("every component is disabled: nothing to build", fix="enable at least one component")
 
 
 def _check_references(recipe: Recipe) -> None:

@@ -36,8 +36,9 @@ def ensure_build_tools(plan: Plan, mirror: str | None, log_dir: Path) -> Path:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / "build-tools.log"
     _run([plan.target.python, "-m", "venv", str(venv)], log_path, "create the build-tools venv")
-    _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--quiet",
-          *pip_index_args(mirror), *reqs], log_path, f"pip install {' '.join(reqs)}")
+    if reqs:
+        _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check", "--quiet",
+              *pip_index_args(mirror), *reqs], log_path, f"pip install {' '.join(reqs)}")
     done.write_text(" ".join(reqs) + "\n")
     log.info("build tools: %s in %s", ", ".join(reqs), venv)
     return venv

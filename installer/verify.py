@@ -78,34 +78,27 @@ def parse_devices(text: str) -> dict[str, Any]:
     return {"transports": transports, "memory_domains": domains, "sections": section}
 
 
-def built(spec: dict, build_dir: Path, env: dict[str, str], with_table: dict[str, Any]) -> dict[str, Any]:
+def built(spec: dict, build_dir: Path, env: dict[str, str], with_table: dict[str, Any],
+          components: list[str]) -> dict[str, Any]:
     checks = []
+    files = [build_dir / f for f in spec.get("files", [])]
+    has_ucx, has_nixl = "ucx" in components and "ucx" in spec, "nixl" in components and "nixl" in spec
     ucx_info = build_dir / "ucx" / "bin" / "ucx_info"
-    files = [ucx_info, build_dir / "ucx" / "lib" / "libucp.so", build_dir / "nixl" / "lib" / "libnixl.so",
-             build_dir / "nixl" / "lib" / "plugins"]
+    if has_ucx:
+        files += [ucx_info, build_dir / "ucx" / "lib" / "libucp.so"]
+    if has_nixl:
+        files += [build_dir / "nixl" / "lib" / "libnixl.so", build_dir / "nixl" / "lib" / "plugins"]
     for f in files:
         checks.append(_check(f"file {f.relative_to(build_dir)}", f.exists(), "present" if f.exists() else "missing"))
-    module = envfile.nixl_module(build_dir, spec["nixl"]["module"])
-    checks.append(_check(f"python module {spec['nixl']['module']}", module is not None,
-                         module or "not found under nixl/lib/python3*/site-packages"))
-    res = _run([str(ucx_info), "-b"], env)
-    info = parse_build_info(res.stdout) if res.returncode == 0 else {}
-    if res.returncode:
-        checks.append(_check("ucx_info -b", False, (res.stderr or res.stdout)[-300:]))
-    defines = list(spec["ucx"]["defines"])
-    if with_table.get("verbs") not in (None, False):
-        defines.append("HAVE_IB")  # configure drops verbs silently when headers are missing
-    for d in defines:
-        checks.append(_check(f"define {d}", info.get(d) == "1", f"{d} = {info.get(d, 'undefined')}"))
-    for d in spec["ucx"].get("absent_defines", []):
-        checks.append(_check(f"define {d} absent", info.get(d) in (None, "0"), f"{d} = {info.get(d, 'undefined')}"))
-    for var, wanted in spec["ucx"]["modules"].items():
-        have = [m for m in info.get(var, "").split(":") if m]
-        for w in wanted:
-            checks.append(_check(f"{var} has {w}", w in have, f"{var} = {':'.join(have) or '(empty)'}"))
+    if has_nixl:
+        module = envfile.nixl_module(build_dir, spec["nixl"]["module"])
+        checks.append(_check(f"python module {spec['nixl']['module']}", module is not None,
+                             module or "not found under nixl/lib/python3*/*-packages"))
+    if has_ucx:
+        checks += _ucx_build_info(spec["ucx"], ucx_info, env, with_table)
     libs = []
-    for d in ("ucx/lib", "ucx/lib/ucx", "nixl/lib", "nixl/lib/plugins"):
-        libs += sorted((build_dir / d).glob("*.so"))
+    for pattern in ("*/lib/*.so", "*/lib/ucx/*.so", "*/lib/plugins/*.so"):
+        libs += sorted(build_dir.glob(pattern))
     site = envfile.nixl_site_packages(build_dir)
     if site:
         libs += sorted(site.rglob("*.so"))
@@ -113,14 +106,37 @@ def built(spec: dict, build_dir: Path, env: dict[str, str], with_table: dict[str
     for lib in libs:
         r = _run(["ldd", str(lib)], env)
         unresolved += [f"{lib.name}: {l.strip()}" for l in r.stdout.splitlines() if "not found" in l]
-    checks.append(_check(f"ldd resolves {len(libs)} libraries", libs and not unresolved,
-                         "; ".join(unresolved[:5]) or "all resolved"))
+    if libs:
+        checks.append(_check(f"ldd resolves {len(libs)} libraries", not unresolved,
+                             "; ".join(unresolved[:5]) or "all resolved"))
     return _level(checks)
 
 
-def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platform: str,
-           null_driver: Path | None, has_device: bool) -> dict[str, Any]:
+def _ucx_build_info(ucx: dict, ucx_info: Path, env: dict[str, str], with_table: dict[str, Any]) -> list[dict]:
     checks = []
+    res = _run([str(ucx_info), "-b"], env)
+    info = parse_build_info(res.stdout) if res.returncode == 0 else {}
+    if res.returncode:
+        checks.append(_check("ucx_info -b", False, (res.stderr or res.stdout)[-300:]))
+    defines = list(ucx["defines"])
+    if with_table.get("verbs") not in (None, False):
+        defines.append("HAVE_IB")  # configure drops verbs silently when headers are missing
+    for d in defines:
+        checks.append(_check(f"define {d}", info.get(d) == "1", f"{d} = {info.get(d, 'undefined')}"))
+    for d in ucx.get("absent_defines", []):
+        checks.append(_check(f"define {d} absent", info.get(d) in (None, "0"), f"{d} = {info.get(d, 'undefined')}"))
+    for var, wanted in ucx["modules"].items():
+        have = [m for m in info.get(var, "").split(":") if m]
+        for w in wanted:
+            checks.append(_check(f"{var} has {w}", w in have, f"{var} = {':'.join(have) or '(empty)'}"))
+    return checks
+
+
+def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platform: str,
+           null_driver: Path | None, has_device: bool, components: list[str]) -> dict[str, Any]:
+    checks = []
+    if "ucx" not in components or "ucx" not in spec:
+        return _level([], skipped="this recipe builds no UCX")
     denv = dict(env)
     note = None
     lz = spec.get("level_zero")
@@ -145,6 +161,8 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
         text = dev["sections"].get("ze_cpy", "")
         checks.append(_check(f"ze_cpy shows {lz['mark']!r}", lz["mark"] in text,
                              (note + "; " if note else "") + (text.strip().splitlines()[1].strip() if text.count("\n") > 1 else "no ze_cpy section")))
+    if "nixl" not in components or "nixl" not in spec:
+        return _level(checks)
     module = envfile.nixl_module(build_dir, spec["nixl"]["module"])
     if module:
         r = _run([python, "-c", NIXL_PROBE, module], env, timeout=120)
@@ -164,7 +182,13 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
     return _level(checks)
 
 
-def moved(build_dir: Path, env: dict[str, str], python: str, kv_buffer: str, timeout: int = 600) -> dict[str, Any]:
+def moved(build_dir: Path, env: dict[str, str], python: str, kv_buffer: str, platform: str, has_device: bool,
+          components: list[str], timeout: int = 600) -> dict[str, Any]:
+    if "nixl" not in components:
+        return _level([], skipped="this recipe builds no NIXL")
+    if kv_buffer == "device" and not has_device:
+        return _level([], skipped=f"no {platform} device on this host: KV for this platform lives in device memory, "
+                                  f"so moving it needs one (run `python -m installer verify` there)")
     if not (REPO_ROOT / "kvruntime" / "__main__.py").exists():
         return _level([], skipped=f"kvruntime is not in this checkout ({REPO_ROOT})")
     renv = envfile.apply({"PYTHONPATH": str(REPO_ROOT)}, env)

@@ -1,0 +1,1 @@
+int hello_cmake(void) { return 42; }

@@ -1,0 +1,1 @@
+#define HELLO_VALUE 7

@@ -1,0 +1,2 @@
+#include <hello.h>
+int greet(void) { return HELLO_VALUE; }

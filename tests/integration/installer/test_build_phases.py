@@ -1,0 +1,225 @@
+"""The build phases on small real projects — one each for autotools (autoreconf, configure with
+--enable flags, libtool), meson (pkg-config dependency on a header-only component) and cmake —
+through the whole installer: extract, configure, build, install, verify, prefix switch. Then what
+must not hurt an install: a re-run, a failing step, Ctrl-C/SIGTERM/SIGKILL mid-phase, a second
+installer. The projects live in projects/; their archives are made here and served from a local
+mirror together with the build tools' wheels (pip download from PyPI, once per session)."""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import filelock
+import pytest
+
+from installer import prefix as prefixmod
+from tests.integration.installer.localserver import sha256
+
+pytestmark = pytest.mark.integration
+ROOT = Path(__file__).resolve().parents[3]
+PROJECTS = Path(__file__).parent / "projects"
+TOOLS = ["meson==1.12.1", "ninja==1.13.2"]
+
+
+def _tarball(project: str, dest: Path) -> tuple[str, str]:
+    name = f"{project}-1.0.tar.gz"
+    with tarfile.open(dest / name, "w:gz") as tf:
+        tf.add(PROJECTS / project, arcname=f"{project}-1.0")
+    return name, sha256((dest / name).read_bytes())
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A recipes dir (the real schema) and a mirror with the four projects and the tools' wheels."""
+    base = tmp_path_factory.mktemp("world")
+    recipes, mirror = base / "recipes", base / "mirror"
+    recipes.mkdir()
+    mirror.mkdir()
+    shutil.copy(ROOT / "recipes" / "schema.json", recipes)
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+                        "--only-binary=:all:", "-d", str(mirror / "wheels"), *TOOLS], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot download the build tools' wheels from PyPI: {r.stderr.strip()[-200:]}")
+    lines = ["schema_version = 1", 'description = "tests: small real projects"', ""]
+    for project in ("hello-autotools", "hello-headers", "hello-meson", "hello-cmake"):
+        name, digest = _tarball(project, mirror)
+        lines += [f"[sources.{project}]", f'url = "https://example.invalid/{name}"', f'filename = "{name}"',
+                  f'sha256 = "{digest}"', ""]
+    lines += ["""
+[components.hello-autotools]
+source = "hello-autotools"
+build = "autotools"
+enable = { shout = true, static = false }
+
+[components.hello-headers]
+source = "hello-headers"
+build = "headers"
+pkgconfig_name = "hello_headers"
+version = "1.0"
+
+[components.hello-meson]
+source = "hello-meson"
+build = "meson"
+depends = ["hello-headers"]
+
+[components.hello-cmake]
+source = "hello-cmake"
+build = "cmake"
+defines = { CMAKE_BUILD_TYPE = "Release", HELLO_FAIL = false, HELLO_SLOW = false }
+
+[system_packages.debian]
+make = "autotools project"
+cmake = "cmake project"
+autoconf = "autoreconf"
+automake = "autoreconf"
+libtool = "autoreconf"
+
+[build_tools]
+python = %s
+target = []
+
+[runtime]
+kv_buffer = "host"
+
+[verify]
+files = ["hello-autotools/lib/libhowdy.so", "hello-headers/include/hello.h", "hello-meson/bin/greet",
+         "hello-cmake/lib/libhello.so"]
+""" % json.dumps(TOOLS)]
+    (recipes / "defaults.toml").write_text("\n".join(lines))
+    (recipes / "cpu.toml").write_text('platform = "cpu"\n')
+    return {"recipes": recipes, "mirror": mirror, "cache": base / "cache"}
+
+
+def _cmd(world, prefix, *extra):
+    return [sys.executable, "-m", "installer", "--platform", "cpu", "--recipes", str(world["recipes"]),
+            "--mirror", str(world["mirror"]), "--cache-dir", str(world["cache"]), "--prefix", str(prefix),
+            "--no-system-packages", *extra]
+
+
+def _install(world, prefix, *extra, timeout=600):
+    return subprocess.run(_cmd(world, prefix, *extra), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _overlay(tmp_path, text):
+    p = tmp_path / "overlay.toml"
+    p.write_text(text)
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def installed(world, tmp_path_factory):
+    prefix = tmp_path_factory.mktemp("inst") / "kv"
+    r = _install(world, prefix)
+    assert r.returncode == 0, r.stderr
+    return prefix
+
+
+def test_projects_build_install_and_verify(installed):
+    build = installed.resolve()
+    assert installed.is_symlink() and build.parent.name == "kv.builds"
+    manifest = json.loads((installed / "manifest.json").read_text())
+    assert manifest["complete"] is True
+    for phase in ("fetch", "check", "system-packages", "build-tools", "extract", "configure", "build", "install", "verify"):
+        assert manifest["phases"][phase]["status"] == "done", phase
+    steps = manifest["phases"]["configure"]["components"]["hello-autotools"]["steps"]
+    configure = next(s for s in steps if s["step"] == "configure")
+    assert "--enable-shout" in configure["argv"] and Path(configure["log"]).name == "hello-autotools.configure.log"
+    assert (build / "logs" / "hello-autotools.configure.log").exists()
+    levels = manifest["verification"]["levels"]
+    assert levels["built"]["status"] == "passed"
+    assert levels["loaded"] == {"status": "skipped", "reason": "this recipe builds no UCX", "checks": []}
+    assert levels["moved"]["status"] == "skipped"
+    # the flags reached the builds: autotools --enable-shout, meson found the headers through pkg-config
+    assert ctypes.CDLL(str(build / "hello-autotools/lib/libhowdy.so")).howdy() == 2
+    assert ctypes.CDLL(str(build / "hello-cmake/lib/libhello.so")).hello_cmake() == 42
+    out = subprocess.run([str(installed / "hello-meson/bin/greet")], capture_output=True, text=True)
+    assert out.stdout.strip() == "greet 7"
+    assert (installed / "env.sh").read_text().startswith("# kvstack cpu build")
+
+
+def test_rerun_with_nothing_changed_does_no_work(world, installed):
+    logs_before = {p: p.stat().st_mtime_ns for p in installed.resolve().joinpath("logs").iterdir()}
+    r = _install(world, installed)
+    assert r.returncode == 0, r.stderr
+    assert "is up to date" in r.stdout
+    assert {p: p.stat().st_mtime_ns for p in installed.resolve().joinpath("logs").iterdir()} == logs_before
+
+
+def test_failing_step_shows_its_log_and_keeps_the_previous_install(world, installed, tmp_path):
+    before = installed.resolve()
+    r = _install(world, installed, "--recipe-overlay",
+                 _overlay(tmp_path, "[components.hello-cmake.defines]\nHELLO_FAIL = true\n"))
+    assert r.returncode == 8, r.stderr
+    assert "hello-cmake: failing on purpose" in r.stderr          # the tail of the step's log
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("build failed: hello-cmake: step cmake-configure failed")
+    assert "log: " in last and last.split("log: ")[1].split(";")[0].endswith("hello-cmake.cmake-configure.log")
+    assert installed.resolve() == before and prefixmod.is_complete(before)
+
+
+def _wait_for(path_glob: str, root: Path, timeout: float = 300) -> Path:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        hits = list(root.glob(path_glob))
+        if hits:
+            return hits[0]
+        time.sleep(0.2)
+    raise AssertionError(f"{path_glob} never appeared under {root}")
+
+
+def _processes_in(directory: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if os.readlink(proc / "cwd").startswith(str(directory)):
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_interrupted_install_leaves_the_previous_one_working(world, installed, tmp_path, sig):
+    before = installed.resolve()
+    slow = _overlay(tmp_path, "[components.hello-cmake.defines]\nHELLO_SLOW = true\n")
+    proc = subprocess.Popen(_cmd(world, installed, "--recipe-overlay", slow), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        log = _wait_for("work/*/logs/hello-cmake.cmake-configure.log", world["cache"])
+        time.sleep(0.5)  # cmake is inside its sleep now
+        os.kill(proc.pid, sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        build_dir = log.parent.parent / "build" / "hello-cmake" if "log" in locals() else None
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        for pid in _processes_in(build_dir):  # what a SIGKILL orphans, the test cleans up
+            os.kill(pid, signal.SIGKILL)
+    else:
+        assert proc.returncode == 130, err
+        assert err.strip().splitlines()[-1].startswith("interrupted: stopped")
+        assert _processes_in(build_dir) == []  # the build's process group went with it
+    assert installed.resolve() == before and prefixmod.is_complete(before)
+    out = subprocess.run([str(installed / "hello-meson/bin/greet")], capture_output=True, text=True)
+    assert out.stdout.strip() == "greet 7"
+    log.unlink()
+    again = _install(world, installed)
+    assert again.returncode == 0 and "is up to date" in again.stdout
+
+
+def test_second_installer_is_refused_while_one_holds_the_prefix(world, installed):
+    with filelock.FileLock(str(prefixmod.lock_path(installed))):
+        r = _install(world, installed)
+    assert r.returncode == 10
+    assert "another installer is working on" in r.stderr
