@@ -22,6 +22,17 @@ if ((${#missing[@]})); then
   fi
 fi
 
+# The real-build tests take UCX and level-zero from Debian's source packages: enable deb-src
+# lines beside the configured deb ones when there are none yet.
+if [ "$(id -u)" = 0 ] && ! grep -rqs '^Types:.*deb-src\|^deb-src ' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
+    sed 's/^Types: deb$/Types: deb-src/' /etc/apt/sources.list.d/debian.sources > /etc/apt/sources.list.d/kvstack-deb-src.sources
+  elif [ -f /etc/apt/sources.list ]; then
+    sed -n 's/^deb /deb-src /p' /etc/apt/sources.list > /etc/apt/sources.list.d/kvstack-deb-src.list
+  fi
+  apt-get update -qq
+fi
+
 step "python packages"
 # torch first (2.13.0 from PyPI is a CPU build; a bare `torch` pulls a multi-GB CUDA build), then
 # NIXL's wheel with its bundled UCX, without letting it pull anything else.

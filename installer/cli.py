@@ -44,7 +44,9 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
     inst.add_argument("--mirror", help="take every source from this directory or URL instead of upstream")
     inst.add_argument("--recipe-overlay", type=Path, action="append", default=[], metavar="TOML",
                       help="lay this TOML over the platform recipe (repeatable)")
-    inst.add_argument("--no-system-packages", action="store_true", help="never run apt; fail if packages are missing")
+    inst.add_argument("--system-packages", choices=("install", "check", "ignore"), default="install",
+                      help="install: apt-get what the recipe lists and is missing (as root); check: fail if any is "
+                           "missing; ignore: only warn (hosts whose tools come from elsewhere)")
     inst.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     inst.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON; otherwise the manifest")
     _common(inst)
@@ -115,7 +117,7 @@ def _install(args) -> int:
     if args.dry_run:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
         return 0
-    manifest = install.run(plan, mirror=args.mirror, system_packages=not args.no_system_packages)
+    manifest = install.run(plan, mirror=args.mirror, system_packages=args.system_packages)
     if args.json:
         print(json.dumps(manifest, indent=2))
     else:

@@ -32,7 +32,7 @@ log = logging.getLogger("kvstack.installer")
 MANIFEST_FORMAT = 1
 
 
-def run(plan: Plan, *, mirror: str | None, system_packages: bool = True) -> dict[str, Any]:
+def run(plan: Plan, *, mirror: str | None, system_packages: str = "install") -> dict[str, Any]:
     with prefixmod.locked(plan.prefix):
         previous = prefixmod.current(plan.prefix)
         if prefixmod.is_complete(plan.install_dir):
@@ -48,7 +48,7 @@ def run(plan: Plan, *, mirror: str | None, system_packages: bool = True) -> dict
         return _build(plan, mirror, system_packages, previous)
 
 
-def _build(plan: Plan, mirror: str | None, system_packages: bool, previous: Path | None) -> dict[str, Any]:
+def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path | None) -> dict[str, Any]:
     phases = PhaseLog()
     log_dir = plan.work_dir / "logs"
     stamps = plan.install_dir / ".kvstack"
@@ -63,7 +63,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: bool, previous: Path
         with phases.phase("check") as rec:
             manifest["sources"] = {n: fetcher.check(f, plan.sources[n]) for n, f in fetched.items()}
         with phases.phase("system-packages") as rec:
-            rec.update(syspkgs.ensure(plan.system_packages, install=system_packages,
+            rec.update(syspkgs.ensure(plan.system_packages, mode=system_packages,
                                       log_path=log_dir / "system-packages.log"))
         with phases.phase("build-tools") as rec:
             venv = tools.ensure_build_tools(plan, mirror, log_dir)

@@ -34,7 +34,7 @@ def apt_command(packages: list[str]) -> list[str]:
     return ["apt-get", "install", "-y", "--no-install-recommends", *packages]
 
 
-def ensure(table: dict[str, dict[str, str]], *, install: bool, log_path: Path,
+def ensure(table: dict[str, dict[str, str]], *, mode: str, log_path: Path,
            family: str | None = None, is_root: bool | None = None) -> dict:
     """Make sure the recipe's packages for this distro are there; return the manifest record."""
     family = family if family is not None else distro_family()
@@ -49,8 +49,12 @@ def ensure(table: dict[str, dict[str, str]], *, install: bool, log_path: Path,
         return record
     is_root = os.geteuid() == 0 if is_root is None else is_root
     command = apt_command(missing)
-    if not install or not is_root:
-        why = "--no-system-packages was given" if not install else "not running as root"
+    if mode == "ignore":
+        log.warning("system packages missing, going on anyway (--system-packages ignore): %s", " ".join(missing))
+        record["ignored"] = True
+        return record
+    if mode == "check" or not is_root:
+        why = "--system-packages check was given" if mode == "check" else "not running as root"
         raise SystemPackagesError(f"missing system packages: {' '.join(missing)} ({why})",
                                   fix=f"run: {'' if is_root else 'sudo '}apt-get update && {' '.join(command)}")
     log.info("installing system packages: %s", " ".join(missing))

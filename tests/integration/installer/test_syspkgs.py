@@ -11,23 +11,29 @@ pytestmark = [pytest.mark.integration,
 
 
 def test_installed_packages_are_not_missing(tmp_path):
-    rec = syspkgs.ensure({"debian": {"dpkg": "always there"}}, install=True, log_path=tmp_path / "l")
+    rec = syspkgs.ensure({"debian": {"dpkg": "always there"}}, mode="install", log_path=tmp_path / "l")
     assert rec["missing"] == [] and rec["installed"] == []
 
 
 def test_missing_package_as_non_root_prints_the_exact_command(tmp_path):
     table = {"debian": {"dpkg": "x", "kvstack-no-such-package": "y"}}
     with pytest.raises(SystemPackagesError) as e:
-        syspkgs.ensure(table, install=True, log_path=tmp_path / "l", is_root=False)
+        syspkgs.ensure(table, mode="install", log_path=tmp_path / "l", is_root=False)
     line = e.value.line()
     assert "missing system packages: kvstack-no-such-package (not running as root)" in line
     assert "sudo apt-get update && apt-get install -y --no-install-recommends kvstack-no-such-package" in line
     assert e.value.exit_code == 7
 
 
-def test_no_system_packages_flag_never_runs_apt(tmp_path):
-    with pytest.raises(SystemPackagesError, match="--no-system-packages was given"):
-        syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, install=False, log_path=tmp_path / "l",
+def test_ignore_only_warns(tmp_path):
+    rec = syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="ignore", log_path=tmp_path / "l",
+                         is_root=True)
+    assert rec["missing"] == ["kvstack-no-such-package"] and rec["ignored"] is True
+
+
+def test_check_never_runs_apt(tmp_path):
+    with pytest.raises(SystemPackagesError, match="--system-packages check was given"):
+        syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="check", log_path=tmp_path / "l",
                        is_root=True)
     assert not (tmp_path / "l").exists()
 
