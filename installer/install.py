@@ -69,7 +69,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             venv = tools.ensure_build_tools(plan, mirror, log_dir)
             rec["target_packages"] = tools.ensure_target_packages(plan, mirror, log_dir)
             rec["build_tools"] = {"venv": str(venv), "requirements": plan.recipe.data["build_tools"]["python"]}
-        env = _build_env(venv)
+        env = _build_env(venv, mirror)
         manifest["tools"] = _tool_versions(env)
         stamps.mkdir(parents=True, exist_ok=True)
         for phase in ("extract", "configure", "build", "install"):
@@ -157,11 +157,15 @@ def _manifest_head(plan: Plan, mirror: str | None) -> dict[str, Any]:
     }
 
 
-def _build_env(venv: Path) -> dict[str, str]:
+def _build_env(venv: Path, mirror: str | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env.pop("PYTHONPATH", None)
     env.setdefault("LC_ALL", "C")
+    if mirror:
+        # offline means offline for every tool a build calls: Python packages come from the mirror
+        wheels = mirror.rstrip("/") + "/wheels"
+        env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=wheels, UV_OFFLINE="1", UV_NO_INDEX="1", UV_FIND_LINKS=wheels)
     return env
 
 

@@ -159,8 +159,9 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
         checks.append(_check(f"memory domain {m}", m in dev["memory_domains"], f"listed: {', '.join(dev['memory_domains'])}"))
     if lz:
         text = dev["sections"].get("ze_cpy", "")
-        checks.append(_check(f"ze_cpy shows {lz['mark']!r}", lz["mark"] in text,
-                             (note + "; " if note else "") + (text.strip().splitlines()[1].strip() if text.count("\n") > 1 else "no ze_cpy section")))
+        marked = [l.strip("# ").strip() for l in text.splitlines() if lz["mark"] in l]
+        checks.append(_check(f"ze_cpy shows {lz['mark']!r}", bool(marked),
+                             (note + "; " if note else "") + (marked[0] if marked else "no such line in ze_cpy")))
     if "nixl" not in components or "nixl" not in spec:
         return _level(checks)
     module = envfile.nixl_module(build_dir, spec["nixl"]["module"])
