@@ -10,7 +10,7 @@ step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 
 step "system packages"
 pkgs=(git build-essential autoconf automake libtool pkg-config cmake ninja-build libnuma-dev
-      libze-dev dpkg-dev quilt python3-dev)
+      libze-dev dpkg-dev python3-dev python3-venv)
 missing=()
 for p in "${pkgs[@]}"; do dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii' || missing+=("$p"); done
 if ((${#missing[@]})); then

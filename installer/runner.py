@@ -2,6 +2,7 @@
 group (so Ctrl-C or a kill stops the whole build tree), and the log's tail in the error."""
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -16,6 +17,7 @@ from .errors import BuildError
 
 log = logging.getLogger("kvstack.installer")
 TAIL_LINES = 25
+PR_SET_PDEATHSIG = 1
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -59,7 +61,7 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path) -> Non
         logf.write(f"$ cd {step.cwd or os.getcwd()}\n$ {' '.join(step.argv)}\n")
         logf.flush()
         proc = subprocess.Popen(step.argv, cwd=step.cwd, env=env, stdout=logf, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         try:
             rc = proc.wait()
         except BaseException:
@@ -69,6 +71,15 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path) -> Non
         raise BuildError(f"{component}: step {step.name} failed with exit code {rc}: {' '.join(step.argv)[:200]}",
                          log=str(log_path), fix="the tail of the log is above; the previous install is untouched",
                          detail=tail(log_path))
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: a SIGKILLed installer (no chance to clean up) takes its build
+    step down with it instead of leaving make or ninja running (Linux PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
