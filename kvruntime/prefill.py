@@ -177,8 +177,9 @@ class PrefillServer:
             blocks = frames.field(message, "blocks", list)
             plan = make_plan(layout, blocks)  # validates the ids
             del plan
-            frames.write_frame(peer.sock, {"type": "digests", "digests": [
-                self.cache.block_digest(b) for b in blocks]}, self.timeout)
+            frames.write_frame(peer.sock, {"type": "digests",
+                                           "digests": self.cache.block_digests(blocks)},
+                               self.timeout)
         else:
             raise KVRuntimeError(f"unknown request type {kind!r}")
 
