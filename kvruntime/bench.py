@@ -157,11 +157,13 @@ def run_bench(cfg: BenchConfig) -> dict:
                         for split in cfg.splits:
                             src, dst = pick_blocks(pattern, count, layout.num_blocks, rnd)
                             move(src, dst, timeout=120, split=split)  # warm-up
-                            rates, refs, lats, res = [], [], [], None
+                            rates, refs, lats, peer_rates, res = [], [], [], [], None
                             for _ in range(cfg.iters):
                                 refs.append(reference.gbps(count * layout.block_bytes))
                                 res = move(src, dst, timeout=120, split=split)
                                 rates.append(res.gbps)
+                                if res.peer_seconds:
+                                    peer_rates.append(res.nbytes / res.peer_seconds / 1e9)
                                 lats.append(res.seconds * 1e6)
                             gbps, ref = statistics.median(rates), statistics.median(refs)
                             report["results"].append({
@@ -179,6 +181,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                                 "ratio": round(gbps / ref, 3),
                                 "ratio_pairs_median": round(statistics.median(
                                     r / f for r, f in zip(rates, refs)), 3),
+                                # push: the prefill's WRITE alone, without the side channel
+                                "peer_gbps": (round(statistics.median(peer_rates), 3) if peer_rates
+                                              else None),
                             })
         report["ok"] = True
         return report
