@@ -45,7 +45,7 @@ def _selftest(args, out) -> int:
     from .selftest import run_selftest
 
     report = run_selftest(nixl_module=args.nixl_module, timeout=args.timeout,
-                          secret=_secret(args))
+                          secret=_secret(args), device_ids=tuple(args.device_ids))
     if args.json:
         report.pop("trace", None) if report.get("ok") else None
         say(json.dumps(report, indent=None if args.compact else 2))
@@ -75,20 +75,24 @@ def _bench(args, out) -> int:
         sizes_mib=args.sizes, patterns=args.patterns, layouts=args.layouts, ops=args.ops,
         splits=args.split, ucx_threads=args.ucx_threads, huge_pages=not args.no_huge,
         iters=args.iters, block_kib=args.block_kib, nixl_module=args.nixl_module,
-        handshakes=args.handshakes)
+        handshakes=args.handshakes, device=args.device, device_ids=args.device_ids)
     report = run_bench(cfg)
     if args.json:
         say(json.dumps(report, indent=None if args.compact else 2))
     else:
         say(f"{'layout':12} {'op':5} {'pattern':10} {'split':>5} {'size MiB':>9} "
-              f"{'descs':>6} {'avg lat us':>11} {'GB/s':>7} {'memcpy':>7} {'ratio':>6}")
+              f"{'descs':>6} {'avg lat us':>11} {'GB/s':>7} {'ref':>7} {'ratio':>6}")
         for r in report.get("results", []):
             say(f"{r['layout']:12} {r['op']:5} {r['pattern']:10} {r['split']:5} "
                   f"{r['size_bytes'] / 2**20:9.0f} {r['descriptors']:6} {r['avg_lat_us']:11.0f} "
                   f"{r['gbps']:7.2f} {r['ref_gbps']:7.2f} {r['ratio']:6.2f}")
-        hs = report.get("handshake_ms")
-        if hs:
-            say(f"handshake ms: first {hs['first']:.1f}, median later {hs['median_later']:.1f}")
+        for kind, hs in (report.get("handshake_ms") or {}).items():
+            later = hs["median_later"]
+            say(f"handshake ms ({kind}): first {hs['first']:.1f}"
+                + (f", median later {later:.1f}" if later is not None else ""))
+        if report.get("device"):
+            say(f"device: {report['device']}; reference: "
+                f"{(report.get('results') or [{}])[0].get('ref')}")
         if report.get("error"):
             print(f"error: {report['error']}", file=sys.stderr)
     return 0 if report.get("ok") else 2
@@ -105,6 +109,10 @@ def main(argv=None) -> int:
     st.add_argument("--json", action="store_true")
     st.add_argument("--compact", action="store_true", help="one-line JSON")
     st.add_argument("--timeout", type=float, default=120.0)
+    ids_help = ("device ids of the prefill and decode sides for device memory (default: 0 0; "
+                "two ids put the caches on two GPUs)")
+    st.add_argument("--device-ids", type=int, nargs=2, default=[0, 0], metavar=("P", "D"),
+                    help=ids_help)
     st.add_argument("--secret", help="shared secret for the handshake (env KVRUNTIME_SECRET; "
                     "default: a random one)")
     b = sub.add_parser("bench", help="GB/s and descriptors per request vs memcpy")
@@ -123,6 +131,11 @@ def main(argv=None) -> int:
     b.add_argument("--iters", type=int, default=5)
     b.add_argument("--block-kib", type=int, default=256, help="bytes of one block, all layers")
     b.add_argument("--handshakes", type=int, default=10)
+    b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xpu"],
+                   help="where both sides keep their KV caches: host DRAM or device VRAM "
+                   "(reference: memmove, or a device-to-device copy)")
+    b.add_argument("--device-ids", type=int, nargs=2, default=[0, 0], metavar=("P", "D"),
+                   help=ids_help)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                         stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")

@@ -1,9 +1,11 @@
 """``python -m kvruntime bench``: GB/s, descriptors per request and handshake time.
 
-The decode side runs in this process, the prefill side in a spawned one. Every transfer is
-measured beside a reference copy of the same size in the same run (host ``memmove`` between two
-buffers with the same page setting), because the CI-class hosts are noisy: compare ratios taken
-together, not figures from different runs. Columns follow nixlbench's (block size, batch size,
+The decode side runs in this process, the prefill side in a spawned one; both keep their caches
+in host memory (``device="cpu"``) or in device memory (``"cuda"``/``"xpu"`` tensors on explicit
+device ids). Every transfer is measured beside a reference copy of the same size in the same run
+(host ``memmove`` between two buffers with the same page setting; on a GPU a device-to-device
+``copy_``, i.e. cudaMemcpy), because hosts are noisy: compare ratios taken together, not figures
+from different runs. Columns follow nixlbench's (block size, batch size,
 average latency, bandwidth) plus the reference and the ratio.
 """
 
@@ -17,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .layout import KVLayout
-from .memory import HostBuffer, thp_mode
+from .memory import HostBuffer, device_unavailable, thp_mode
 
 
 @dataclass
@@ -34,6 +36,8 @@ class BenchConfig:
     nixl_module: str | None = None
     handshakes: int = 10
     seed: int = 7
+    device: str = "cpu"  # "cpu" (host DRAM), "cuda" or "xpu" (VRAM)
+    device_ids: list = field(default_factory=lambda: [0, 0])  # (prefill's, decode's)
 
 
 def bench_layout(kind: str, block_kib: int, max_mib: int) -> KVLayout:
@@ -51,45 +55,91 @@ def pick_blocks(pattern: str, count: int, num_blocks: int, rnd: random.Random):
     return rnd.sample(range(num_blocks), count), rnd.sample(range(num_blocks), count)
 
 
-def _memcpy_gbps(src: HostBuffer, dst: HostBuffer, nbytes: int) -> float:
-    t = time.perf_counter()
-    ctypes.memmove(dst.address, src.address, nbytes)
-    return nbytes / (time.perf_counter() - t) / 1e9
+class HostReference:
+    """memmove between two host buffers with the bench's page setting."""
+
+    label = "host memmove, same run"
+
+    def __init__(self, nbytes: int, huge_pages: bool):
+        self.src = HostBuffer(nbytes, huge_pages)
+        self.dst = HostBuffer(nbytes, huge_pages)
+        ctypes.memset(self.src.address, 0x5A, nbytes)
+
+    def gbps(self, nbytes: int) -> float:
+        t = time.perf_counter()
+        ctypes.memmove(self.dst.address, self.src.address, nbytes)
+        return nbytes / (time.perf_counter() - t) / 1e9
+
+    def close(self) -> None:
+        self.src.close()
+        self.dst.close()
+
+
+class DeviceReference:
+    """A device-to-device copy (torch ``copy_``: cudaMemcpy on CUDA) on the decode's device,
+    timed like the transfers: wall clock from a synchronized start to a synchronized end."""
+
+    def __init__(self, nbytes: int, device: str, device_id: int):
+        import torch
+
+        self.module = getattr(torch, device)
+        self.device = torch.device(device, device_id)
+        self.label = f"{device} device-to-device copy_ on {device}:{device_id}, same run"
+        self.src = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=self.device)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def gbps(self, nbytes: int) -> float:
+        self.module.synchronize(self.device)
+        t = time.perf_counter()
+        self.dst[:nbytes].copy_(self.src[:nbytes])
+        self.module.synchronize(self.device)
+        return nbytes / (time.perf_counter() - t) / 1e9
+
+    def close(self) -> None:
+        self.src = self.dst = None
 
 
 def run_bench(cfg: BenchConfig) -> dict:
     from .binding import load_nixl
     from .decode import DecodeClient
-    from .memory import KVCache
-    from .roles import prefill_main, reap
+    from .roles import allocate_cache, prefill_main, prepare_process, reap
 
     report: dict = {"tool": "kvruntime bench", "config": asdict(cfg), "thp": thp_mode(),
                     "results": [], "ok": False}
+    reason = device_unavailable(cfg.device)
+    if reason is not None:
+        report["error"] = f"cannot bench {cfg.device} memory: {reason}"
+        return report
+    options = {"nixl_module": cfg.nixl_module, "huge": cfg.huge_pages,
+               "ucx_threads": cfg.ucx_threads, "device": cfg.device}
+    prepare_process(options)  # this process is the decode side: UCX settings before NIXL
+    if cfg.device != "cpu":
+        report["device"] = _device_name(cfg.device, cfg.device_ids)
     binding = load_nixl(cfg.nixl_module)
     report["nixl_module"] = binding.module_name
     max_mib = max(cfg.sizes_mib)
     layouts = [bench_layout(k, cfg.block_kib, max_mib) for k in cfg.layouts]
-    options = {"nixl_module": cfg.nixl_module, "huge": cfg.huge_pages,
-               "ucx_threads": cfg.ucx_threads}
     ctx = mp.get_context("spawn")
     ready_q, control = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=prefill_main, name="prefill", daemon=True,
-                       args=(ready_q, control, [l.to_dict() for l in layouts], cfg.seed, options))
+                       args=(ready_q, control, [l.to_dict() for l in layouts], cfg.seed,
+                             {**options, "device_id": cfg.device_ids[0]}))
+    decode_options = {**options, "device_id": cfg.device_ids[1]}
     clients = []
-    ref_src = ref_dst = None
+    reference = None
     try:
         proc.start()
         ready = ready_q.get(timeout=300)
         if not ready.get("ok"):
             report["error"] = ready.get("error")
             return report
-        ref_src = HostBuffer(max_mib << 20, cfg.huge_pages)
-        ref_dst = HostBuffer(max_mib << 20, cfg.huge_pages)
-        ctypes.memset(ref_src.address, 0x5A, max_mib << 20)
+        reference = (HostReference(max_mib << 20, cfg.huge_pages) if cfg.device == "cpu" else
+                     DeviceReference(max_mib << 20, cfg.device, cfg.device_ids[1]))
         rnd = random.Random(cfg.seed)
         for layout, port in zip(layouts, ready["ports"]):
-            cache = KVCache.allocate_host(layout, cfg.huge_pages)
-            client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads)
+            cache = allocate_cache(layout, decode_options)
+            client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads,
+                                  device_kind=cfg.device)
             clients.append((client, cache))
             hs = []
             for _ in range(max(1, cfg.handshakes)):
@@ -107,17 +157,19 @@ def run_bench(cfg: BenchConfig) -> dict:
                         for split in cfg.splits:
                             src, dst = pick_blocks(pattern, count, layout.num_blocks, rnd)
                             move(src, dst, timeout=120, split=split)  # warm-up
-                            rates, refs, lats, res = [], [], [], None
+                            rates, refs, lats, peer_rates, res = [], [], [], [], None
                             for _ in range(cfg.iters):
-                                refs.append(_memcpy_gbps(ref_src, ref_dst, count *
-                                                         layout.block_bytes))
+                                refs.append(reference.gbps(count * layout.block_bytes))
                                 res = move(src, dst, timeout=120, split=split)
                                 rates.append(res.gbps)
+                                if res.peer_seconds:
+                                    peer_rates.append(res.nbytes / res.peer_seconds / 1e9)
                                 lats.append(res.seconds * 1e6)
                             gbps, ref = statistics.median(rates), statistics.median(refs)
                             report["results"].append({
                                 "layout": layout.kind, "op": op, "pattern": pattern,
                                 "split": split, "ucx_threads": cfg.ucx_threads,
+                                "memory": cache.mem_type,
                                 "huge_pages": cfg.huge_pages,
                                 "size_bytes": res.nbytes, "block_size": layout.block_bytes,
                                 "batch_size": count, "runs": res.runs,
@@ -125,10 +177,13 @@ def run_bench(cfg: BenchConfig) -> dict:
                                 "nixl_descriptors": res.nixl_descriptors,
                                 "avg_lat_us": round(statistics.mean(lats), 1),
                                 "gbps": round(gbps, 3), "gbps_max": round(max(rates), 3),
-                                "ref_gbps": round(ref, 3), "ref": "host memmove, same run",
+                                "ref_gbps": round(ref, 3), "ref": reference.label,
                                 "ratio": round(gbps / ref, 3),
                                 "ratio_pairs_median": round(statistics.median(
                                     r / f for r, f in zip(rates, refs)), 3),
+                                # push: the prefill's WRITE alone, without the side channel
+                                "peer_gbps": (round(statistics.median(peer_rates), 3) if peer_rates
+                                              else None),
                             })
         report["ok"] = True
         return report
@@ -139,7 +194,14 @@ def run_bench(cfg: BenchConfig) -> dict:
         for client, cache in clients:
             client.close()
             cache.close()
-        for buf in (ref_src, ref_dst):
-            if buf is not None:
-                buf.close()
+        if reference is not None:
+            reference.close()
         reap(proc, control)
+
+
+def _device_name(device: str, device_ids) -> str:
+    import torch
+
+    module = getattr(torch, device)
+    names = [f"{device}:{i} {module.get_device_name(i)}" for i in dict.fromkeys(device_ids)]
+    return f"{', '.join(names)} (torch {torch.__version__})"

@@ -87,7 +87,7 @@ class PrefillPeer:
             progress()
         return TransferResult("WRITE", plan.nbytes, seconds, len(plan.runs),
                               int(reply.get("descriptors", plan.descriptor_count)),
-                              reply.get("nixl_descriptors"))
+                              reply.get("nixl_descriptors"), _seconds(reply.get("seconds")))
 
     def digests(self, blocks) -> list[str]:
         reply = self._call({"type": "digests", "blocks": list(blocks)}, "digests", 60)
@@ -129,6 +129,10 @@ class PrefillPeer:
         except OSError:
             pass
         self.client._forget(self)
+
+
+def _seconds(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 class DecodeClient:

@@ -105,15 +105,53 @@ class KVCache:
             regions.append(MemoryRegion(t.data_ptr(), t.numel() * t.element_size(), idx, mem))
         return cls(layout, regions, owner=list(tensors))
 
-    # -- host-side content access (DRAM only) ------------------------------------------------
+    @classmethod
+    def allocate_device(cls, layout: KVLayout, device: str, device_id: int) -> "KVCache":
+        """One byte tensor per layout region on ``device:device_id`` (needs torch), registered
+        as VRAM. The device id is explicit: no reliance on the current device."""
+        torch = _torch_for(device)
+        count = getattr(torch, device).device_count()
+        if not 0 <= device_id < count:
+            raise KVRuntimeError(f"{device} device id {device_id} is outside 0..{count - 1}")
+        dev = torch.device(device, device_id)
+        tensors = [torch.empty(layout.region_bytes, dtype=torch.uint8, device=dev)
+                   for _ in range(layout.num_regions)]
+        return cls.from_tensors(layout, tensors)
+
+    @property
+    def tensors(self) -> list | None:
+        """The torch tensors behind a cache made from tensors (None for host buffers)."""
+        return self._owner if isinstance(self._owner, list) else None
+
+    def _byte_views(self) -> list:
+        """Each region's tensor as a flat uint8 tensor (offsets in the layout are bytes)."""
+        import torch
+
+        return [t.reshape(-1).view(torch.uint8) for t in self.tensors]
+
+    def synchronize(self) -> None:
+        """Finish pending device work on the cache (fills), so NIXL sees the final bytes."""
+        for t in self.tensors or ():
+            if t.device.type != "cpu":
+                getattr(_torch_for(t.device.type), t.device.type).synchronize(t.device)
+
+    # -- content access: host memory directly, device tensors through one copy to host -------
     def _host_bytes(self, region: int, offset: int, length: int) -> bytes:
         if self.mem_type != "DRAM":
             raise KVRuntimeError("direct byte access needs host memory")
         return ctypes.string_at(self.regions[region].address + offset, length)
 
     def fill_random(self, seed: int) -> None:
-        """Deterministic pseudo-random content (fast: numpy when present)."""
+        """Deterministic pseudo-random content (fast: numpy when present; on the device for
+        device tensors)."""
         total = self.layout.region_bytes
+        if self.mem_type == "VRAM":
+            for i, t in enumerate(self._byte_views()):
+                gen = _torch_for(t.device.type).Generator(device=t.device)
+                gen.manual_seed(seed * 1000003 + i)
+                t.random_(0, 256, generator=gen)
+            self.synchronize()
+            return
         try:
             import numpy as np
 
@@ -129,14 +167,44 @@ class KVCache:
                 ctypes.memmove(r.address, rnd.randbytes(total), total)
 
     def fill_value(self, value: int) -> None:
+        if self.mem_type == "VRAM":
+            for t in self._byte_views():
+                t.fill_(value)
+            self.synchronize()
+            return
         for r in self.regions:
             ctypes.memset(r.address, value, self.layout.region_bytes)
 
     def block_digest(self, block: int) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        for region, offset, length in self.layout.block_extents(block):
-            h.update(self._host_bytes(region, offset, length))
-        return h.hexdigest()
+        return self.block_digests([block])[0]
+
+    def block_digests(self, blocks) -> list[str]:
+        """blake2b of every block's bytes (all its extents, in region order). Device blocks are
+        gathered on the device and copied to host once, so host and device caches holding the
+        same bytes give the same digests."""
+        extents = [self.layout.block_extents(b) for b in blocks]
+        data = self._device_bytes(extents) if self.mem_type == "VRAM" else None
+        out, pos = [], 0
+        for ext in extents:
+            h = hashlib.blake2b(digest_size=16)
+            for region, offset, length in ext:
+                if data is None:
+                    h.update(self._host_bytes(region, offset, length))
+                else:
+                    h.update(data[pos:pos + length])
+                    pos += length
+            out.append(h.hexdigest())
+        return out
+
+    def _device_bytes(self, extents) -> memoryview:
+        import torch
+
+        views = self._byte_views()
+        parts = [views[region][offset:offset + length]
+                 for ext in extents for region, offset, length in ext]
+        if not parts:
+            return memoryview(b"")
+        return memoryview(torch.cat(parts).cpu().numpy()).cast("B")
 
     def close(self) -> None:
         if self._closed:
@@ -145,6 +213,29 @@ class KVCache:
         if isinstance(self._owner, HostBuffer):
             self._owner.close()
         self._owner = None
+
+
+def _torch_for(device: str):
+    """torch, checked to offer ``device`` ("cuda" or "xpu"); a KVRuntimeError says why not."""
+    try:
+        import torch
+    except ImportError:
+        raise KVRuntimeError(f"{device} memory needs torch, which is not installed") from None
+    module = getattr(torch, device, None)
+    if module is None or not module.is_available():
+        raise KVRuntimeError(f"torch {torch.__version__} sees no {device} device")
+    return torch
+
+
+def device_unavailable(device: str) -> str | None:
+    """None when ``device`` memory can be allocated here, else the reason it cannot."""
+    if device == "cpu":
+        return None
+    try:
+        _torch_for(device)
+    except KVRuntimeError as exc:
+        return str(exc)
+    return None
 
 
 def thp_mode() -> str:

@@ -65,6 +65,9 @@ class PrefillServer:
         self._released: set[str] = set()
         self._released_cv = threading.Condition()
         self._peers: dict[str, _Peer] = {}
+        # Adding and dropping a peer are atomic: a reconnecting decode reuses its agent name,
+        # and the old connection's teardown must not remove the new connection's agent.
+        self._peers_lock = threading.RLock()
         self._conns: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
@@ -133,27 +136,32 @@ class PrefillServer:
             _close_gracefully(sock)
 
     def _add_peer(self, info: PeerInfo, sock: socket.socket) -> _Peer:
-        old = self._peers.get(info.agent)
-        if old is not None:  # the same agent name again: a restarted peer
-            self._drop_peer(old)
-        name = self.agent.add_remote(info.metadata)
-        try:
-            self.registration.prepare_peer(name, info.layout, info.regions, info.mem_type)
-        except Exception:
-            self.agent.remove_remote(name)
-            raise
-        peer = _Peer(info, name, sock)
-        self._peers[name] = peer
-        return peer
+        with self._peers_lock:
+            old = self._peers.get(info.agent)
+            if old is not None:  # the same agent name again: a restarted or reconnected peer
+                self._drop_peer(old)
+            name = self.agent.add_remote(info.metadata)
+            try:
+                self.registration.prepare_peer(name, info.layout, info.regions, info.mem_type)
+            except Exception:
+                self.agent.remove_remote(name)
+                raise
+            peer = _Peer(info, name, sock)
+            self._peers[name] = peer
+            return peer
 
     def _drop_peer(self, peer: _Peer) -> None:
-        if self._peers.get(peer.agent) is peer:
+        """Release ``peer``'s list and agent, once; a no-op when a newer connection of the same
+        agent name has replaced it (its teardown then belongs to that connection)."""
+        with self._peers_lock:
+            if self._peers.get(peer.agent) is not peer:
+                return
             del self._peers[peer.agent]
-        self.registration.release_peer(peer.agent)
-        try:
-            self.agent.remove_remote(peer.agent)
-        except KVRuntimeError as exc:
-            log.warning("removing agent %s: %s", peer.agent, exc)
+            self.registration.release_peer(peer.agent)
+            try:
+                self.agent.remove_remote(peer.agent)
+            except KVRuntimeError as exc:
+                log.warning("removing agent %s: %s", peer.agent, exc)
 
     def _handle(self, peer: _Peer, message: dict) -> None:
         kind = message["type"]
@@ -177,8 +185,9 @@ class PrefillServer:
             blocks = frames.field(message, "blocks", list)
             plan = make_plan(layout, blocks)  # validates the ids
             del plan
-            frames.write_frame(peer.sock, {"type": "digests", "digests": [
-                self.cache.block_digest(b) for b in blocks]}, self.timeout)
+            frames.write_frame(peer.sock, {"type": "digests",
+                                           "digests": self.cache.block_digests(blocks)},
+                               self.timeout)
         else:
             raise KVRuntimeError(f"unknown request type {kind!r}")
 

@@ -11,23 +11,48 @@ import traceback
 from .layout import KVLayout
 
 
+def device_of(options: dict) -> str:
+    """The memory a role allocates its caches in: "cpu" (host DRAM), "cuda" or "xpu" (VRAM)."""
+    return options.get("device") or "cpu"
+
+
+def prepare_process(options: dict) -> None:
+    """First thing a role process does: UCX settings for its memory kind, before NIXL (and
+    with it UCX) is imported, so that e.g. cuda pull gets CUDA IPC rather than TCP."""
+    from .transports import apply_ucx_settings
+
+    apply_ucx_settings(device_of(options))
+
+
+def allocate_cache(layout: KVLayout, options: dict):
+    """A cache for ``layout`` in the role's memory: huge-page host buffers, or device tensors on
+    the explicit ``device_id``."""
+    from .memory import KVCache
+
+    device = device_of(options)
+    if device == "cpu":
+        return KVCache.allocate_host(layout, options.get("huge", True))
+    return KVCache.allocate_device(layout, device, int(options.get("device_id", 0)))
+
+
 def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) -> None:
     """Serve one PrefillServer per layout until ``control`` says stop."""
     servers, caches = [], []
     try:
+        prepare_process(options)
         from .binding import load_nixl
-        from .memory import KVCache
         from .prefill import PrefillServer
 
         binding = load_nixl(options.get("nixl_module"))
         ports = []
         for i, spec in enumerate(layouts):
-            cache = KVCache.allocate_host(KVLayout.from_dict(spec), options.get("huge", True))
+            cache = allocate_cache(KVLayout.from_dict(spec), options)
             caches.append(cache)
             cache.fill_random(seed + i)
             fixed = options.get("ports") or []
             server = PrefillServer(cache, binding=binding, secret=options.get("secret"),
                                    ucx_threads=options.get("ucx_threads", 0),
+                                   device_kind=device_of(options),
                                    port=fixed[i] if i < len(fixed) else 0)
             servers.append(server)
             ports.append(server.address[1])

@@ -14,7 +14,8 @@ import time
 import traceback
 
 from .layout import CROSS_LAYER, PER_LAYER, KVLayout
-from .roles import prefill_main, reap
+from .memory import device_unavailable
+from .roles import allocate_cache, device_of, prefill_main, prepare_process, reap
 
 OPS = ("pull", "push")
 SELFTEST_SHAPE = dict(num_layers=4, num_blocks=256, tokens_per_block=16, num_kv_heads=8,
@@ -38,26 +39,17 @@ def request_blocks(num_blocks: int, seed: int) -> tuple[list[int], list[int]]:
     return src, [(b + shift) % num_blocks for b in src]
 
 
-def _device_modes() -> list[dict]:
-    out = []
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        reason = "torch is not installed (device tensors need it)"
-        return [{"mode": f"{dev}/{kind}/{op}", "layout": kind, "op": op, "memory": "VRAM",
-                 "status": "skipped", "reason": reason}
-                for dev in ("cuda", "xpu") for kind in (CROSS_LAYER, PER_LAYER) for op in OPS]
-    import torch
+DEVICES = ("cuda", "xpu")
 
-    for dev, present in (("cuda", torch.cuda.is_available()),
-                         ("xpu", hasattr(torch, "xpu") and torch.xpu.is_available())):
-        reason = (f"{dev} device present, but device-memory selftest is not implemented yet"
-                  if present else f"no {dev} device on this host")
-        for kind in (CROSS_LAYER, PER_LAYER):
-            for op in OPS:
-                out.append({"mode": f"{dev}/{kind}/{op}", "layout": kind, "op": op,
-                            "memory": "VRAM", "status": "skipped", "reason": reason})
-    return out
+
+def mode_name(device: str, kind: str, op: str) -> str:
+    return f"{'host' if device == 'cpu' else device}/{kind}/{op}"
+
+
+def skipped_modes(device: str, reason: str) -> list[dict]:
+    return [{"mode": mode_name(device, kind, op), "layout": kind, "op": op, "memory": "VRAM",
+             "status": "skipped", "reason": reason}
+            for kind in (CROSS_LAYER, PER_LAYER) for op in OPS]
 
 
 def decode_main(result_queue, ports: list[int], layouts: list[dict], seed: int,
@@ -65,27 +57,32 @@ def decode_main(result_queue, ports: list[int], layouts: list[dict], seed: int,
     modes = []
     client_objs = []
     try:
+        prepare_process(options)
         from .binding import load_nixl
         from .decode import DecodeClient
-        from .memory import KVCache
 
+        device = device_of(options)
         binding = load_nixl(options.get("nixl_module"))
         for port, spec in zip(ports, layouts):
             layout = KVLayout.from_dict(spec)
-            cache = KVCache.allocate_host(layout, options.get("huge", True))
-            client = DecodeClient(cache, binding=binding, secret=options.get("secret"))
+            cache = allocate_cache(layout, options)
+            client = DecodeClient(cache, binding=binding, secret=options.get("secret"),
+                                  device_kind=device)
             client_objs.append((client, cache))
             peer = client.connect("127.0.0.1", port)
             for n, op in enumerate(OPS):
                 src, dst = request_blocks(layout.num_blocks, seed + n)
                 cache.fill_value(0)
-                entry = {"mode": f"host/{layout.kind}/{op}", "layout": layout.kind, "op": op,
-                         "memory": "DRAM", "handshake_ms": round(peer.handshake_seconds * 1e3, 2)}
+                entry = {"mode": mode_name(device, layout.kind, op), "layout": layout.kind,
+                         "op": op, "memory": cache.mem_type,
+                         "handshake_ms": round(peer.handshake_seconds * 1e3, 2)}
+                if device != "cpu":
+                    entry["device_ids"] = options.get("device_ids")
                 try:
                     move = peer.pull if op == "pull" else peer.push
                     res = move(src, dst, timeout=options.get("timeout", 30.0))
                     expected = peer.digests(src)
-                    got = [cache.block_digest(b) for b in dst]
+                    got = cache.block_digests(dst)
                     bad = [s for s, e, g in zip(src, expected, got) if e != g]
                     entry.update({
                         "status": "passed" if not bad else "failed",
@@ -123,42 +120,71 @@ def _get(q, timeout: float, what: str, procs) -> dict:
                 return {"ok": False, "error": f"{what}: {why}"}
 
 
-def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
-                 secret: bytes | None = None, seed: int = 1234) -> dict:
-    """Run every host mode in two fresh processes; return the JSON-able report."""
-    start = time.perf_counter()
-    layouts = [KVLayout(kind=k, **SELFTEST_SHAPE).to_dict() for k in (CROSS_LAYER, PER_LAYER)]
-    options = {"nixl_module": nixl_module, "secret": secret or __import__("os").urandom(16),
-               "timeout": 30.0}
-    report: dict = {"tool": "kvruntime selftest", "modes": []}
+def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout: float
+              ) -> dict:
+    """One prefill and one decode process over loopback; the decode's result (plus module)."""
     ctx = mp.get_context("spawn")
     pq, control, dq = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    prefill = ctx.Process(target=prefill_main, args=(pq, control, layouts, seed, options),
-                          name="prefill", daemon=True)
+    prefill = ctx.Process(target=prefill_main, name="prefill", daemon=True,
+                          args=(pq, control, layouts, seed,
+                                {**options, "device_id": device_ids[0]}))
     procs = [prefill]
     try:
         prefill.start()
         ready = _get(pq, timeout, "prefill process", procs)
         if not ready.get("ok"):
-            report.update(ok=False, error=ready.get("error"), trace=ready.get("trace"))
-            return report
-        decode = ctx.Process(target=decode_main, args=(dq, ready["ports"], layouts, seed, options),
-                             name="decode", daemon=True)
+            return ready
+        decode = ctx.Process(target=decode_main, name="decode", daemon=True,
+                             args=(dq, ready["ports"], layouts, seed,
+                                   {**options, "device_id": device_ids[1]}))
         procs.append(decode)
         decode.start()
-        result = _get(dq, timeout, "decode process", procs[1:])
-        report["nixl_module"] = ready.get("module")
-        modes = result.get("modes", []) + _device_modes()
-        report["modes"] = modes
-        ran = [m for m in modes if m["status"] != "skipped"]
-        report["ok"] = bool(result.get("ok")) and bool(ran) and all(
-            m["status"] == "passed" for m in ran)
-        if not result.get("ok"):
-            report["error"] = result.get("error")
-            report["trace"] = result.get("trace")
-        return report
+        return {**_get(dq, timeout, "decode process", procs[1:]), "module": ready.get("module")}
     finally:
         for p in procs:
             reap(p, control if p is prefill else None)
-        report["seconds"] = round(time.perf_counter() - start, 3)
 
+
+def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
+                 secret: bytes | None = None, seed: int = 1234,
+                 device_ids: tuple[int, int] = (0, 0)) -> dict:
+    """Run every mode this host offers, each memory kind in two fresh processes (host DRAM;
+    cuda/xpu VRAM on ``device_ids`` = (prefill's, decode's) where torch sees the device);
+    return the JSON-able report. Device modes that cannot run are skipped with the reason."""
+    start = time.perf_counter()
+    layouts = [KVLayout(kind=k, **SELFTEST_SHAPE).to_dict() for k in (CROSS_LAYER, PER_LAYER)]
+    options = {"nixl_module": nixl_module, "secret": secret or __import__("os").urandom(16),
+               "timeout": 30.0}
+    report: dict = {"tool": "kvruntime selftest", "modes": []}
+    try:
+        host = _run_pair(layouts, seed, options, (0, 0), timeout)
+        if not host.get("modes") and not host.get("ok"):  # the stack itself is unusable
+            report.update(ok=False, error=host.get("error"), trace=host.get("trace"))
+            return report
+        report["nixl_module"] = host.get("module")
+        modes, errors = list(host.get("modes", [])), []
+        if not host.get("ok"):
+            errors.append(host)
+        for device in DEVICES:
+            reason = device_unavailable(device)
+            if reason is not None:
+                modes += skipped_modes(device, reason)
+                continue
+            ran = _run_pair(layouts, seed, {**options, "device": device,
+                                            "device_ids": list(device_ids)}, device_ids, timeout)
+            got = ran.get("modes", [])
+            if not ran.get("ok"):
+                errors.append(ran)
+                done = {m["mode"] for m in got}
+                got += [{**m, "status": "failed", "reason": ran.get("error")}
+                        for m in skipped_modes(device, "") if m["mode"] not in done]
+            modes += got
+        report["modes"] = modes
+        ran = [m for m in modes if m["status"] != "skipped"]
+        report["ok"] = not errors and bool(ran) and all(m["status"] == "passed" for m in ran)
+        if errors:
+            report["error"] = "; ".join(str(e.get("error")) for e in errors)
+            report["trace"] = "\n".join(str(e.get("trace")) for e in errors if e.get("trace"))
+        return report
+    finally:
+        report["seconds"] = round(time.perf_counter() - start, 3)

@@ -27,6 +27,7 @@ class TransferResult:
     runs: int
     descriptors: int  # what kvruntime asked for: runs x regions (x split pieces)
     nixl_descriptors: int | None  # what NIXL posted after merging, when telemetry exists
+    peer_seconds: float | None = None  # push: the prefill's own WRITE time (no side channel)
 
     @property
     def gbps(self) -> float:

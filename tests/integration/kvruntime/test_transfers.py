@@ -111,3 +111,18 @@ def test_restarted_prefill_is_handshaked_again(prefill):
     finally:
         client.close()
         cache.close()
+
+
+def test_quick_reconnects_are_served_by_the_new_connection(prefill):
+    """A decode that reconnects reuses its agent name: the old connection's teardown on the
+    prefill side must not remove the agent and list the new connection just added (seen on
+    the GPU host as NIXL_ERR_NOT_FOUND in prep_xfer_dlist during bench's repeated handshakes)."""
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=3) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache) as client:
+            for block in range(20):
+                peer = client.connect("127.0.0.1", ports[0])
+                peer.push([block], [block], timeout=10)  # the prefill's WRITE needs our list
+                assert peer.digests([block]) == [cache.block_digest(block)]
+        cache.close()

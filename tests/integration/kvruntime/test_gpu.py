@@ -1,0 +1,95 @@
+"""KV caches in CUDA device memory (VRAM), moved between real processes by real NIXL agents.
+
+Both sides allocate torch CUDA tensors on an explicit device id and register them as VRAM; every
+moved block's digest is compared with the prefill side's. Skipped, with the reason, where torch
+or a CUDA device is missing. No timings are asserted: figures go to BENCHMARKS.md.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvruntime.decode import DecodeClient
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.memory import KVCache, device_unavailable
+from kvruntime.plan import coalesce
+from kvruntime.selftest import request_blocks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+
+_why_not = device_unavailable("cuda")
+if _why_not is not None:
+    pytest.skip(f"no CUDA memory here: {_why_not}", allow_module_level=True)
+
+DEVICE_ID = 0
+
+
+def small(kind, blocks=64):
+    return KVLayout(kind, 3, blocks, 16, 4, 64, "float16")
+
+
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+def test_bit_exact_pull_and_push_in_vram(prefill, kind):
+    layout = small(kind)
+    with prefill([layout], seed=21, secret=b"k", device="cuda",
+                 device_id=DEVICE_ID) as (_proc, ports):
+        cache = KVCache.allocate_device(small(kind, blocks=80), "cuda", DEVICE_ID)
+        assert cache.mem_type == "VRAM"
+        assert {r.device_id for r in cache.regions} == {DEVICE_ID}
+        assert {t.device.type for t in cache.tensors} == {"cuda"}
+        zero = KVCache.allocate_device(small(kind, blocks=80), "cuda", DEVICE_ID)
+        zero.fill_value(0)
+        with DecodeClient(cache, secret=b"k", device_kind="cuda") as client:
+            # the agent chose CUDA IPC for READs before its UCX backend existed
+            assert os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == "on"
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.info.mem_type == "VRAM"
+            for n, op in enumerate(("pull", "push")):
+                src, dst = request_blocks(layout.num_blocks, 100 + n)
+                cache.fill_value(0)
+                res = getattr(peer, op)(src, dst, timeout=30)
+                assert res.nbytes == len(src) * layout.block_bytes
+                assert res.runs == len(coalesce(src, dst))
+                assert res.descriptors == res.runs * layout.num_regions
+                expected = peer.digests(src)
+                assert len(set(expected)) == len(src)  # random content, not zeros
+                assert cache.block_digests(dst) == expected
+                untouched = sorted(set(range(80)) - set(dst))[:5]
+                assert cache.block_digests(untouched) == zero.block_digests(untouched)
+        zero.close()
+        cache.close()
+
+
+def test_selftest_cli_runs_every_cuda_mode_bit_exact():
+    proc = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--json",
+                           "--device-ids", str(DEVICE_ID), str(DEVICE_ID)],
+                          capture_output=True, text=True, timeout=300)
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0, (report.get("error"), proc.stderr[-3000:])
+    cuda = [m for m in report["modes"] if m["mode"].startswith("cuda/")]
+    assert {(m["layout"], m["op"]) for m in cuda} == {
+        (k, o) for k in (CROSS_LAYER, PER_LAYER) for o in ("pull", "push")}
+    for m in cuda:
+        assert m["status"] == "passed", m
+        assert m["memory"] == "VRAM" and m["digest_ok"]
+        assert m["digests_checked"] == m["blocks"] > 0
+    assert report["ok"] is True
+
+
+def test_bench_reports_vram_beside_a_device_copy():
+    from kvruntime.bench import BenchConfig, run_bench
+
+    report = run_bench(BenchConfig(sizes_mib=[8], iters=2, handshakes=2, device="cuda",
+                                   device_ids=[DEVICE_ID, DEVICE_ID]))
+    assert report["ok"], report.get("error")
+    assert "cuda:0" in report["device"]
+    assert {(r["layout"], r["op"], r["pattern"]) for r in report["results"]} == {
+        (k, o, p) for k in (CROSS_LAYER, PER_LAYER) for o in ("pull", "push")
+        for p in ("contiguous", "random")}
+    for r in report["results"]:
+        assert r["memory"] == "VRAM" and "copy_" in r["ref"]
+        assert r["gbps"] > 0 and r["ref_gbps"] > 0 and r["ratio"] > 0
+        assert r["descriptors"] == r["runs"] * (1 if r["layout"] == CROSS_LAYER else 8)

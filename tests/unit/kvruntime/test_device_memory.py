@@ -1,0 +1,52 @@
+"""Device memory choices that need no device: the UCX setting each role applies first, and the
+reasons device modes are skipped where torch or the device is missing (never 'passed')."""
+
+import os
+
+import pytest
+
+from kvruntime.errors import KVRuntimeError
+from kvruntime.layout import CROSS_LAYER, KVLayout
+from kvruntime.memory import KVCache, device_unavailable
+from kvruntime.roles import allocate_cache, device_of, prepare_process
+from kvruntime.selftest import skipped_modes
+
+LAYOUT = KVLayout(CROSS_LAYER, 2, 8, 16, 2, 64, "float16")
+
+
+def test_cuda_role_gets_cuda_ipc_get_zcopy_before_nixl(monkeypatch):
+    monkeypatch.delenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", raising=False)
+    prepare_process({"device": "cpu"})
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in os.environ
+    prepare_process({"device": "cuda"})
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "on"
+
+
+def test_a_users_own_setting_is_kept(monkeypatch):
+    monkeypatch.setenv("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "off")
+    prepare_process({"device": "cuda"})
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "off"
+
+
+def test_host_roles_stay_on_host_memory():
+    assert device_of({}) == device_of({"device": None}) == "cpu"
+    assert device_unavailable("cpu") is None
+    cache = allocate_cache(LAYOUT, {"huge": False})
+    try:
+        assert cache.mem_type == "DRAM" and cache.tensors is None
+    finally:
+        cache.close()
+
+
+@pytest.mark.parametrize("device", ["cuda", "xpu"])
+def test_missing_device_gives_a_reason_and_skipped_modes(device):
+    reason = device_unavailable(device)
+    if reason is None:
+        pytest.skip(f"this host has {device} memory")
+    assert device in reason
+    with pytest.raises(KVRuntimeError, match=device):
+        KVCache.allocate_device(LAYOUT, device, 0)
+    modes = skipped_modes(device, reason)
+    assert len(modes) == 4
+    assert all(m["status"] == "skipped" and m["reason"] == reason for m in modes)
+    assert all(m["mode"].startswith(f"{device}/") for m in modes)
