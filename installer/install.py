@@ -21,7 +21,7 @@ from . import envfile, prefix as prefixmod, syspkgs, tools, verify
 from .build.step import Step
 from .cache import Cache
 from .detect import detect_platform
-from .errors import InstallerError, VerifyError
+from .errors import HostError, InstallerError, VerifyError
 from .extract import extract
 from .phases import PhaseLog
 from .plan import Plan
@@ -106,10 +106,17 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
                 raise VerifyError(f"the new build did not prove itself: {failed[0] if failed else 'see manifest'}",
                                   fix=f"nothing was switched; {plan.prefix} still points to "
                                       f"{previous or 'nothing'}; details in {plan.work_dir / 'manifest.failed.json'}")
-    except (InstallerError, KeyboardInterrupt) as e:
-        manifest.update(complete=False, phases=phases.records, error=getattr(e, "line", lambda: "interrupted")())
-        plan.work_dir.mkdir(parents=True, exist_ok=True)
-        (plan.work_dir / "manifest.failed.json").write_text(json.dumps(manifest, indent=2, default=str))
+    except (InstallerError, KeyboardInterrupt, OSError) as e:
+        running = next((n for n, r in phases.records.items() if r.get("status") in ("running", "failed")), "install")
+        error = HostError.from_oserror(e, f"during {running}") if isinstance(e, OSError) else e
+        manifest.update(complete=False, phases=phases.records, error=getattr(error, "line", lambda: "interrupted")())
+        try:
+            plan.work_dir.mkdir(parents=True, exist_ok=True)
+            (plan.work_dir / "manifest.failed.json").write_text(json.dumps(manifest, indent=2, default=str))
+        except OSError:
+            pass  # a full disk may refuse this too; the error line still says what happened
+        if error is not e:
+            raise error from e
         raise
     manifest.update(complete=True, phases=phases.records, seconds=round(time.monotonic() - started, 1),
                     logs=str(plan.install_dir / "logs"))

@@ -223,3 +223,26 @@ def test_second_installer_is_refused_while_one_holds_the_prefix(world, installed
         r = _install(world, installed)
     assert r.returncode == 10
     assert "another installer is working on" in r.stderr
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A real file system (tmpfs) with 8 KiB left, to install onto; needs root (CI runs as root)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    st = os.statvfs(mnt)
+    (mnt / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 8192))
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_is_one_clear_line(world, tiny_disk):
+    r = _install(world, tiny_disk / "kv")
+    assert r.returncode in (8, 11), r.stderr  # a build step's own write (8) or the installer's (11)
+    last = r.stderr.strip().splitlines()[-1]
+    assert "No space left on device" in r.stderr and "Traceback" not in r.stderr
+    assert last.startswith(("build failed: ", "host error: ")) and "untouched" in last
+    assert not (tiny_disk / "kv").exists()
