@@ -25,7 +25,7 @@ from .errors import HostError, InstallerError, VerifyError
 from .extract import extract
 from .phases import PhaseLog
 from .plan import Plan
-from .runner import run_step
+from .runner import run_step, stop_leftovers
 from .sources import Fetched, Fetcher
 
 log = logging.getLogger("kvstack.installer")
@@ -51,6 +51,7 @@ def run(plan: Plan, *, mirror: str | None, system_packages: str = "install") -> 
 def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path | None) -> dict[str, Any]:
     phases = PhaseLog()
     log_dir = plan.work_dir / "logs"
+    stop_leftovers(log_dir)
     stamps = plan.install_dir / ".kvstack"
     manifest = _manifest_head(plan, mirror)
     started = time.monotonic()

@@ -18,6 +18,7 @@ from .errors import BuildError
 log = logging.getLogger("kvstack.installer")
 TAIL_LINES = 25
 PR_SET_PDEATHSIG = 1
+RUNNING = "running-step.pid"
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -62,15 +63,52 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path) -> Non
         logf.flush()
         proc = subprocess.Popen(step.argv, cwd=step.cwd, env=env, stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        marker = log_path.parent / RUNNING
+        marker.write_text(f"{proc.pid}\n")  # so a run after a SIGKILL can stop what this one left
         try:
             rc = proc.wait()
         except BaseException:
             _kill_group(proc)
             raise
+        finally:
+            marker.unlink(missing_ok=True)
     if rc != 0:
         raise BuildError(f"{component}: step {step.name} failed with exit code {rc}: {' '.join(step.argv)[:200]}",
                          log=str(log_path), fix="the tail of the log is above; the previous install is untouched",
                          detail=tail(log_path))
+
+
+def stop_leftovers(log_dir: Path) -> int | None:
+    """A SIGKILLed installer could not stop its build step: make or ninja die with it
+    (PR_SET_PDEATHSIG), but compilers they started may still run and write into the build tree
+    this run is about to reuse. Stop that process group; return its id if one was running."""
+    marker = log_dir / RUNNING
+    try:
+        pgid = int(marker.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    marker.unlink(missing_ok=True)
+    try:
+        members = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(p) == pgid]
+    except OSError:
+        return None
+    if not members:
+        return None
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return None
+    log.warning("stopped %d leftover build processes of an earlier, killed run (process group %d)",
+                len(members), pgid)
+    return pgid
+
+
+def _pgid(proc_dir: Path) -> int | None:
+    try:
+        # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces, so split after ')'
+        return int(proc_dir.joinpath("stat").read_text().rsplit(")", 1)[1].split()[2])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _die_with_parent() -> None:

@@ -21,6 +21,7 @@ import filelock
 import pytest
 
 from installer import prefix as prefixmod
+from installer.runner import stop_leftovers
 from tests.integration.installer.localserver import sha256
 
 pytestmark = pytest.mark.integration
@@ -165,51 +166,73 @@ def test_failing_step_shows_its_log_and_keeps_the_previous_install(world, instal
     assert installed.resolve() == before and prefixmod.is_complete(before)
 
 
-def _wait_for(path_glob: str, root: Path, timeout: float = 300) -> Path:
+def _wait_for(path_glob: str, root: Path, proc: subprocess.Popen, timeout: float = 300) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         hits = list(root.glob(path_glob))
         if hits:
             return hits[0]
-        time.sleep(0.2)
+        if proc.poll() is not None:
+            raise AssertionError(f"the installer ended ({proc.returncode}) before {path_glob} appeared: "
+                                 f"{proc.stderr.read()[-2000:]}")
+        time.sleep(0.1)
     raise AssertionError(f"{path_glob} never appeared under {root}")
 
 
-def _processes_in(directory: Path) -> list[int]:
-    pids = []
+def _sleeping(pgid: int) -> bool:
+    return any(Path(f"/proc/{pid}/comm").read_text().strip() == "sleep" for pid in _group(pgid))
+
+
+def _group(pgid: int) -> list[int]:
+    """The live processes of one process group (a build step runs in its own)."""
+    out = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
-                if os.readlink(proc / "cwd").startswith(str(directory)):
-                    pids.append(int(proc.name))
-            except OSError:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid and fields[0] != "Z":  # zombies are gone, only unreaped
+                    out.append(int(proc.name))
+            except (OSError, ValueError, IndexError):
                 pass
-    return pids
+    return out
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_install_leaves_the_previous_one_working(world, installed, tmp_path, sig):
     before = installed.resolve()
-    slow = _overlay(tmp_path, "[components.hello-cmake.defines]\nHELLO_SLOW = true\n")
+    # a build of its own per signal (the variable only makes the build id differ)
+    slow = _overlay(tmp_path, f'[components.hello-cmake.defines]\nHELLO_SLOW = true\n\n'
+                              f'[runtime.env]\nKVSTACK_TEST_SIGNAL = "{int(sig)}"\n')
+    plan = json.loads(subprocess.run(_cmd(world, installed, "--recipe-overlay", slow, "--dry-run", "--json"),
+                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    logs = Path(plan["work_dir"]) / "logs"
     proc = subprocess.Popen(_cmd(world, installed, "--recipe-overlay", slow), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        log = _wait_for("work/*/logs/hello-cmake.cmake-configure.log", world["cache"])
-        time.sleep(0.5)  # cmake is inside its sleep now
+        log = _wait_for("hello-cmake.cmake-configure.log", logs, proc)
+        marker = _wait_for("running-step.pid", logs, proc)
+        pgid = int(marker.read_text())
+        deadline = time.monotonic() + 180
+        while not _sleeping(pgid) and time.monotonic() < deadline:  # cmake is inside its `sleep 600`
+            time.sleep(0.1)
+        assert _sleeping(pgid)
         os.kill(proc.pid, sig)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-        build_dir = log.parent.parent / "build" / "hello-cmake" if "log" in locals() else None
+    time.sleep(0.3)
     if sig == signal.SIGKILL:
         assert proc.returncode == -signal.SIGKILL
-        for pid in _processes_in(build_dir):  # what a SIGKILL orphans, the test cleans up
-            os.kill(pid, signal.SIGKILL)
+        # cmake died with the installer (PR_SET_PDEATHSIG); the `sleep` it started lives on in the
+        # step's process group until the next run of this plan stops it, which it does first:
+        assert _group(pgid)
+        assert stop_leftovers(log.parent) == pgid
+        time.sleep(0.3)
     else:
         assert proc.returncode == 130, err
         assert err.strip().splitlines()[-1].startswith("interrupted: stopped")
-        assert _processes_in(build_dir) == []  # the build's process group went with it
+    assert _group(pgid) == []  # nothing of the build step is left running
     assert installed.resolve() == before and prefixmod.is_complete(before)
     out = subprocess.run([str(installed / "hello-meson/bin/greet")], capture_output=True, text=True)
     assert out.stdout.strip() == "greet 7"
