@@ -103,6 +103,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from .binding import load_nixl
     from .decode import DecodeClient
     from .roles import allocate_cache, prefill_main, prepare_process, reap
+    from .transports import ucx_environment
 
     report: dict = {"tool": "kvruntime bench", "config": asdict(cfg), "thp": thp_mode(),
                     "results": [], "ok": False}
@@ -113,6 +114,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     options = {"nixl_module": cfg.nixl_module, "huge": cfg.huge_pages,
                "ucx_threads": cfg.ucx_threads, "device": cfg.device}
     prepare_process(options)  # this process is the decode side: UCX settings before NIXL
+    report["ucx_env"] = ucx_environment()  # what the figures ran under (both sides)
     if cfg.device != "cpu":
         report["device"] = _device_name(cfg.device, cfg.device_ids)
     binding = load_nixl(cfg.nixl_module)
