@@ -148,3 +148,20 @@ def test_quick_reconnects_are_served_by_the_new_connection(prefill):
                 peer.push([block], [block], timeout=10)  # the prefill's WRITE needs our list
                 assert peer.digests([block]) == [cache.block_digest(block)]
         cache.close()
+
+
+def test_bench_reports_medians_spread_and_ucx_settings():
+    from kvruntime.bench import BenchConfig, run_bench
+
+    report = run_bench(BenchConfig(sizes_mib=[4], patterns=["contiguous"], layouts=[CROSS_LAYER],
+                                   ops=["pull", "push"], iters=3, handshakes=2))
+    assert report["ok"], report.get("error")
+    assert report["ucx_env"].get("UCX_POSIX_ERROR_HANDLING") == "y"
+    assert len(report["handshake_ms"][CROSS_LAYER]["all"]) == 2
+    for row in report["results"]:
+        spread = row["spread"]
+        assert spread["gbps"][0] <= row["gbps"] <= spread["gbps"][1] == row["gbps_max"]
+        assert spread["ref_gbps"][0] <= row["ref_gbps"] <= spread["ref_gbps"][1]
+        assert spread["ratio_pairs"][0] <= row["ratio_pairs_median"] <= spread["ratio_pairs"][1]
+        assert row["ratio"] == pytest.approx(row["gbps"] / row["ref_gbps"], abs=2e-3)
+        assert row["descriptors"] == row["runs"] == 1
