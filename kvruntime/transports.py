@@ -16,6 +16,11 @@ UCX reads its environment when NIXL creates the backend, so this runs first. Rul
   add-agent takes ~1 ms and a small pull ~0.05 ms instead of ~1 ms. posix (not sysv): UCX can
   check a posix peer safely because it attaches the peer's shared-memory file; peers on other
   hosts still use tcp/IB, which stay enabled.
+- Host memory: ``UCX_CMA_SEG_SIZE=4M``. cma moves one segment per UCX progress call; with
+  512 KiB segments a 1 GiB pull is 2048 process_vm_readv calls. Measured on the 2-core host
+  (1 GiB cross_layer pull vs same-run memmove, 7 runs each): 512 KiB 0.80 median, 4 MiB 0.85,
+  64 MiB 0.85. 4 MiB keeps one progress call short (~0.25 ms at 16 GB/s), so a pull from one
+  peer does not hold up the others' progress for long.
 - Intel GPUs need ``UCX_MEMTYPE_CACHE=n``. CUDA pull (READ) needs
   ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`` or it falls back to TCP silently. cuda and xpu keep UCX's
   default AM choice (not measured there with posix AM).
@@ -39,6 +44,9 @@ SHM_AM = ("posix", "sysv")
 # UCX_TLS aliases, expanded to the AM transports they include.
 ALIASES = {"all": AM_PEER_FAILURE | set(SHM_AM), "sm": set(SHM_AM), "shm": set(SHM_AM),
            "mm": set(SHM_AM), "ib": AM_PEER_FAILURE - {"tcp"}}
+# Host memory's bulk transport between processes (process_vm_readv/writev), and its segment:
+# UCX copies one segment per worker progress call (UCX_CMA_TX_QUOTA=1), 512 KiB by default.
+CMA_SEG_SETTING, CMA_SEG_SIZE = "UCX_CMA_SEG_SIZE", "4M"
 # Kept for callers that want the plain "can do active messages" set.
 AM_CAPABLE = AM_PEER_FAILURE | set(SHM_AM) | set(ALIASES)
 DEVICE_KINDS = ("cpu", "cuda", "xpu")
@@ -50,17 +58,25 @@ def _names(tls: str) -> set[str]:
     return {t.strip().lstrip("^").lower() for t in tls.split(",") if t.strip()}
 
 
-def admitted_am(env: Mapping[str, str]) -> set[str]:
-    """The AM transports (tcp, posix, sysv, rc, ...) that ``UCX_TLS`` in ``env`` lets UCX use."""
+def admitted(env: Mapping[str, str], universe: set[str]) -> set[str]:
+    """Which transports of ``universe`` ``UCX_TLS`` in ``env`` lets UCX use (aliases: all, sm,
+    shm, mm, ib; a leading ``^`` excludes)."""
     tls = (env.get("UCX_TLS") or "").strip()
     if not tls:
-        return set(ALIASES["all"])
+        return set(universe)
     named: set[str] = set()
     for name in _names(tls):
         named |= ALIASES.get(name, {name})
+        if name in ("all", "sm", "shm"):
+            named.add("cma")  # UCX's sm/shm aliases include the single-copy transports
     if tls.startswith("^"):
-        return set(ALIASES["all"]) - named
-    return named & ALIASES["all"]
+        return set(universe) - named
+    return named & set(universe)
+
+
+def admitted_am(env: Mapping[str, str]) -> set[str]:
+    """The AM transports (tcp, posix, sysv, rc, ...) that ``UCX_TLS`` in ``env`` lets UCX use."""
+    return admitted(env, ALIASES["all"])
 
 
 def shm_error_handling(env: Mapping[str, str], transport: str) -> bool:
@@ -85,6 +101,8 @@ def ucx_settings(device_kind: str, env: Mapping[str, str]) -> dict[str, str]:
     want: dict[str, str] = {}
     if device_kind == "cpu" and "posix" in admitted_am(env):
         want[SHM_AM_SETTING] = "y"
+    if device_kind == "cpu" and admitted(env, {"cma"}):
+        want[CMA_SEG_SETTING] = CMA_SEG_SIZE
     if device_kind == "xpu":
         want["UCX_MEMTYPE_CACHE"] = "n"
     if device_kind == "cuda":

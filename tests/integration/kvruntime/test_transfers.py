@@ -157,6 +157,7 @@ def test_bench_reports_medians_spread_and_ucx_settings():
                                    ops=["pull", "push"], iters=3, handshakes=2))
     assert report["ok"], report.get("error")
     assert report["ucx_env"].get("UCX_POSIX_ERROR_HANDLING") == "y"
+    assert report["ucx_env"].get("UCX_CMA_SEG_SIZE") == "4M"
     assert len(report["handshake_ms"][CROSS_LAYER]["all"]) == 2
     for row in report["results"]:
         spread = row["spread"]

@@ -35,8 +35,8 @@ def test_agent_names_as_str():
 
 
 def test_ucx_settings():
-    posix = {"UCX_POSIX_ERROR_HANDLING": "y"}
-    assert ucx_settings("cpu", {}) == posix
+    host = {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M"}
+    assert ucx_settings("cpu", {}) == host
     assert ucx_settings("xpu", {}) == {"UCX_MEMTYPE_CACHE": "n"}
     assert ucx_settings("cuda", {}) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
     assert ucx_settings("cuda", {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}) == {}
@@ -45,7 +45,14 @@ def test_ucx_settings():
     with pytest.raises(TransportError):
         ucx_settings("xpu", {"UCX_TLS": "ze_copy"})
     # tcp only: posix is not in play, so its setting is not added (UCX would warn it unused)
-    assert ucx_settings("cpu", {"UCX_TLS": "tcp,cma"}) == {}
+    assert ucx_settings("cpu", {"UCX_TLS": "tcp,cma"}) == {"UCX_CMA_SEG_SIZE": "4M"}
+    assert ucx_settings("cpu", {"UCX_TLS": "tcp"}) == {}
+    assert ucx_settings("cpu", {"UCX_TLS": "^cma"}) == {"UCX_POSIX_ERROR_HANDLING": "y"}
+    assert ucx_settings("cpu", {"UCX_TLS": "sm,tcp"}) == host  # sm includes cma
+    assert ucx_settings("cpu", {"UCX_CMA_SEG_SIZE": "64M"}) == {"UCX_POSIX_ERROR_HANDLING": "y"}
+    # device memory: no host-memory settings
+    assert "UCX_CMA_SEG_SIZE" not in ucx_settings("cuda", {})
+    assert "UCX_CMA_SEG_SIZE" not in ucx_settings("xpu", {})
 
 
 @pytest.mark.parametrize("tls, admitted", [
@@ -89,21 +96,23 @@ def test_shared_memory_am_needs_error_handling():
     assert usable_am({"UCX_TLS": "sm,cma", "UCX_MM_ERROR_HANDLING": "y"}) == {"posix", "sysv"}
     assert usable_am({"UCX_TLS": "tcp,posix"}) == {"tcp"}
     # host memory: kvruntime turns posix error handling on, so posix alone is enough
-    assert ucx_settings("cpu", {"UCX_TLS": "posix,cma"}) == {"UCX_POSIX_ERROR_HANDLING": "y"}
+    assert ucx_settings("cpu", {"UCX_TLS": "posix,cma"}) == {"UCX_POSIX_ERROR_HANDLING": "y",
+                                                              "UCX_CMA_SEG_SIZE": "4M"}
     # device memory keeps UCX's AM choice: shared memory alone is refused with the reason
     with pytest.raises(TransportError, match="UCX_POSIX_ERROR_HANDLING=y"):
         ucx_settings("cuda", {"UCX_TLS": "posix,cuda_ipc,cuda_copy"})
     with pytest.raises(TransportError, match="UCX_SYSV_ERROR_HANDLING=y"):
         ucx_settings("cpu", {"UCX_TLS": "sysv,cma"})
-    assert ucx_settings("cpu", {"UCX_TLS": "sysv,cma", "UCX_SYSV_ERROR_HANDLING": "y"}) == {}
+    assert ucx_settings("cpu", {"UCX_TLS": "sysv,tcp", "UCX_SYSV_ERROR_HANDLING": "y"}) == {}
     assert ucx_settings("xpu", {"UCX_TLS": "posix,ze_copy", "UCX_MM_ERROR_HANDLING": "y"}) == \
         {"UCX_MEMTYPE_CACHE": "n"}
 
 
 def test_user_choices_are_kept():
     # an explicit "n" is the user's call: not overridden (tcp still carries AM)
-    assert ucx_settings("cpu", {"UCX_POSIX_ERROR_HANDLING": "n"}) == {}
-    assert ucx_settings("cpu", {"UCX_MM_ERROR_HANDLING": "n"}) == {}
+    seg = {"UCX_CMA_SEG_SIZE": "4M"}
+    assert ucx_settings("cpu", {"UCX_POSIX_ERROR_HANDLING": "n"}) == seg
+    assert ucx_settings("cpu", {"UCX_MM_ERROR_HANDLING": "n"}) == seg
     # but an explicit "n" with no other AM transport is impossible, and said so
     with pytest.raises(TransportError, match="posix would need"):
         ucx_settings("cpu", {"UCX_TLS": "posix,cma", "UCX_POSIX_ERROR_HANDLING": "n"})
@@ -111,7 +120,8 @@ def test_user_choices_are_kept():
 
 def test_apply_and_report():
     env = {"UCX_TLS": "tcp,posix,cma", "PATH": "/bin"}
-    assert apply_ucx_settings("cpu", env) == {"UCX_POSIX_ERROR_HANDLING": "y"}
+    assert apply_ucx_settings("cpu", env) == {"UCX_POSIX_ERROR_HANDLING": "y",
+                                              "UCX_CMA_SEG_SIZE": "4M"}
     assert apply_ucx_settings("cpu", env) == {}  # already there: nothing added twice
-    assert ucx_environment(env) == {"UCX_POSIX_ERROR_HANDLING": "y",
+    assert ucx_environment(env) == {"UCX_CMA_SEG_SIZE": "4M", "UCX_POSIX_ERROR_HANDLING": "y",
                                     "UCX_TLS": "tcp,posix,cma"}
