@@ -47,8 +47,6 @@ ALIASES = {"all": AM_PEER_FAILURE | set(SHM_AM), "sm": set(SHM_AM), "shm": set(S
 # Host memory's bulk transport between processes (process_vm_readv/writev), and its segment:
 # UCX copies one segment per worker progress call (UCX_CMA_TX_QUOTA=1), 512 KiB by default.
 CMA_SEG_SETTING, CMA_SEG_SIZE = "UCX_CMA_SEG_SIZE", "4M"
-# Kept for callers that want the plain "can do active messages" set.
-AM_CAPABLE = AM_PEER_FAILURE | set(SHM_AM) | set(ALIASES)
 DEVICE_KINDS = ("cpu", "cuda", "xpu")
 SHM_AM_SETTING = "UCX_POSIX_ERROR_HANDLING"
 _TRUE = {"y", "yes", "on", "1", "true"}
