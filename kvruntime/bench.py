@@ -103,6 +103,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     from .binding import load_nixl
     from .decode import DecodeClient
     from .roles import allocate_cache, prefill_main, prepare_process, reap
+    from .transports import ucx_environment
 
     report: dict = {"tool": "kvruntime bench", "config": asdict(cfg), "thp": thp_mode(),
                     "results": [], "ok": False}
@@ -113,6 +114,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     options = {"nixl_module": cfg.nixl_module, "huge": cfg.huge_pages,
                "ucx_threads": cfg.ucx_threads, "device": cfg.device}
     prepare_process(options)  # this process is the decode side: UCX settings before NIXL
+    report["ucx_env"] = ucx_environment()  # what the figures ran under (both sides)
     if cfg.device != "cpu":
         report["device"] = _device_name(cfg.device, cfg.device_ids)
     binding = load_nixl(cfg.nixl_module)
@@ -166,6 +168,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                                     peer_rates.append(res.nbytes / res.peer_seconds / 1e9)
                                 lats.append(res.seconds * 1e6)
                             gbps, ref = statistics.median(rates), statistics.median(refs)
+                            pairs = [r / f for r, f in zip(rates, refs)]
                             report["results"].append({
                                 "layout": layout.kind, "op": op, "pattern": pattern,
                                 "split": split, "ucx_threads": cfg.ucx_threads,
@@ -179,8 +182,10 @@ def run_bench(cfg: BenchConfig) -> dict:
                                 "gbps": round(gbps, 3), "gbps_max": round(max(rates), 3),
                                 "ref_gbps": round(ref, 3), "ref": reference.label,
                                 "ratio": round(gbps / ref, 3),
-                                "ratio_pairs_median": round(statistics.median(
-                                    r / f for r, f in zip(rates, refs)), 3),
+                                "ratio_pairs_median": round(statistics.median(pairs), 3),
+                                # spread over the iterations (this host is noisy)
+                                "spread": {"gbps": _range(rates), "ref_gbps": _range(refs),
+                                           "ratio_pairs": _range(pairs)},
                                 # push: the prefill's WRITE alone, without the side channel
                                 "peer_gbps": (round(statistics.median(peer_rates), 3) if peer_rates
                                               else None),
@@ -197,6 +202,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         if reference is not None:
             reference.close()
         reap(proc, control)
+
+
+def _range(values) -> list:
+    """[min, max] of ``values``, rounded like the report's other figures."""
+    return [round(min(values), 3), round(max(values), 3)]
 
 
 def _device_name(device: str, device_ids) -> str:

@@ -47,6 +47,28 @@ def test_bit_exact_pull_and_push(prefill, kind):
         cache.close()
 
 
+def test_shared_memory_carries_nixl_messages_on_one_host(prefill, monkeypatch):
+    """UCX_TLS=posix,cma leaves no tcp: NIXL's active messages (handshake wire-up, the free
+    notification, push's WRITE notification) must go over posix shared memory, which UCX only
+    offers to NIXL's peer-failure endpoints with the error handling kvruntime turns on for host
+    memory. Without that setting the prefill cannot even connect ("no peer failure handler")."""
+    monkeypatch.setenv("UCX_TLS", "posix,cma")  # inherited by the spawned prefill
+    monkeypatch.delenv("UCX_POSIX_ERROR_HANDLING", raising=False)
+    monkeypatch.delenv("UCX_MM_ERROR_HANDLING", raising=False)
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=5) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache) as client:
+            assert os.environ.get("UCX_POSIX_ERROR_HANDLING") == "y"
+            peer = client.connect("127.0.0.1", ports[0])
+            for n, op in enumerate(("pull", "push")):
+                src, dst = request_blocks(layout.num_blocks, n)
+                cache.fill_value(0)
+                getattr(peer, op)(src, dst, timeout=20)
+                assert peer.digests(src) == [cache.block_digest(b) for b in dst]
+        cache.close()
+
+
 def test_out_of_range_blocks_refused_before_sending(prefill):
     layout = small(CROSS_LAYER)
     with prefill([layout]) as (_proc, ports):
@@ -126,3 +148,21 @@ def test_quick_reconnects_are_served_by_the_new_connection(prefill):
                 peer.push([block], [block], timeout=10)  # the prefill's WRITE needs our list
                 assert peer.digests([block]) == [cache.block_digest(block)]
         cache.close()
+
+
+def test_bench_reports_medians_spread_and_ucx_settings():
+    from kvruntime.bench import BenchConfig, run_bench
+
+    report = run_bench(BenchConfig(sizes_mib=[4], patterns=["contiguous"], layouts=[CROSS_LAYER],
+                                   ops=["pull", "push"], iters=3, handshakes=2))
+    assert report["ok"], report.get("error")
+    assert report["ucx_env"].get("UCX_POSIX_ERROR_HANDLING") == "y"
+    assert report["ucx_env"].get("UCX_CMA_SEG_SIZE") == "4M"
+    assert len(report["handshake_ms"][CROSS_LAYER]["all"]) == 2
+    for row in report["results"]:
+        spread = row["spread"]
+        assert spread["gbps"][0] <= row["gbps"] <= spread["gbps"][1] == row["gbps_max"]
+        assert spread["ref_gbps"][0] <= row["ref_gbps"] <= spread["ref_gbps"][1]
+        assert spread["ratio_pairs"][0] <= row["ratio_pairs_median"] <= spread["ratio_pairs"][1]
+        assert row["ratio"] == pytest.approx(row["gbps"] / row["ref_gbps"], abs=2e-3)
+        assert row["descriptors"] == row["runs"] == 1

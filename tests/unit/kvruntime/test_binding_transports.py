@@ -4,7 +4,8 @@ import pytest
 
 from kvruntime.binding import CANDIDATES, as_str, load_nixl
 from kvruntime.errors import NixlNotFoundError, TransportError
-from kvruntime.transports import ucx_settings
+from kvruntime.transports import (admitted_am, apply_ucx_settings, shm_error_handling,
+                                  ucx_environment, ucx_settings, usable_am)
 
 
 def test_missing_module_names_what_was_tried(monkeypatch):
@@ -34,7 +35,8 @@ def test_agent_names_as_str():
 
 
 def test_ucx_settings():
-    assert ucx_settings("cpu", {}) == {}
+    host = {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M"}
+    assert ucx_settings("cpu", {}) == host
     assert ucx_settings("xpu", {}) == {"UCX_MEMTYPE_CACHE": "n"}
     assert ucx_settings("cuda", {}) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
     assert ucx_settings("cuda", {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}) == {}
@@ -42,4 +44,84 @@ def test_ucx_settings():
         ucx_settings("cpu", {"UCX_TLS": "cma"})
     with pytest.raises(TransportError):
         ucx_settings("xpu", {"UCX_TLS": "ze_copy"})
-    assert ucx_settings("cpu", {"UCX_TLS": "tcp,cma"}) == {}
+    # tcp only: posix is not in play, so its setting is not added (UCX would warn it unused)
+    assert ucx_settings("cpu", {"UCX_TLS": "tcp,cma"}) == {"UCX_CMA_SEG_SIZE": "4M"}
+    assert ucx_settings("cpu", {"UCX_TLS": "tcp"}) == {}
+    assert ucx_settings("cpu", {"UCX_TLS": "^cma"}) == {"UCX_POSIX_ERROR_HANDLING": "y"}
+    assert ucx_settings("cpu", {"UCX_TLS": "sm,tcp"}) == host  # sm includes cma
+    assert ucx_settings("cpu", {"UCX_CMA_SEG_SIZE": "64M"}) == {"UCX_POSIX_ERROR_HANDLING": "y"}
+    # device memory: no host-memory settings
+    assert "UCX_CMA_SEG_SIZE" not in ucx_settings("cuda", {})
+    assert "UCX_CMA_SEG_SIZE" not in ucx_settings("xpu", {})
+
+
+@pytest.mark.parametrize("tls, admitted", [
+    (None, {"tcp", "posix", "sysv", "rc", "ud", "dc"}),
+    ("tcp,cma", {"tcp"}),
+    ("posix,cma", {"posix"}),
+    ("sm,cma", {"posix", "sysv"}),
+    ("shm", {"posix", "sysv"}),
+    ("cma,cuda_ipc,cuda_copy", set()),
+    ("^tcp", {"posix", "sysv", "rc", "ud", "dc"}),
+    ("^sm", {"tcp", "rc", "ud", "dc"}),
+    ("^ib,sm", {"tcp"}),
+    ("all", {"tcp", "posix", "sysv", "rc", "ud", "dc"}),
+    ("rc_x,cma", {"rc_x"}),
+])
+def test_admitted_am_transports(tls, admitted):
+    env = {} if tls is None else {"UCX_TLS": tls}
+    got = admitted_am(env)
+    assert {t for t in got if t in {"tcp", "posix", "sysv"}} == \
+        {t for t in admitted if t in {"tcp", "posix", "sysv"}}
+    assert bool(got & {"rc", "rc_x"}) == bool(admitted & {"rc", "rc_x"})
+
+
+@pytest.mark.parametrize("env, posix, sysv", [
+    ({}, False, False),
+    ({"UCX_POSIX_ERROR_HANDLING": "y"}, True, False),
+    ({"UCX_MM_ERROR_HANDLING": "yes"}, True, True),
+    ({"UCX_MM_ERROR_HANDLING": "y", "UCX_POSIX_ERROR_HANDLING": "n"}, False, True),
+    ({"UCX_SYSV_ERROR_HANDLING": "on"}, False, True),
+    ({"UCX_POSIX_ERROR_HANDLING": "N"}, False, False),
+])
+def test_shm_error_handling(env, posix, sysv):
+    assert shm_error_handling(env, "posix") is posix
+    assert shm_error_handling(env, "sysv") is sysv
+
+
+def test_shared_memory_am_needs_error_handling():
+    # NIXL's endpoints handle peer failure: posix/sysv count only with ERROR_HANDLING on
+    assert usable_am({"UCX_TLS": "posix,cma"}) == set()
+    assert usable_am({"UCX_TLS": "posix,cma", "UCX_POSIX_ERROR_HANDLING": "y"}) == {"posix"}
+    assert usable_am({"UCX_TLS": "sm,cma", "UCX_MM_ERROR_HANDLING": "y"}) == {"posix", "sysv"}
+    assert usable_am({"UCX_TLS": "tcp,posix"}) == {"tcp"}
+    # host memory: kvruntime turns posix error handling on, so posix alone is enough
+    assert ucx_settings("cpu", {"UCX_TLS": "posix,cma"}) == {"UCX_POSIX_ERROR_HANDLING": "y",
+                                                              "UCX_CMA_SEG_SIZE": "4M"}
+    # device memory keeps UCX's AM choice: shared memory alone is refused with the reason
+    with pytest.raises(TransportError, match="UCX_POSIX_ERROR_HANDLING=y"):
+        ucx_settings("cuda", {"UCX_TLS": "posix,cuda_ipc,cuda_copy"})
+    with pytest.raises(TransportError, match="UCX_SYSV_ERROR_HANDLING=y"):
+        ucx_settings("cpu", {"UCX_TLS": "sysv,cma"})
+    assert ucx_settings("cpu", {"UCX_TLS": "sysv,tcp", "UCX_SYSV_ERROR_HANDLING": "y"}) == {}
+    assert ucx_settings("xpu", {"UCX_TLS": "posix,ze_copy", "UCX_MM_ERROR_HANDLING": "y"}) == \
+        {"UCX_MEMTYPE_CACHE": "n"}
+
+
+def test_user_choices_are_kept():
+    # an explicit "n" is the user's call: not overridden (tcp still carries AM)
+    seg = {"UCX_CMA_SEG_SIZE": "4M"}
+    assert ucx_settings("cpu", {"UCX_POSIX_ERROR_HANDLING": "n"}) == seg
+    assert ucx_settings("cpu", {"UCX_MM_ERROR_HANDLING": "n"}) == seg
+    # but an explicit "n" with no other AM transport is impossible, and said so
+    with pytest.raises(TransportError, match="posix would need"):
+        ucx_settings("cpu", {"UCX_TLS": "posix,cma", "UCX_POSIX_ERROR_HANDLING": "n"})
+
+
+def test_apply_and_report():
+    env = {"UCX_TLS": "tcp,posix,cma", "PATH": "/bin"}
+    assert apply_ucx_settings("cpu", env) == {"UCX_POSIX_ERROR_HANDLING": "y",
+                                              "UCX_CMA_SEG_SIZE": "4M"}
+    assert apply_ucx_settings("cpu", env) == {}  # already there: nothing added twice
+    assert ucx_environment(env) == {"UCX_CMA_SEG_SIZE": "4M", "UCX_POSIX_ERROR_HANDLING": "y",
+                                    "UCX_TLS": "tcp,posix,cma"}

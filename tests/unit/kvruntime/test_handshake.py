@@ -116,3 +116,39 @@ def test_silent_client_times_out():
     with pytest.raises(PeerError):
         serve_handshake(a, info("p"), None, 0.2)
     a.close(), b.close()
+
+
+def _listener():
+    srv = socket.create_server(("127.0.0.1", 0))
+    return srv, srv.getsockname()[1]
+
+
+def test_connect_to_an_ip_literal_skips_the_resolver(monkeypatch):
+    from kvruntime import handshake
+
+    srv, port = _listener()
+    calls = []
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: calls.append(a) or real(*a, **k))
+    try:
+        sock = handshake.connect("127.0.0.1", port, 2.0)
+        assert sock.getpeername()[1] == port
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        sock.close()
+        assert calls == []
+        # a name still goes through the resolver
+        sock = handshake.connect("localhost", port, 2.0)
+        sock.close()
+        assert calls and calls[0][0] == "localhost"
+    finally:
+        srv.close()
+
+
+def test_connect_refused_literal_times_out_with_reason():
+    from kvruntime import handshake
+    from kvruntime.errors import HandshakeTimeout
+
+    srv, port = _listener()
+    srv.close()  # nothing listens there now
+    with pytest.raises(HandshakeTimeout, match=f"127.0.0.1:{port}"):
+        handshake.connect("127.0.0.1", port, 0.3, attempts=2)
