@@ -180,7 +180,13 @@ def _wait_for(path_glob: str, root: Path, proc: subprocess.Popen, timeout: float
 
 
 def _sleeping(pgid: int) -> bool:
-    return any(Path(f"/proc/{pid}/comm").read_text().strip() == "sleep" for pid in _group(pgid))
+    for pid in _group(pgid):
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "sleep":
+                return True
+        except OSError:  # cmake's short-lived compiler checks come and go
+            pass
+    return False
 
 
 def _group(pgid: int) -> list[int]:
