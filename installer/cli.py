@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
-from . import detect, install, mirror, plan as planmod, recipe as recipemod
+from . import detect, install, mirror, plan as planmod, recipe as recipemod, verify
 from .cache import Cache
 from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher
@@ -141,6 +140,6 @@ def _mirror(args) -> int:
 
 def _verify(args) -> int:
     prefix = args.prefix or planmod.default_prefix()
-    report = install.verify_prefix(prefix)
-    print(json.dumps(report, indent=2) if args.json else install.render_verification(report))
+    report = verify.verify_prefix(prefix)
+    print(json.dumps(report, indent=2) if args.json else verify.render_verification(report))
     return 0 if report["ok"] else 9

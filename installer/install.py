@@ -18,9 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import envfile, prefix as prefixmod, syspkgs, tools, verify
-from .build.step import Step
 from .cache import Cache
-from .detect import detect_platform
 from .errors import HostError, InstallerError, VerifyError
 from .extract import extract
 from .phases import PhaseLog
@@ -98,7 +96,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
         (plan.install_dir / "env.sh").write_text(envfile.render(plan, renv))
         manifest["env"] = renv
         with phases.phase("verify") as rec:
-            report = verify_build(plan, renv, fetched, env, log_dir)
+            report = verify.verify_build(plan, renv, fetched, env, log_dir)
             rec["levels"] = {k: v["status"] for k, v in report["levels"].items()}
             manifest["verification"] = report
             if not report["ok"]:
@@ -244,84 +242,6 @@ def _link_python(plan: Plan) -> str | None:
     return str(pth)
 
 
-def verify_build(plan: Plan, renv: dict[str, str], fetched: dict[str, Fetched] | None,
-                 build_env: dict[str, str] | None, log_dir: Path) -> dict[str, Any]:
-    env = envfile.apply(renv, dict(os.environ))
-    has_device = detect_platform()[0] == plan.platform
-    null_driver = None
-    lz = plan.verify.get("level_zero")
-    if lz and not has_device and "ucx" in [c.name for c in plan.components]:
-        null_driver = _null_driver(plan, fetched, build_env, log_dir)
-    with_table = plan.recipe.components.get("ucx", {}).get("with", {})
-    return report_levels(plan.verify, plan.platform, plan.install_dir, env, plan.target.python,
-                         plan.kv_buffer, with_table, null_driver, has_device, [c.name for c in plan.components])
-
-
-def report_levels(spec, platform, build_dir, env, python, kv_buffer, with_table, null_driver, has_device, components):
-    levels = {"built": verify.built(spec, build_dir, env, with_table, components)}
-    levels["loaded"] = verify.loaded(spec, build_dir, env, python, platform, null_driver, has_device, components)
-    if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
-        levels["moved"] = {"status": "skipped", "reason": "an earlier level failed", "checks": []}
-    else:
-        levels["moved"] = verify.moved(build_dir, env, python, kv_buffer, platform, has_device, components)
-    ok = all(v["status"] != "failed" for v in levels.values()) and levels["built"]["status"] == "passed"
-    return {"ok": ok, "levels": levels, "has_device": has_device}
-
-
-def _null_driver(plan: Plan, fetched, build_env, log_dir: Path) -> Path | None:
-    """Build the Level Zero null driver (cmake target ze_null) and keep it in the build, so a
-    later `installer verify` finds it too."""
-    lz = plan.verify["level_zero"]
-    dest = plan.install_dir / "verify" / "ze_null"
-    if any(dest.glob("libze_null.so*")):
-        return dest
-    if not fetched or build_env is None:
-        return None
-    src = plan.work_dir / "src" / "level-zero"
-    build = plan.work_dir / "build" / "level-zero"
-    extract(fetched[lz["null_driver_source"]], src)
-    shutil.rmtree(build, ignore_errors=True)
-    steps = [Step("configure", "ze-null-configure", ("cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
-                                                      "-DCMAKE_BUILD_TYPE=Release")),
-             Step("build", "ze-null-build", ("cmake", "--build", str(build), "--target", lz["cmake_target"],
-                                             "-j", str(plan.jobs)))]
-    for s in steps:
-        run_step(s, component="level-zero", env=build_env, log_dir=log_dir, actions={})
-    dest.mkdir(parents=True, exist_ok=True)
-    for lib in build.rglob("libze_null.so*"):
-        shutil.copy2(lib, dest / lib.name, follow_symlinks=False)
-    return dest
-
-
-def verify_prefix(prefix: Path) -> dict[str, Any]:
-    """`installer verify`: re-run the levels on an installed build, from its manifest."""
-    from .errors import PrefixError
-    build_dir = prefixmod.current(prefix)
-    if build_dir is None or not prefixmod.is_complete(build_dir):
-        raise PrefixError(f"{prefix} holds no finished kvstack build", fix="install first: python -m installer")
-    manifest = json.loads((build_dir / prefixmod.COMPLETE).read_text())
-    recipe = manifest["recipe"]
-    platform = manifest["platform"]
-    env = envfile.apply(manifest["env"], dict(os.environ))
-    has_device = detect_platform()[0] == platform
-    nd = build_dir / "verify" / "ze_null"
-    report = report_levels(recipe["verify"], platform, build_dir, env, manifest["python"]["path"],
-                           recipe["runtime"]["kv_buffer"], recipe["components"].get("ucx", {}).get("with", {}),
-                           nd if nd.exists() else None, has_device, list(recipe["components"]))
-    report["build_dir"] = str(build_dir)
-    return report
-
-
-def render_verification(report: dict[str, Any]) -> str:
-    lines = []
-    for level, v in report["levels"].items():
-        lines.append(f"{level:7} {v['status']}" + (f" ({v['reason']})" if v.get("reason") else ""))
-        for c in v["checks"]:
-            lines.append(f"   {'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {c['detail']}")
-    lines.append("verification " + ("passed" if report["ok"] else "FAILED"))
-    return "\n".join(lines)
-
-
 def summary(manifest: dict[str, Any]) -> str:
     if manifest.get("noop"):
         return f"kvstack {manifest['platform']}: {manifest['prefix']} is up to date ({manifest['install_dir']})"
@@ -333,5 +253,5 @@ def summary(manifest: dict[str, Any]) -> str:
         comps = rec.get("components")
         extra = (" (" + ", ".join(f"{c} {v['seconds']:.1f}s" for c, v in comps.items()) + ")") if comps else ""
         lines.append(f"  {name:16} {rec['seconds']:7.1f}s{extra}")
-    lines.append(render_verification(manifest["verification"]))
+    lines.append(verify.render_verification(manifest["verification"]))
     return "\n".join(lines)

@@ -94,7 +94,7 @@ class Fetcher:
         if self.mirror:
             raise DownloadError(f"{name}: the mirror {self.mirror} cannot serve {src['filename']}: "
                                 + "; ".join(unreachable),
-                                fix=f"fill it on a connected host: python -m installer mirror DIR")
+                                fix="fill it on a connected host: python -m installer mirror DIR")
         raise OfflineError(f"{name}: no source location answered: " + "; ".join(unreachable),
                            fix="check the network, or on a connected host run `python -m installer mirror DIR` "
                                "and pass --mirror DIR here")
