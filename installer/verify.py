@@ -210,6 +210,10 @@ def moved(build_dir: Path, env: dict[str, str], python: str, kv_buffer: str, pla
     except ValueError:
         return _level([_check("kvruntime selftest", False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-400:]}")])
     checks = []
+    used = result.get("nixl_module_file") or ""
+    fresh = os.path.realpath(used).startswith(os.path.realpath(build_dir) + os.sep)
+    checks.append(_check("the self-test used this build's NIXL", fresh,
+                         f"{result.get('nixl_module')} from {used or 'an unknown file'}"))
     for mode in result.get("modes", []):
         name = mode.get("mode") or f"{mode.get('layout')}/{mode.get('op')}"
         status = mode.get("status", "passed" if mode.get("ok") else "failed")
@@ -219,7 +223,7 @@ def moved(build_dir: Path, env: dict[str, str], python: str, kv_buffer: str, pla
                              f"{mode.get('bytes', '?')} bytes in {mode.get('descriptors', '?')} descriptors, "
                              f"{mode.get('gbps')} GB/s, {mode.get('digests_checked', 0)} block digests checked"
                              + (f"; {mode['error']}" if mode.get("error") else "")))
-    if not checks:
+    if len(checks) == 1:
         return _level([], skipped=f"selftest ran no mode on this host: {result.get('reason', 'no mode available')}")
     level = _level(checks)
     level["selftest"] = result

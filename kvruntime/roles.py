@@ -56,7 +56,8 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
                                    port=fixed[i] if i < len(fixed) else 0)
             servers.append(server)
             ports.append(server.address[1])
-        queue.put({"ok": True, "ports": ports, "module": binding.module_name})
+        queue.put({"ok": True, "ports": ports, "module": binding.module_name,
+                   "module_file": getattr(binding.api, "__file__", None)})
         control.get()  # wait for the parent's stop (or its death: the pipe breaks)
     except BaseException as exc:  # report, don't print
         queue.put({"ok": False, "error": f"{type(exc).__name__}: {exc}",

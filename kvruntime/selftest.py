@@ -139,7 +139,8 @@ def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout
                                    {**options, "device_id": device_ids[1]}))
         procs.append(decode)
         decode.start()
-        return {**_get(dq, timeout, "decode process", procs[1:]), "module": ready.get("module")}
+        return {**_get(dq, timeout, "decode process", procs[1:]), "module": ready.get("module"),
+                "module_file": ready.get("module_file")}
     finally:
         for p in procs:
             reap(p, control if p is prefill else None)
@@ -162,6 +163,7 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
             report.update(ok=False, error=host.get("error"), trace=host.get("trace"))
             return report
         report["nixl_module"] = host.get("module")
+        report["nixl_module_file"] = host.get("module_file")  # which build of NIXL moved the bytes
         modes, errors = list(host.get("modes", [])), []
         if not host.get("ok"):
             errors.append(host)
