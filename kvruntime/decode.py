@@ -3,6 +3,14 @@
 ``DecodeClient.connect`` measures the handshake (connect, compat check, add agent, prepare the
 peer's descriptor list). Connecting again to an address, or meeting an agent name already
 loaded, removes the stale agent first: that is how a restarted prefill is picked up.
+
+Requests are asynchronous: ``peer.start_pull``/``start_push`` return a ``TransferHandle`` at
+once (see inflight.py); ``client.get_finished()`` collects every request that finished since
+the last call, across peers. ``peer.pull``/``push`` are ``start_*(...).wait()``.
+
+Threads: a peer may be used from several threads. Frames to the prefill go out under the peer's
+send lock; whichever thread polls reads the replies and hands them to their handles by request
+id. NIXL calls take the agent lock for one call at a time, never for a transfer's duration.
 """
 
 from __future__ import annotations
@@ -11,20 +19,24 @@ import itertools
 import logging
 import os
 import select
+import threading
 import time
 
 from . import frames
 from .agent import Agent, unique_name
 from .binding import NixlBinding
-from .errors import KVRuntimeError, PeerError, TransferError, TransferTimeout
+from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
+from .inflight import PENDING, TransferHandle
 from .memory import KVCache
 from .plan import make_plan
 from .registration import Registration
-from .transfer import TransferResult, free_notification, run_transfer
+from .transfer import PostedTransfer, TransferResult, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
 _request_ids = itertools.count()
+# How long a prefill may leave a cancel unanswered before its peer is treated as unusable.
+SETTLE_SECONDS = 5.0
 
 
 class PrefillPeer:
@@ -39,89 +51,207 @@ class PrefillPeer:
         self.agent = agent
         self.handshake_seconds = handshake_seconds
         self.closed = False
+        self._broken: str | None = None  # why the peer may not be used any more
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._pending: dict[str, TransferHandle] = {}  # request id -> handle awaiting frames
+        self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
+        self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
+
+    @property
+    def name(self) -> str:
+        return f"prefill {self.address[0]}:{self.address[1]}"
 
     def _new_request(self) -> str:
         return f"{os.getpid()}-{next(_request_ids)}"
 
+    # -- starting requests -------------------------------------------------------------------
+    def start_pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
+                   timeout: float = 30.0, split: int = 1) -> TransferHandle:
+        """Post a READ of the peer's ``src_blocks`` into our ``dst_blocks``; its NIXL
+        notification tells the prefill side it may free the request's blocks."""
+        plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
+        handle = TransferHandle(self, "pull", request_id, plan, timeout)
+        reg = self.client.registration
+        handle._xfer = PostedTransfer(self.client.agent, "READ", plan, reg.local_dlist,
+                                      reg.peer_dlist(self.agent), True,
+                                      free_notification(request_id), split)
+        self.client._track(handle)
+        return handle
+
+    def start_push(self, src_blocks, dst_blocks=None, request_id: str | None = None,
+                   timeout: float = 30.0, split: int = 1) -> TransferHandle:
+        """Ask the prefill side to WRITE its ``src_blocks`` into our ``dst_blocks``. Done when
+        the prefill's reply and the WRITE's notification (proof the data landed) are both in."""
+        plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
+        if request_id in self._pending:
+            raise KVRuntimeError(f"request id {request_id!r} is already in flight on {self.name}")
+        handle = TransferHandle(self, "push", request_id, plan, timeout)
+        src = [int(b) for b in src_blocks]
+        dst = src if dst_blocks is None else [int(b) for b in dst_blocks]
+        self._pending[request_id] = handle
+        self.client._track(handle)
+        # The deadline travels as wall-clock time: the prefill refuses a push it reads after
+        # it (a stalled prefill must not write into blocks the caller was told are free).
+        self._send({"type": "push", "request": request_id, "src": src, "dst": dst,
+                    "timeout": timeout, "deadline": time.time() + timeout, "split": split})
+        return handle
+
     def pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
              timeout: float = 30.0, split: int = 1) -> TransferResult:
-        """READ the peer's ``src_blocks`` into our ``dst_blocks``; the NIXL notification then
-        tells the prefill side it may free the request's blocks."""
-        self._check_open()
-        request_id = request_id or self._new_request()
-        plan = make_plan(self.info.layout, src_blocks, self.client.cache.layout, dst_blocks)
-        reg = self.client.registration
-        return run_transfer(self.client.agent, "READ", plan, reg.local_dlist,
-                            reg.peer_dlist(self.agent), True, free_notification(request_id),
-                            timeout, split)
+        return self.start_pull(src_blocks, dst_blocks, request_id, timeout, split).wait()
 
     def push(self, src_blocks, dst_blocks=None, request_id: str | None = None,
              timeout: float = 30.0, split: int = 1) -> TransferResult:
-        """Ask the prefill side to WRITE its ``src_blocks`` into our ``dst_blocks``."""
-        self._check_open()
-        request_id = request_id or self._new_request()
+        return self.start_push(src_blocks, dst_blocks, request_id, timeout, split).wait()
+
+    def _admit(self, src_blocks, dst_blocks, request_id, timeout):
+        self._check_usable()
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
         plan = make_plan(self.info.layout, src_blocks, self.client.cache.layout, dst_blocks)
-        start = time.perf_counter()
-        message = {"type": "push", "request": request_id, "src": list(src_blocks),
-                   "dst": list(dst_blocks if dst_blocks is not None else src_blocks),
-                   "timeout": timeout, "split": split}
-        tag = free_notification(request_id)
-        agent = self.client.agent
-        noted = False
+        if request_id is None:
+            request_id = self._new_request()
+        elif not isinstance(request_id, str) or not request_id or len(request_id) > 256:
+            raise KVRuntimeError("request_id must be a non-empty string of at most 256 chars")
+        return plan, request_id
 
-        def progress() -> None:
-            # Without a NIXL progress thread our worker only moves when polled: the prefill's
-            # WRITE (its endpoint wire-up and the notification) needs us to poll meanwhile.
-            nonlocal noted
-            noted = noted or agent.call("check_remote_xfer_done",
-                                        agent.nixl.check_remote_xfer_done, self.agent, tag)
-
-        reply = self._call(message, "pushed", timeout + 5, progress)
-        seconds = time.perf_counter() - start
-        deadline = time.monotonic() + timeout
-        while not noted:  # the WRITE's notification proves the data landed here
-            if time.monotonic() > deadline:
-                raise TransferTimeout(f"push of request {request_id} reported done but its "
-                                      f"notification never arrived")
-            time.sleep(0.0002)
-            progress()
-        return TransferResult("WRITE", plan.nbytes, seconds, len(plan.runs),
-                              int(reply.get("descriptors", plan.descriptor_count)),
-                              reply.get("nixl_descriptors"), _seconds(reply.get("seconds")))
-
-    def digests(self, blocks) -> list[str]:
-        reply = self._call({"type": "digests", "blocks": list(blocks)}, "digests", 60)
+    # -- control calls -------------------------------------------------------------------------
+    def digests(self, blocks, timeout: float = 60.0) -> list[str]:
+        blocks = [int(b) for b in blocks]
+        reply = self._call({"type": "digests", "blocks": blocks}, "digests", timeout)
         out = reply.get("digests")
         if not isinstance(out, list) or len(out) != len(blocks):
             raise PeerError("peer answered a digests request with the wrong number of digests")
         return out
 
-    def _call(self, message: dict, reply_type: str, timeout: float, progress=None) -> dict:
+    def _call(self, message: dict, reply_type: str, timeout: float) -> dict:
+        self._check_usable()
+        call_id = f"c{next(_request_ids)}"
+        self._replies[call_id] = None
         try:
-            frames.write_frame(self.sock, message, timeout)
-            if progress is not None:
-                deadline = time.monotonic() + timeout
-                while not select.select([self.sock], [], [], 0.0002)[0]:
-                    if time.monotonic() > deadline:
-                        raise PeerError(f"no answer to {message['type']!r} within {timeout}s")
-                    progress()
-            reply = frames.read_frame(self.sock, timeout)
+            self._send({**message, "request": call_id})
+            deadline = time.monotonic() + timeout
+            while self._replies.get(call_id) is None:
+                self._pump()
+                if self._broken:
+                    raise TransferError(f"{self.name}: {self._broken}")
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(f"{self.name}: no answer to {message['type']!r} within "
+                                      f"{timeout}s")
+                time.sleep(0.0002)
+            reply = self._replies[call_id]
+        finally:
+            self._replies.pop(call_id, None)
+        try:
             return frames.expect(reply, reply_type)
         except PeerError as exc:
-            self.close()
-            raise TransferError(f"prefill {self.address[0]}:{self.address[1]}: {exc}") from exc
+            raise TransferError(f"{self.name}: {exc}") from exc
 
-    def _check_open(self) -> None:
+    # -- side-channel I/O ----------------------------------------------------------------------
+    def _send(self, message: dict) -> None:
+        with self._send_lock:
+            if self.closed:
+                raise PeerError(f"connection to {self.name} is closed; connect again")
+            try:
+                frames.write_frame(self.sock, message, self.client.timeout)
+            except KVRuntimeError as exc:
+                self._lose(f"side channel failed: {exc}")
+                raise TransferError(f"{self.name}: {exc}") from exc
+
+    def _pump(self) -> None:
+        """Read whatever frames the prefill has sent and hand them out; collect NIXL
+        notifications. Non-blocking; a thread already reading makes this a no-op."""
+        self.client._pump_notifications()
+        if self.closed or not self._recv_lock.acquire(blocking=False):
+            return
+        try:
+            while not self.closed and select.select([self.sock], [], [], 0)[0]:
+                try:
+                    message = frames.read_frame(self.sock, self.client.timeout)
+                except KVRuntimeError as exc:
+                    self._lose(f"side channel failed: {exc}")
+                    return
+                self._dispatch(message)
+        except (OSError, ValueError) as exc:  # the socket was closed under us
+            self._lose(f"side channel failed: {exc}")
+        finally:
+            self._recv_lock.release()
+
+    def _dispatch(self, message: dict) -> None:
+        kind, request = message.get("type"), message.get("request")
+        if kind == "error" and not isinstance(request, str):
+            self._lose(f"prefill closed the connection: {message.get('message')}")
+            return
+        if request in self._replies:
+            self._replies[request] = message
+            return
+        if kind in ("pushed", "push_failed", "cancelled") and isinstance(request, str):
+            handle = self._pending.get(request)
+            if handle is not None:
+                handle._on_reply(message)
+                return
+        log.warning("%s sent an unexpected %r frame (request %r); ignored", self.name, kind,
+                    request)
+
+    def _cancel(self, handle: TransferHandle) -> None:
+        self._unsettled[handle.request_id] = time.monotonic()
+        try:
+            self._send({"type": "cancel", "request": handle.request_id})
+        except KVRuntimeError:
+            pass  # the connection is gone: nothing of ours is left on the prefill
+
+    def _on_notification(self, request: str) -> bool:
+        handle = self._pending.get(request)
+        if handle is None or handle.op != "push":
+            return False
+        handle._on_notification()
+        return True
+
+    def _settled(self, handle: TransferHandle) -> None:
+        """``handle`` expects nothing more from the prefill (finished, or failed and settled)."""
+        if self._pending.get(handle.request_id) is handle:
+            del self._pending[handle.request_id]
+        self._unsettled.pop(handle.request_id, None)
+
+    def _distrust(self, why: str) -> None:
+        self._broken = why
+
+    def _lose(self, why: str) -> None:
+        """The side channel is unusable: fail what waits on it and close."""
+        self._broken = self._broken or why
+        for handle in list(self._pending.values()):
+            handle._on_peer_lost(why)
+        self._pending.clear()
+        self._unsettled.clear()
+        self.close()
+
+    def _check_usable(self) -> None:
         if self.closed:
-            raise PeerError(f"connection to prefill {self.address[0]}:{self.address[1]} is "
-                            f"closed; connect again")
+            raise PeerError(f"connection to {self.name} is closed; connect again")
+        self._pump()
+        if self._broken:
+            raise PeerError(f"{self.name} is not usable: {self._broken}; connect again")
+        now = time.monotonic()
+        stale = [r for r, t in self._unsettled.items() if now - t > SETTLE_SECONDS]
+        if stale:
+            self._broken = (f"it has not answered the cancel of request {stale[0]} for "
+                            f"{SETTLE_SECONDS:.0f}s (stalled?)")
+            raise PeerError(f"{self.name} is not usable: {self._broken}; connect again")
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for h in self.client._inflight_handles() if h.peer is self)
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        for handle in [h for h in self.client._inflight_handles() if h.peer is self]:
+            handle._on_peer_lost("the connection was closed")
         try:
-            frames.write_frame(self.sock, {"type": "bye"}, 0.5)
+            with self._send_lock:
+                frames.write_frame(self.sock, {"type": "bye"}, 0.5)
         except KVRuntimeError:
             pass
         try:
@@ -129,10 +259,6 @@ class PrefillPeer:
         except OSError:
             pass
         self.client._forget(self)
-
-
-def _seconds(value) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
 
 
 class DecodeClient:
@@ -152,6 +278,9 @@ class DecodeClient:
         self.timeout = timeout
         self._peers: dict[tuple[str, int], PrefillPeer] = {}
         self._closed = False
+        self._inflight: dict[int, TransferHandle] = {}
+        self._lock = threading.Lock()
+        self._notif_lock = threading.Lock()
         self.agent = Agent(name or unique_name("decode"), binding, device_kind, ucx_threads)
         try:
             self.registration = Registration(self.agent, cache)
@@ -189,6 +318,86 @@ class DecodeClient:
         self._peers[address] = peer
         return peer
 
+    # -- requests in flight ------------------------------------------------------------------
+    def get_finished(self) -> list[TransferHandle]:
+        """Poll every request in flight once; return (and forget) those that finished since
+        the last call, succeeded or failed. Never blocks."""
+        for peer in list(self._peers.values()):
+            peer._pump()
+        finished = []
+        for handle in self._inflight_handles():
+            handle._advance()
+            if handle.state != PENDING:
+                finished.append(handle)
+        with self._lock:
+            for handle in finished:
+                self._inflight.pop(id(handle), None)
+        return finished
+
+    def wait_all(self, handles, timeout: float | None = None) -> list[TransferResult]:
+        """Wait for every handle; results in order. Raises the first request's error after
+        all have finished (so no handle is left running unseen)."""
+        until = None if timeout is None else time.monotonic() + timeout
+        results, first_error = [], None
+        for handle in handles:
+            left = None if until is None else max(0.0, until - time.monotonic())
+            try:
+                results.append(handle.wait(left))
+            except WaitTimeout:
+                raise
+            except KVRuntimeError as exc:
+                first_error = first_error or exc
+                results.append(None)
+        if first_error is not None:
+            raise first_error
+        return results
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._inflight)
+
+    def _track(self, handle: TransferHandle) -> None:
+        with self._lock:
+            self._inflight[id(handle)] = handle
+
+    def _consumed(self, handle: TransferHandle) -> None:
+        with self._lock:
+            self._inflight.pop(id(handle), None)
+
+    def _inflight_handles(self) -> list[TransferHandle]:
+        with self._lock:
+            return list(self._inflight.values())
+
+    def _pump_notifications(self) -> None:
+        """Hand the NIXL notifications that arrived (push WRITEs done) to their requests. This
+        call is also what makes our UCX worker progress while a prefill WRITEs into us."""
+        if not self._notif_lock.acquire(blocking=False):
+            return
+        try:
+            try:
+                notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
+            except KVRuntimeError as exc:
+                log.warning("polling notifications: %s", exc)
+                return
+            if not notifs:
+                return
+            by_agent = {p.agent: p for p in self._peers.values()}
+            for agent, messages in notifs.items():
+                agent = agent.decode() if isinstance(agent, bytes) else agent
+                peer = by_agent.get(agent)
+                for message in messages:
+                    request = parse_notification(message)
+                    if request is None or peer is None or not peer._on_notification(request):
+                        log.warning("notification %r from %s matches no push in flight "
+                                    "(a push that finished after its deadline?)", message, agent)
+        finally:
+            self._notif_lock.release()
+
+    def _log_late(self, handle: TransferHandle, what: str) -> None:
+        log.error("push request %s to %s reported failed, but %s", handle.request_id,
+                  handle.peer.name, what)
+
+    # -- peers -------------------------------------------------------------------------------
     def _remove_agent(self, name: str) -> None:
         self.registration.release_peer(name)
         try:
@@ -216,5 +425,3 @@ class DecodeClient:
 
     def __exit__(self, *exc):
         self.close()
-
-

@@ -66,3 +66,7 @@ class TransferError(KVRuntimeError):
 
 class TransferTimeout(TransferError, TimeoutError):
     """A block transfer missed its deadline; it was aborted."""
+
+
+class WaitTimeout(KVRuntimeError, TimeoutError):
+    """A wait on a request ended before the request did; the request is still in flight."""

@@ -1,10 +1,16 @@
 """The prefill side: owns the KV cache, listens on the side channel, serves decode peers.
 
 Per connection: handshake (auth, compat, metadata both ways), then control requests (push,
-digests) until the peer leaves. Any bad frame or failed request closes *that* connection and
-releases the peer's agent and prepared list; the server keeps serving the others. A poller
-thread turns NIXL notifications (``kvr:free:<request>``) from decode READs into released
-request ids.
+cancel, digests) until the peer leaves. Any bad frame closes *that* connection and releases the
+peer's agent, prepared list and WRITEs in flight; the server keeps serving the others.
+
+Pushes are asynchronous here too: the connection thread posts the WRITE and goes back to
+reading, so one decode can keep many pushes in flight; a progress thread polls the WRITEs and
+answers each (``pushed`` or ``push_failed``) when it ends, and turns NIXL notifications
+(``kvr:free:<request>``) from decode READs into released request ids, per decode agent. A push
+whose deadline (the decode's wall clock) has passed when it is read is refused, and a WRITE
+still running at its deadline is aborted: a decode told that a push failed never finds it
+written later.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from . import frames
@@ -23,9 +30,13 @@ from .handshake import PeerInfo, serve_handshake
 from .memory import KVCache
 from .plan import make_plan
 from .registration import Registration
-from .transfer import free_notification, parse_notification, run_transfer
+from .transfer import PostedTransfer, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
+
+
+# Released request ids kept for wait_released/get_released when nobody collects them.
+RELEASED_KEPT = 65536
 
 
 @dataclass
@@ -33,6 +44,21 @@ class _Peer:
     info: PeerInfo
     agent: str
     sock: socket.socket
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, message: dict, timeout: float) -> None:
+        """Frames to one decode go out whole: the connection thread and the progress loop
+        both answer on this socket."""
+        with self.send_lock:
+            frames.write_frame(self.sock, message, timeout)
+
+
+@dataclass
+class _Write:
+    peer: _Peer
+    request: str
+    xfer: PostedTransfer
+    deadline: float  # monotonic: the decode's deadline, or our own timeout if sooner
 
 
 @dataclass
@@ -40,6 +66,7 @@ class ServerStats:
     connections: int = 0
     handshakes: int = 0
     refused: list = field(default_factory=list)  # (peer address, error text)
+    late_pushes: int = 0  # pushes refused because their deadline passed before we read them
 
 
 class PrefillServer:
@@ -62,8 +89,11 @@ class PrefillServer:
         self.timeout = timeout
         self.on_release = on_release
         self.stats = ServerStats()
-        self._released: set[str] = set()
+        self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._released_cv = threading.Condition()
+        self._writes: dict[tuple[str, str], _Write] = {}  # (decode agent, request) -> WRITE
+        self._writes_lock = threading.RLock()
+        self._work = threading.Event()
         self._peers: dict[str, _Peer] = {}
         # Adding and dropping a peer are atomic: a reconnecting decode reuses its agent name,
         # and the old connection's teardown must not remove the new connection's agent.
@@ -83,7 +113,7 @@ class PrefillServer:
         self.info = PeerInfo(cache.layout, self.agent.name, self.agent.metadata(),
                              self.registration.region_triples(), cache.mem_type)
         self._spawn(self._accept_loop, "kvr-accept")
-        self._spawn(self._notif_loop, "kvr-notifs")
+        self._spawn(self._progress_loop, "kvr-progress")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -157,6 +187,12 @@ class PrefillServer:
             if self._peers.get(peer.agent) is not peer:
                 return
             del self._peers[peer.agent]
+            with self._writes_lock:  # its WRITEs stop before its agent and list go
+                for write in [w for w in self._writes.values() if w.peer is peer]:
+                    del self._writes[(peer.agent, write.request)]
+                    if not write.xfer.abort():
+                        log.error("push %s to departed %s could not be aborted", write.request,
+                                  peer.agent)
             self.registration.release_peer(peer.agent)
             try:
                 self.agent.remove_remote(peer.agent)
@@ -167,48 +203,136 @@ class PrefillServer:
         kind = message["type"]
         layout = self.cache.layout
         if kind == "push":
-            request = frames.field(message, "request", str)
-            src = frames.field(message, "src", list)
-            dst = frames.field(message, "dst", list)
-            timeout = float(frames.field(message, "timeout", (int, float)))
-            split = int(message.get("split", 1)) if isinstance(message.get("split"), int) else 1
-            plan = make_plan(layout, src, peer.info.layout, dst)
-            result = run_transfer(self.agent, "WRITE", plan, self.registration.local_dlist,
-                                  self.registration.peer_dlist(peer.agent), False,
-                                  free_notification(request), timeout, split)
-            self._release(request)  # our WRITE finished: the blocks may be freed
-            frames.write_frame(peer.sock, {
-                "type": "pushed", "request": request, "nbytes": result.nbytes,
-                "seconds": result.seconds, "descriptors": result.descriptors,
-                "nixl_descriptors": result.nixl_descriptors}, self.timeout)
+            self._start_write(peer, message)
+        elif kind == "cancel":
+            self._cancel_write(peer, frames.field(message, "request", str))
         elif kind == "digests":
             blocks = frames.field(message, "blocks", list)
             plan = make_plan(layout, blocks)  # validates the ids
             del plan
-            frames.write_frame(peer.sock, {"type": "digests",
-                                           "digests": self.cache.block_digests(blocks)},
-                               self.timeout)
+            peer.send({"type": "digests", "request": message.get("request"),
+                       "digests": self.cache.block_digests(blocks)}, self.timeout)
         else:
             raise KVRuntimeError(f"unknown request type {kind!r}")
 
+    # -- pushes: our WRITEs into a decode's cache ------------------------------------------------
+    def _start_write(self, peer: _Peer, message: dict) -> None:
+        """Post the WRITE a push asks for, unless its deadline has passed: a decode that gave
+        up on the request may already have reused the blocks (a stalled prefill reads the
+        request late). The progress loop finishes it and answers."""
+        request = frames.field(message, "request", str)
+        src = frames.field(message, "src", list)
+        dst = frames.field(message, "dst", list)
+        timeout = float(frames.field(message, "timeout", (int, float)))
+        deadline = float(frames.field(message, "deadline", (int, float)))
+        split = message.get("split", 1)
+        split = split if isinstance(split, int) and not isinstance(split, bool) and split > 0 else 1
+        key = (peer.agent, request)
+        left = deadline - time.time()
+        if left <= 0:
+            self.stats.late_pushes += 1
+            log.warning("refusing push %s from %s: its deadline passed %.3fs ago", request,
+                        peer.agent, -left)
+            peer.send({"type": "push_failed", "request": request,
+                       "error": f"its deadline passed {-left:.3f}s before the prefill read it; "
+                                f"nothing was written"}, self.timeout)
+            return
+        try:
+            plan = make_plan(self.cache.layout, src, peer.info.layout, dst)
+            with self._writes_lock:
+                if key in self._writes:
+                    raise KVRuntimeError(f"request {request!r} is already in flight")
+                xfer = PostedTransfer(self.agent, "WRITE", plan, self.registration.local_dlist,
+                                      self.registration.peer_dlist(peer.agent), False,
+                                      free_notification(request), split)
+                self._writes[key] = _Write(peer, request, xfer,
+                                           time.monotonic() + min(left, timeout))
+        except KVRuntimeError as exc:
+            peer.send({"type": "push_failed", "request": request, "error": str(exc)},
+                      self.timeout)
+            return
+        self._work.set()
+
+    def _cancel_write(self, peer: _Peer, request: str) -> None:
+        with self._writes_lock:
+            write = self._writes.get((peer.agent, request))
+            if write is not None and write.xfer.poll() == "PROC":
+                self._end_write(write, "cancelled by the decode side")
+                return
+        # Not in flight: it was refused, or finished and answered before this cancel (frames
+        # of one connection are answered in order), so the decode already knows which.
+        peer.send({"type": "cancelled", "request": request, "state": "not in flight"},
+                  self.timeout)
+
+    def _progress_writes(self) -> bool:
+        """One pass over the WRITEs in flight; True while any remain."""
+        with self._writes_lock:
+            for write in list(self._writes.values()):
+                state = write.xfer.poll()
+                if state == "DONE":
+                    write.xfer.finish()
+                    self._end_write(write, None)
+                elif state == "ERR":
+                    write.xfer.finish()
+                    self._end_write(write, "the WRITE failed in NIXL (decode gone?)")
+                elif time.monotonic() > write.deadline:
+                    self._end_write(write, "its deadline passed during the WRITE")
+            return bool(self._writes)
+
+    def _end_write(self, write: "_Write", error: str | None) -> None:
+        """Answer a WRITE that finished (error None) or must stop; called under _writes_lock."""
+        del self._writes[(write.peer.agent, write.request)]
+        if error is None:
+            result = write.xfer.result()
+            self._release(write.peer.agent, write.request)  # the blocks may be freed
+            reply = {"type": "pushed", "request": write.request, "nbytes": result.nbytes,
+                     "seconds": result.seconds, "descriptors": result.descriptors,
+                     "nixl_descriptors": result.nixl_descriptors}
+        else:
+            if write.xfer.state == "PROC" and not write.xfer.abort():
+                error += "; the WRITE could not be aborted and may still land"
+                log.error("push %s to %s: %s", write.request, write.peer.agent, error)
+            reply = {"type": "push_failed", "request": write.request, "error": error}
+        try:
+            write.peer.send(reply, self.timeout)
+        except KVRuntimeError as exc:
+            log.warning("answering push %s of %s: %s", write.request, write.peer.agent, exc)
+
     # -- completion --------------------------------------------------------------------------
-    def _notif_loop(self) -> None:
-        while not self._stop.wait(0.001):
+    def _progress_loop(self) -> None:
+        """NIXL notifications (decode READs done: their blocks may be freed) and our WRITEs in
+        flight. Polls tightly while WRITEs are in flight, every millisecond otherwise."""
+        busy = False
+        while not self._stop.is_set():
+            if busy:
+                time.sleep(0.00005)
+            else:
+                self._work.wait(0.001)
+                self._work.clear()
             try:
                 notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
             except Exception as exc:
                 if not self._stop.is_set():
                     log.warning("polling notifications: %s", exc)
-                continue
-            for messages in notifs.values():
+                notifs = {}
+            for agent, messages in notifs.items():
+                agent = agent.decode() if isinstance(agent, bytes) else agent
                 for msg in messages:
                     request = parse_notification(msg)
                     if request is not None:
-                        self._release(request)
+                        self._release(agent, request)
+            try:
+                busy = self._progress_writes()
+            except Exception:
+                if not self._stop.is_set():
+                    log.exception("progressing WRITEs")
+                busy = False
 
-    def _release(self, request: str) -> None:
+    def _release(self, agent: str, request: str) -> None:
         with self._released_cv:
-            self._released.add(request)
+            self._released[(agent, request)] = None
+            while len(self._released) > RELEASED_KEPT:  # nobody collects them: keep the newest
+                self._released.popitem(last=False)
             self._released_cv.notify_all()
         if self.on_release is not None:
             try:
@@ -216,10 +340,26 @@ class PrefillServer:
             except Exception:
                 log.exception("on_release callback failed for %s", request)
 
-    def wait_released(self, request: str, timeout: float) -> bool:
-        """True once the decode side said ``request``'s blocks may be freed."""
+    def wait_released(self, request: str, timeout: float, peer: str | None = None) -> bool:
+        """True once a decode said ``request``'s blocks may be freed (from the decode agent
+        ``peer``, or any). Consumes the release, so a request id may be used again."""
+        def take():
+            for key in self._released:
+                if key[1] == request and (peer is None or key[0] == peer):
+                    del self._released[key]
+                    return True
+            return False
+
         with self._released_cv:
-            return self._released_cv.wait_for(lambda: request in self._released, timeout)
+            return self._released_cv.wait_for(take, timeout)
+
+    def get_released(self) -> list[tuple[str, str]]:
+        """Every (decode agent, request id) released since the last call: the blocks an
+        engine's step loop may free now (vLLM's ``get_finished`` "done sending" set)."""
+        with self._released_cv:
+            out = list(self._released)
+            self._released.clear()
+        return out
 
     @property
     def peers(self) -> list[str]:

@@ -1,7 +1,12 @@
-"""Posting one block transfer through NIXL and waiting for it, with a deadline.
+"""One NIXL block transfer: posted without waiting, polled, released or aborted, once.
 
-A dead peer shows up as NIXL's ERR state (UCX's peer-failure handling) or, if UCX never
-notices, as the deadline passing: either way the caller gets a TransferError, never a hang.
+Posting (``make_prepped_xfer`` + ``transfer``) and each poll take the agent lock for one NIXL
+call only, never for the transfer's duration: transfers of one agent to different peers, and
+many requests in flight to one peer, progress side by side. A dead peer shows up as NIXL's ERR
+state (UCX's peer-failure handling) or, if UCX never notices, as the deadline passing: either
+way the request fails, never hangs. A transfer that cannot be aborted after its deadline is
+reported as such (``PostedTransfer.abort`` returns False) so that its owner can stop trusting
+the memory it may still touch.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import time
 from dataclasses import dataclass
 
 from .agent import Agent
-from .errors import NixlError, TransferError, TransferTimeout
+from .errors import NixlError, TransferError
 from .plan import TransferPlan
 
 log = logging.getLogger("kvruntime")
@@ -28,6 +33,7 @@ class TransferResult:
     descriptors: int  # what kvruntime asked for: runs x regions (x split pieces)
     nixl_descriptors: int | None  # what NIXL posted after merging, when telemetry exists
     peer_seconds: float | None = None  # push: the prefill's own WRITE time (no side channel)
+    engine: str = "nixl"  # which engine moved the bytes ("nixl", or a same-node engine)
 
     @property
     def gbps(self) -> float:
@@ -46,53 +52,85 @@ def parse_notification(message: bytes) -> str | None:
     return None
 
 
-def run_transfer(
-    agent: Agent,
-    op: str,
-    plan: TransferPlan,
-    local_dlist,
-    remote_dlist,
-    remote_is_src: bool,
-    notif: bytes,
-    timeout: float,
-    split: int = 1,
-) -> TransferResult:
-    """READ (remote is the source) or WRITE (remote is the destination) ``plan``."""
-    src_idx, dst_idx = plan.nixl_indices(split)
-    local_idx, remote_idx = (dst_idx, src_idx) if remote_is_src else (src_idx, dst_idx)
-    deadline = time.monotonic() + timeout
-    nixl = agent.nixl
-    start = time.perf_counter()
-    try:
-        handle = agent.call("make_prepped_xfer", nixl.make_prepped_xfer, op, local_dlist,
-                            local_idx, remote_dlist, remote_idx, notif)
-    except NixlError as exc:
-        raise TransferError(f"{op} could not be prepared: {exc}") from exc
-    state = "ERR"
-    try:
-        state = agent.call("transfer", nixl.transfer, handle)
-        polls = 0
-        while state == "PROC":
-            if time.monotonic() > deadline:
-                raise TransferTimeout(
-                    f"{op} of {plan.nbytes} bytes missed its {timeout:.1f}s deadline "
-                    f"(peer dead or stalled); the transfer was aborted"
-                )
-            polls += 1
-            if polls > 64:
-                time.sleep(0.0002)  # keep a core for UCX's progress on small hosts
-            state = agent.call("check_xfer_state", nixl.check_xfer_state, handle)
-        if state != "DONE":
-            raise TransferError(f"{op} of {plan.nbytes} bytes failed in NIXL (state {state}): "
-                                f"the peer is gone or refused the memory access")
-        seconds = time.perf_counter() - start
-        return TransferResult(op, plan.nbytes, seconds, len(plan.runs), plan.piece_count(split),
-                              agent.descriptor_count(handle))
-    except NixlError as exc:
-        raise TransferError(f"{op} failed: {exc}") from exc
-    finally:
+class PostedTransfer:
+    """READ (remote is the source) or WRITE (remote is the destination) of ``plan``, posted at
+    construction. ``poll`` returns "PROC", "DONE" or "ERR"; the NIXL handle is released exactly
+    once, by ``finish`` (after DONE/ERR) or ``abort`` (before)."""
+
+    def __init__(self, agent: Agent, op: str, plan: TransferPlan, local_dlist, remote_dlist,
+                 remote_is_src: bool, notif: bytes, split: int = 1):
+        self.agent = agent
+        self.op = op
+        self.plan = plan
+        self.split = split
+        self.state = "PROC"
+        self.released = False
+        self.descriptors_posted: int | None = None
+        src_idx, dst_idx = plan.nixl_indices(split)
+        local_idx, remote_idx = (dst_idx, src_idx) if remote_is_src else (src_idx, dst_idx)
+        nixl = agent.nixl
+        self.start = time.perf_counter()
         try:
-            with agent.lock:
-                handle.release()
+            self._handle = agent.call("make_prepped_xfer", nixl.make_prepped_xfer, op,
+                                      local_dlist, local_idx, remote_dlist, remote_idx, notif)
+        except NixlError as exc:
+            raise TransferError(f"{op} could not be prepared: {exc}") from exc
+        try:
+            self.state = _state(agent.call("transfer", nixl.transfer, self._handle))
+        except NixlError as exc:
+            self.abort()
+            raise TransferError(f"{op} of {plan.nbytes} bytes could not be posted: {exc}"
+                                ) from exc
+        self.end = time.perf_counter() if self.state != "PROC" else None
+
+    def poll(self) -> str:
+        if self.state == "PROC" and not self.released:
+            try:
+                state = _state(self.agent.call("check_xfer_state",
+                                               self.agent.nixl.check_xfer_state, self._handle))
+            except NixlError as exc:
+                log.warning("%s: %s", self.op, exc)
+                state = "ERR"
+            if state != "PROC":
+                self.end = time.perf_counter()
+                self.state = state
+        return self.state
+
+    @property
+    def seconds(self) -> float:
+        return (self.end or time.perf_counter()) - self.start
+
+    def finish(self) -> None:
+        """Release the handle of a finished transfer (after taking its telemetry)."""
+        if self.released:
+            return
+        if self.state == "DONE":
+            self.descriptors_posted = self.agent.descriptor_count(self._handle)
+        self._release()
+
+    def abort(self) -> bool:
+        """Abort a transfer still in flight (NIXL releases an in-flight handle by cancelling
+        it). False when NIXL refused: the transfer may still touch its memory."""
+        return self._release()
+
+    def _release(self) -> bool:
+        if self.released:
+            return True
+        try:
+            with self.agent.lock:
+                self._handle.release()
         except Exception as exc:  # an un-abortable transfer: NIXL keeps it in its leak list
-            log.warning("releasing the %s handle (state %s) failed: %s", op, state, exc)
+            log.warning("releasing the %s handle (state %s) failed: %s", self.op, self.state,
+                        exc)
+            return False
+        self.released = True
+        return True
+
+    def result(self) -> TransferResult:
+        return TransferResult(self.op, self.plan.nbytes, self.seconds, len(self.plan.runs),
+                              self.plan.piece_count(self.split), self.descriptors_posted)
+
+
+def _state(value) -> str:
+    state = value.decode() if isinstance(value, bytes) else str(value)
+    return state if state in ("PROC", "DONE") else "ERR"

@@ -1,0 +1,201 @@
+"""Requests in flight: the handle an engine holds for each pull or push it started.
+
+A handle is created by ``PrefillPeer.start_pull``/``start_push`` and returned at once. It moves
+forward only when someone polls: ``handle.done()``, ``handle.wait()``, or the client's
+``get_finished()`` (the shape an engine's step loop calls once per step). No thread of ours
+spins in the background, so on a 2-core host the cores stay with the copies.
+
+Every handle ends in exactly one of ``DONE`` or ``FAILED``, at the latest at its deadline, and is
+reported once: by the ``wait``/``get_finished`` call that saw it finish. A failed handle says
+whether it is *settled*: True when nothing can write into its destination blocks any more (the
+transfer was aborted, refused, or the peer acknowledged the cancel). An unsettled handle's peer
+is not trusted with new requests until it settles or is reconnected.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from .errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
+from .plan import TransferPlan
+from .transfer import PostedTransfer, TransferResult
+
+if TYPE_CHECKING:
+    from .decode import PrefillPeer
+
+PENDING, DONE, FAILED = "pending", "done", "failed"
+
+
+class TransferHandle:
+    """One pull (decode READs) or push (prefill WRITEs) request."""
+
+    def __init__(self, peer: "PrefillPeer", op: str, request_id: str, plan: TransferPlan,
+                 timeout: float):
+        self.peer = peer
+        self.op = op
+        self.request_id = request_id
+        self.plan = plan
+        self.timeout = timeout
+        self.started = time.perf_counter()
+        self.deadline = time.monotonic() + timeout
+        self.state = PENDING
+        self.settled = True
+        self._result: TransferResult | None = None
+        self._error: KVRuntimeError | None = None
+        self._lock = threading.Lock()
+        self._xfer: PostedTransfer | None = None  # pull: our READ
+        self._reply: dict | None = None  # push: the prefill's "pushed" frame
+        self._noted = False  # push: the WRITE's notification reached us
+        self.reported = False
+
+    # -- the caller's side -----------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return self.plan.nbytes
+
+    def done(self) -> bool:
+        """Poll once; True when the request has finished (either way)."""
+        return self.poll() != PENDING
+
+    def poll(self) -> str:
+        if self.state == PENDING:
+            self.peer._pump()
+            self._advance()
+        return self.state
+
+    def wait(self, timeout: float | None = None) -> TransferResult:
+        """Block until finished and return the result, or raise the request's error. With
+        ``timeout`` shorter than the request's own, raise ``WaitTimeout`` and leave the request
+        running (a ``TransferTimeout`` means the request itself missed its deadline)."""
+        until = None if timeout is None else time.monotonic() + timeout
+        polls = 0
+        while self.poll() == PENDING:
+            if until is not None and time.monotonic() > until:
+                raise WaitTimeout(f"{self.op} request {self.request_id} still in flight after "
+                                  f"{timeout:.3f}s (its own deadline is {self.timeout:.3f}s)")
+            polls += 1
+            if polls > 200:
+                time.sleep(0.0001)  # keep a core for UCX's progress (and the peer) on small hosts
+        self.peer.client._consumed(self)
+        return self.result()
+
+    def result(self) -> TransferResult:
+        if self.state == PENDING:
+            raise WaitTimeout(f"{self.op} request {self.request_id} has not finished")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    @property
+    def error(self) -> KVRuntimeError | None:
+        return self._error
+
+    @property
+    def ok(self) -> bool:
+        return self.state == DONE
+
+    def __repr__(self) -> str:
+        return (f"<TransferHandle {self.op} {self.request_id} {self.state} "
+                f"{self.plan.num_blocks} blocks>")
+
+    # -- progress (called with the peer's I/O already pumped) ----------------------------------
+    def _advance(self) -> None:
+        with self._lock:
+            if self.state != PENDING:
+                return
+            if self.op == "pull":
+                self._advance_pull()
+            else:
+                self._advance_push()
+
+    def _advance_pull(self) -> None:
+        xfer = self._xfer
+        state = xfer.poll()
+        if state == "DONE":
+            xfer.finish()
+            self._finish(xfer.result())
+        elif state == "ERR":
+            xfer.finish()
+            self._fail(TransferError(
+                f"READ of {self.plan.nbytes} bytes for request {self.request_id} failed in NIXL "
+                f"(state ERR): the prefill is gone or refused the memory access"))
+        elif time.monotonic() > self.deadline:
+            aborted = xfer.abort()
+            why = ("the READ was aborted" if aborted else
+                   "the READ could not be aborted and may still land: the peer is marked "
+                   "unusable until it is reconnected")
+            self._fail(TransferTimeout(f"READ of {self.plan.nbytes} bytes for request "
+                                       f"{self.request_id} missed its {self.timeout:.3f}s "
+                                       f"deadline (peer dead or stalled); {why}"),
+                       settled=aborted)
+            if not aborted:
+                self.peer._distrust(f"READ of request {self.request_id} could not be aborted")
+
+    def _advance_push(self) -> None:
+        if self._reply is not None and self._noted:
+            r = self._reply
+            self._finish(TransferResult(
+                "WRITE", self.plan.nbytes, time.perf_counter() - self.started,
+                len(self.plan.runs), int(r.get("descriptors") or self.plan.descriptor_count),
+                _int_or_none(r.get("nixl_descriptors")), _seconds(r.get("seconds"))))
+            self.peer._settled(self)
+        elif time.monotonic() > self.deadline:
+            # Ask the prefill to cancel; it also refuses any push read after its deadline, so
+            # a stalled prefill that wakes up later never writes. Settled once it answers.
+            self.peer._cancel(self)
+            self._fail(TransferTimeout(
+                f"push of request {self.request_id} ({self.plan.nbytes} bytes) missed its "
+                f"{self.timeout:.3f}s deadline; cancel sent (the prefill refuses the request "
+                f"once its deadline has passed)"), settled=False)
+
+    # -- events from the peer (frames, notifications) --------------------------------------------
+    def _on_reply(self, message: dict) -> None:
+        kind = message.get("type")
+        with self._lock:
+            if kind == "pushed":
+                self._reply = message
+                if self.state == FAILED:  # it landed after we gave up: the blocks were written
+                    self.settled = True
+                    self.peer._settled(self)
+                    self.peer.client._log_late(self, "the prefill wrote it after its deadline")
+            elif kind in ("push_failed", "cancelled"):
+                self.settled = True  # the prefill says it has not written and will not
+                self.peer._settled(self)
+                if self.state == PENDING:
+                    self._fail(TransferError(f"prefill refused push of request "
+                                             f"{self.request_id}: {message.get('error')}"))
+
+    def _on_notification(self) -> None:
+        with self._lock:
+            self._noted = True
+
+    def _on_peer_lost(self, why: str) -> None:
+        """The side channel broke: pending requests fail. A push's WRITE cannot outlive the
+        prefill's connection (it drops our agent when the connection ends)."""
+        with self._lock:
+            if self.state == PENDING:
+                if self._xfer is not None:
+                    self._xfer.abort()
+                self._fail(TransferError(f"{self.op} request {self.request_id}: {why}"))
+            if self.op == "push":
+                self.settled = True
+
+    def _finish(self, result: TransferResult) -> None:
+        self._result = result
+        self.state = DONE
+
+    def _fail(self, error: KVRuntimeError, settled: bool = True) -> None:
+        self._error = error
+        self.settled = settled
+        self.state = FAILED
+
+
+def _seconds(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def _int_or_none(value) -> int | None:
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,201 @@
+"""The asynchronous request API with real NIXL agents in two processes over 127.0.0.1: many
+requests in flight per peer and across peers, collected by get_finished; deadlines the prefill
+enforces (a stalled prefill never writes after the decode was told the push failed); several
+threads on one peer; release ids per peer."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kvruntime.decode import DecodeClient
+from kvruntime.errors import PeerError, TransferTimeout, WaitTimeout
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.memory import KVCache
+from kvruntime.prefill import PrefillServer
+
+pytestmark = pytest.mark.integration
+
+
+def small(kind=CROSS_LAYER, blocks=128):
+    return KVLayout(kind, 2, blocks, 16, 4, 32, "float16")
+
+
+def _zero_digest(layout):
+    zero = KVCache.allocate_host(layout)
+    try:
+        zero.fill_value(0)
+        return zero.block_digest(0)
+    finally:
+        zero.close()
+
+
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+def test_many_requests_in_flight_across_two_peers(prefill, kind):
+    layout = small(kind)
+    with prefill([layout, layout], seed=3, secret=b"s") as (_proc, ports):
+        cache = KVCache.allocate_host(small(kind, blocks=256))
+        cache.fill_value(0)
+        with DecodeClient(cache, secret=b"s") as client:
+            peers = [client.connect("127.0.0.1", p) for p in ports]
+            handles, expect = [], {}
+            for i in range(32):  # 16 per peer, pulls and pushes interleaved, 4 blocks each
+                peer = peers[i % 2]
+                src = [(7 * i + k * 3) % layout.num_blocks for k in range(4)]
+                dst = [4 * i + k for k in range(4)]
+                start = peer.start_pull if i % 4 < 2 else peer.start_push
+                h = start(src, dst, request_id=f"r{i}", timeout=30)
+                handles.append(h)
+                expect[id(h)] = (peer, src, dst)
+            assert client.in_flight == 32
+            finished, deadline = [], time.monotonic() + 60
+            while len(finished) < 32 and time.monotonic() < deadline:
+                finished += client.get_finished()
+            assert sorted(map(id, finished)) == sorted(map(id, handles))
+            assert client.get_finished() == [] and client.in_flight == 0
+            for h in finished:
+                assert h.ok, h.error
+                peer, src, dst = expect[id(h)]
+                assert h.result().nbytes == 4 * layout.block_bytes
+                assert peer.digests(src) == [cache.block_digest(b) for b in dst]
+        cache.close()
+
+
+def test_push_to_a_stalled_prefill_fails_at_its_deadline_and_never_lands(prefill):
+    """Before: push(timeout=2) raised after 7 s and the resumed prefill then WROTE the blocks
+    the decode had been told were not written. Now the caller's timeout is the deadline, and
+    the prefill refuses a push it reads after that deadline."""
+    layout = small()
+    zero = _zero_digest(layout)
+    with prefill([layout], seed=9) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0)
+        with DecodeClient(cache) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            peer.pull([0], [0], timeout=20)  # endpoints wired up while the prefill runs
+            cache.fill_value(0)
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                t = time.monotonic()
+                handle = peer.start_push([1, 2, 3], [10, 11, 12], timeout=1.0)
+                with pytest.raises(TransferTimeout, match="deadline"):
+                    handle.wait()
+                elapsed = time.monotonic() - t
+                assert 1.0 <= elapsed < 1.5, elapsed
+                assert handle.settled is False  # the stalled prefill has not answered the cancel
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            # The prefill wakes up, reads the push and the cancel, refuses both.
+            deadline = time.monotonic() + 10
+            while not handle.settled and time.monotonic() < deadline:
+                handle.peer._pump()
+                time.sleep(0.01)
+            assert handle.settled
+            time.sleep(0.5)
+            assert [cache.block_digest(b) for b in (10, 11, 12)] == [zero] * 3
+            # and the peer stays usable
+            res = peer.push([4], [20], timeout=20)
+            assert res.nbytes == layout.block_bytes
+            assert peer.digests([4]) == [cache.block_digest(20)]
+        cache.close()
+
+
+def test_wait_shorter_than_the_request_leaves_it_running(prefill):
+    layout = small(blocks=512)
+    with prefill([layout], seed=4) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                handle = peer.start_push(list(range(64)), timeout=30)
+                with pytest.raises(WaitTimeout, match="still in flight"):
+                    handle.wait(0.2)
+                assert not handle.done()
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            assert handle.wait(30).nbytes == 64 * layout.block_bytes
+            assert peer.digests(list(range(64))) == cache.block_digests(list(range(64)))
+        cache.close()
+
+
+def test_a_peer_whose_cancel_goes_unanswered_is_not_trusted(prefill, monkeypatch):
+    import kvruntime.decode as decode
+
+    monkeypatch.setattr(decode, "SETTLE_SECONDS", 0.5)
+    layout = small()
+    with prefill([layout], seed=2) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            peer.pull([0], timeout=20)
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(TransferTimeout):
+                    peer.push([1], timeout=0.3)
+                time.sleep(0.6)
+                with pytest.raises(PeerError, match="has not answered the cancel"):
+                    peer.start_pull([2])
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            peer = client.connect("127.0.0.1", ports[0])  # a reconnect starts afresh
+            peer.pull([2], timeout=20)
+        cache.close()
+
+
+def test_threads_share_one_peer(prefill):
+    """Before: concurrent pushes on one peer interleaved frames ("bad frame magic") and the
+    peer stayed broken. Now frames go out whole and replies find their request."""
+    layout = small(blocks=256)
+    with prefill([layout], seed=6) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            errors = []
+
+            def work(t):
+                try:
+                    for i in range(10):
+                        src = [t * 40 + i * 4 + k for k in range(4)]
+                        op = peer.push if (t + i) % 2 else peer.pull
+                        op(src, timeout=30)
+                        assert peer.digests(src) == cache.block_digests(src)
+                except Exception as exc:  # reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(120)
+            assert not errors, errors
+            assert not peer.closed
+        cache.close()
+
+
+def test_release_ids_are_per_peer_consumed_and_collected():
+    """Before: every released id was kept forever and shared by all peers, so a reused id
+    counted as released at once. Prefill and decode in one process (real agents)."""
+    layout = small()
+    src_cache, dst_a, dst_b = (KVCache.allocate_host(layout) for _ in range(3))
+    src_cache.fill_random(1)
+    with PrefillServer(src_cache) as server, DecodeClient(dst_a) as a, DecodeClient(dst_b) as b:
+        pa, pb = a.connect(*server.address), b.connect(*server.address)
+        pa.pull([1, 2], request_id="req")
+        assert server.wait_released("req", 5, peer=a.agent.name)
+        assert not server.wait_released("req", 0)  # consumed: the id may be used again
+        pb.pull([3], request_id="req")
+        assert not server.wait_released("req", 1, peer=a.agent.name)
+        assert server.wait_released("req", 5, peer=b.agent.name)
+        pa.pull([4], request_id="x")
+        pb.push([5], request_id="y")
+        deadline = time.monotonic() + 5
+        got = []
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += server.get_released()
+            time.sleep(0.01)
+        assert sorted(got) == sorted([(a.agent.name, "x"), (b.agent.name, "y")])
+    for c in (src_cache, dst_a, dst_b):
+        c.close()
