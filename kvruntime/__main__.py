@@ -75,17 +75,27 @@ def _bench(args, out) -> int:
         sizes_mib=args.sizes, patterns=args.patterns, layouts=args.layouts, ops=args.ops,
         splits=args.split, ucx_threads=args.ucx_threads, huge_pages=not args.no_huge,
         iters=args.iters, block_kib=args.block_kib, nixl_module=args.nixl_module,
-        handshakes=args.handshakes, device=args.device, device_ids=args.device_ids)
+        handshakes=args.handshakes, device=args.device, device_ids=args.device_ids,
+        engines=args.engines, bare=not args.no_bare, inflight=args.inflight or [])
     report = run_bench(cfg)
     if args.json:
         say(json.dumps(report, indent=None if args.compact else 2))
     else:
-        say(f"{'layout':12} {'op':5} {'pattern':10} {'split':>5} {'size MiB':>9} "
-              f"{'descs':>6} {'avg lat us':>11} {'GB/s':>7} {'ref':>7} {'ratio':>6}")
+        say(f"{'layout':12} {'engine':26} {'op':5} {'pattern':10} {'split':>5} {'size MiB':>9} "
+              f"{'descs':>6} {'avg lat us':>11} {'GB/s':>7} {'ref':>7} {'ratio':>6} "
+              f"{'overhead us':>11}")
         for r in report.get("results", []):
-            say(f"{r['layout']:12} {r['op']:5} {r['pattern']:10} {r['split']:5} "
+            ovh = r.get("overhead_us")
+            say(f"{r['layout']:12} {r['engine']:26} {r['op']:5} {r['pattern']:10} {r['split']:5} "
                   f"{r['size_bytes'] / 2**20:9.0f} {r['descriptors']:6} {r['avg_lat_us']:11.0f} "
-                  f"{r['gbps']:7.2f} {r['ref_gbps']:7.2f} {r['ratio']:6.2f}")
+                  f"{r['gbps']:7.2f} {r['ref_gbps']:7.2f} {r['ratio']:6.2f} "
+                  f"{'' if ovh is None else f'{ovh:11.1f}'}")
+        for r in report.get("inflight", []):
+            say(f"in flight ({r['layout']}, {r['engine']}): {r['requests_in_flight']} requests "
+                f"from {r['decode_peers']} decode peers {r['aggregate_gbps']:.2f} GB/s vs one "
+                f"request {r['one_request_gbps']:.2f} GB/s: ratio {r['ratio']:.2f}")
+        for s in report.get("skipped", []):
+            say(f"skipped {s['layout']}/{s['engine']}: {s['reason']}")
         for kind, hs in (report.get("handshake_ms") or {}).items():
             later = hs["median_later"]
             say(f"handshake ms ({kind}): first {hs['first']:.1f}"
@@ -136,7 +146,17 @@ def main(argv=None) -> int:
                    "(reference: memmove, or a device-to-device copy)")
     b.add_argument("--device-ids", type=int, nargs=2, default=[0, 0], metavar=("P", "D"),
                    help=ids_help)
+    b.add_argument("--engines", nargs="+", default=["nixl", "samenode"],
+                   choices=["nixl", "samenode", "auto"],
+                   help="what moves the bytes: NIXL, the same-node engine, or auto")
+    b.add_argument("--no-bare", action="store_true",
+                   help="skip timing a bare NIXL READ of the same descriptors beside each pull")
+    b.add_argument("--inflight", type=int, nargs=2, metavar=("PEERS", "REQUESTS"),
+                   default=[4, 32], help="decode peers and requests kept in flight on one "
+                   "prefill, beside one request of the same bytes (0 0: skip)")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.inflight == [0, 0]:
+        args.inflight = None
     logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
                         stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:

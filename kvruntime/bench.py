@@ -38,6 +38,9 @@ class BenchConfig:
     seed: int = 7
     device: str = "cpu"  # "cpu" (host DRAM), "cuda" or "xpu" (VRAM)
     device_ids: list = field(default_factory=lambda: [0, 0])  # (prefill's, decode's)
+    engines: list = field(default_factory=lambda: ["nixl", "samenode"])
+    bare: bool = True  # also time a bare NIXL transfer of the same descriptors (overhead)
+    inflight: list = field(default_factory=lambda: [4, 32])  # decode peers, requests; [] off
 
 
 def bench_layout(kind: str, block_kib: int, max_mib: int) -> KVLayout:
@@ -76,33 +79,52 @@ class HostReference:
 
 
 class DeviceReference:
-    """A device-to-device copy (torch ``copy_``: cudaMemcpy on CUDA) on the decode's device,
-    timed like the transfers: wall clock from a synchronized start to a synchronized end."""
+    """What bounds a device transfer, timed like the transfers (wall clock from a synchronized
+    start to a synchronized end): a device-to-device ``copy_`` (cudaMemcpy) on the decode's
+    device when both sides share it; torch's peer copy from the prefill's device to the
+    decode's when they differ (the local copy is then reported beside it, never as the bound).
+    """
 
-    def __init__(self, nbytes: int, device: str, device_id: int):
+    def __init__(self, nbytes: int, device: str, device_ids):
         import torch
 
         self.module = getattr(torch, device)
-        self.device = torch.device(device, device_id)
-        self.label = f"{device} device-to-device copy_ on {device}:{device_id}, same run"
-        self.src = torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=self.device)
+        src_dev = torch.device(device, device_ids[0])
+        self.device = torch.device(device, device_ids[1])
+        self.peer = device_ids[0] != device_ids[1]
+        self.label = (f"{device} peer copy_ {device}:{device_ids[0]} -> {device}:{device_ids[1]},"
+                      f" same run" if self.peer else
+                      f"{device} device-to-device copy_ on {device}:{device_ids[1]}, same run")
+        self.src = torch.full((nbytes,), 0x5A, dtype=torch.uint8,
+                              device=src_dev if self.peer else self.device)
         self.dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.local_src = (torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=self.device)
+                          if self.peer else self.src)
 
-    def gbps(self, nbytes: int) -> float:
+    def _time(self, src, nbytes: int) -> float:
+        self.module.synchronize(src.device)
         self.module.synchronize(self.device)
         t = time.perf_counter()
-        self.dst[:nbytes].copy_(self.src[:nbytes])
+        self.dst[:nbytes].copy_(src[:nbytes])
+        self.module.synchronize(src.device)
         self.module.synchronize(self.device)
         return nbytes / (time.perf_counter() - t) / 1e9
 
+    def gbps(self, nbytes: int) -> float:
+        return self._time(self.src, nbytes)
+
+    def local_gbps(self, nbytes: int) -> float | None:
+        return self._time(self.local_src, nbytes) if self.peer else None
+
     def close(self) -> None:
-        self.src = self.dst = None
+        self.src = self.dst = self.local_src = None
 
 
 def run_bench(cfg: BenchConfig) -> dict:
     from .binding import load_nixl
     from .decode import DecodeClient
     from .roles import allocate_cache, prefill_main, prepare_process, reap
+    from .samenode import SameNodeUnavailable
     from .transports import ucx_environment
 
     report: dict = {"tool": "kvruntime bench", "config": asdict(cfg), "thp": thp_mode(),
@@ -127,7 +149,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                        args=(ready_q, control, [l.to_dict() for l in layouts], cfg.seed,
                              {**options, "device_id": cfg.device_ids[0]}))
     decode_options = {**options, "device_id": cfg.device_ids[1]}
-    clients = []
+    clients, caches = [], []
     reference = None
     try:
         proc.start()
@@ -136,72 +158,166 @@ def run_bench(cfg: BenchConfig) -> dict:
             report["error"] = ready.get("error")
             return report
         reference = (HostReference(max_mib << 20, cfg.huge_pages) if cfg.device == "cpu" else
-                     DeviceReference(max_mib << 20, cfg.device, cfg.device_ids[1]))
+                     DeviceReference(max_mib << 20, cfg.device, cfg.device_ids))
         rnd = random.Random(cfg.seed)
         for layout, port in zip(layouts, ready["ports"]):
             cache = allocate_cache(layout, decode_options)
-            client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads,
-                                  device_kind=cfg.device)
-            clients.append((client, cache))
-            hs = []
-            for _ in range(max(1, cfg.handshakes)):
-                peer = client.connect("127.0.0.1", port)
-                hs.append(peer.handshake_seconds * 1e3)
-            report.setdefault("handshake_ms", {})[layout.kind] = {
-                "first": round(hs[0], 3),
-                "median_later": round(statistics.median(hs[1:]), 3) if len(hs) > 1 else None,
-                "all": [round(h, 3) for h in hs]}
-            for op in cfg.ops:
-                move = peer.pull if op == "pull" else peer.push
-                for pattern in cfg.patterns:
-                    for size in cfg.sizes_mib:
-                        count = max(1, (size << 20) // layout.block_bytes)
-                        for split in cfg.splits:
-                            src, dst = pick_blocks(pattern, count, layout.num_blocks, rnd)
-                            move(src, dst, timeout=120, split=split)  # warm-up
-                            rates, refs, lats, peer_rates, res = [], [], [], [], None
-                            for _ in range(cfg.iters):
-                                refs.append(reference.gbps(count * layout.block_bytes))
-                                res = move(src, dst, timeout=120, split=split)
-                                rates.append(res.gbps)
-                                if res.peer_seconds:
-                                    peer_rates.append(res.nbytes / res.peer_seconds / 1e9)
-                                lats.append(res.seconds * 1e6)
-                            gbps, ref = statistics.median(rates), statistics.median(refs)
-                            pairs = [r / f for r, f in zip(rates, refs)]
-                            report["results"].append({
-                                "layout": layout.kind, "op": op, "pattern": pattern,
-                                "split": split, "ucx_threads": cfg.ucx_threads,
-                                "memory": cache.mem_type,
-                                "huge_pages": cfg.huge_pages,
-                                "size_bytes": res.nbytes, "block_size": layout.block_bytes,
-                                "batch_size": count, "runs": res.runs,
-                                "descriptors": res.descriptors,
-                                "nixl_descriptors": res.nixl_descriptors,
-                                "avg_lat_us": round(statistics.mean(lats), 1),
-                                "gbps": round(gbps, 3), "gbps_max": round(max(rates), 3),
-                                "ref_gbps": round(ref, 3), "ref": reference.label,
-                                "ratio": round(gbps / ref, 3),
-                                "ratio_pairs_median": round(statistics.median(pairs), 3),
-                                # spread over the iterations (this host is noisy)
-                                "spread": {"gbps": _range(rates), "ref_gbps": _range(refs),
-                                           "ratio_pairs": _range(pairs)},
-                                # push: the prefill's WRITE alone, without the side channel
-                                "peer_gbps": (round(statistics.median(peer_rates), 3) if peer_rates
-                                              else None),
-                            })
+            caches.append(cache)
+            for engine in cfg.engines:
+                client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads,
+                                      device_kind=cfg.device, engine=engine)
+                clients.append(client)
+                hs = []
+                try:
+                    for _ in range(max(1, cfg.handshakes)):
+                        peer = client.connect("127.0.0.1", port)
+                        hs.append(peer.handshake_seconds * 1e3)
+                except SameNodeUnavailable as exc:
+                    report.setdefault("skipped", []).append(
+                        {"layout": layout.kind, "engine": engine, "reason": str(exc)})
+                    continue
+                report.setdefault("handshake_ms", {})[f"{layout.kind}/{engine}"] = {
+                    "first": round(hs[0], 3),
+                    "median_later": round(statistics.median(hs[1:]), 3) if len(hs) > 1 else None,
+                    "all": [round(h, 3) for h in hs]}
+                report.setdefault("engines", {})[f"{layout.kind}/{engine}"] = {
+                    "engine": peer.engine, "reason": peer.engine_reason}
+                for op in cfg.ops:
+                    for pattern in cfg.patterns:
+                        for size in cfg.sizes_mib:
+                            for split in cfg.splits:
+                                report["results"].append(_measure(
+                                    cfg, peer, cache, layout, reference, rnd, op, pattern,
+                                    size, split))
+                if cfg.inflight and engine == cfg.engines[-1]:
+                    report.setdefault("inflight", []).append(_inflight(
+                        cfg, binding, layout, port, decode_options, engine, rnd))
         report["ok"] = True
         return report
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         return report
     finally:
-        for client, cache in clients:
+        for client in clients:
             client.close()
+        for cache in caches:
             cache.close()
         if reference is not None:
             reference.close()
         reap(proc, control)
+
+
+def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split) -> dict:
+    """One row: ``iters`` requests of ``size`` MiB, each beside a same-run reference copy; for
+    NIXL also a bare NIXL transfer of the same descriptors (kvruntime's own overhead)."""
+    move = peer.pull if op == "pull" else peer.push
+    count = max(1, (size << 20) // layout.block_bytes)
+    src, dst = pick_blocks(pattern, count, layout.num_blocks, rnd)
+    move(src, dst, timeout=120, split=split)  # warm-up
+    rates, refs, lats, peer_rates, bare, res = [], [], [], [], [], None
+    for _ in range(cfg.iters):
+        refs.append(reference.gbps(count * layout.block_bytes))
+        res = move(src, dst, timeout=120, split=split)
+        rates.append(res.gbps)
+        if res.peer_seconds:
+            peer_rates.append(res.nbytes / res.peer_seconds / 1e9)
+        lats.append(res.seconds * 1e6)
+        if cfg.bare and peer.engine == "nixl" and op == "pull":
+            bare.append(_bare_read(peer, src, dst, split) * 1e6)
+    gbps, ref = statistics.median(rates), statistics.median(refs)
+    pairs = [r / f for r, f in zip(rates, refs)]
+    row = {
+        "layout": layout.kind, "op": op, "pattern": pattern, "engine": res.engine,
+        "split": split, "ucx_threads": cfg.ucx_threads, "memory": cache.mem_type,
+        "huge_pages": cfg.huge_pages, "size_bytes": res.nbytes, "block_size": layout.block_bytes,
+        "batch_size": count, "runs": res.runs, "descriptors": res.descriptors,
+        "nixl_descriptors": res.nixl_descriptors,
+        "avg_lat_us": round(statistics.mean(lats), 1),
+        "median_lat_us": round(statistics.median(lats), 1),
+        "gbps": round(gbps, 3), "gbps_max": round(max(rates), 3),
+        "ref_gbps": round(ref, 3), "ref": reference.label, "ratio": round(gbps / ref, 3),
+        "ratio_pairs_median": round(statistics.median(pairs), 3),
+        # spread over the iterations (hosts are noisy)
+        "spread": {"gbps": _range(rates), "ref_gbps": _range(refs), "ratio_pairs": _range(pairs)},
+        # push: the prefill's WRITE alone, without the side channel
+        "peer_gbps": round(statistics.median(peer_rates), 3) if peer_rates else None,
+    }
+    local = getattr(reference, "local_gbps", lambda n: None)(count * layout.block_bytes)
+    if local is not None:
+        row["local_copy_gbps"] = round(local, 3)
+    if bare:
+        row["bare_nixl_us"] = round(statistics.median(bare), 1)
+        row["overhead_us"] = round(statistics.median(lats) - statistics.median(bare), 1)
+    return row
+
+
+def _bare_read(peer, src, dst, split) -> float:
+    """Seconds of a NIXL READ of the same descriptors driven directly (prepped lists made
+    once, as kvruntime has them): make_prepped_xfer, transfer, check_xfer_state until DONE."""
+    from .plan import make_plan
+
+    client = peer.client
+    nixl = client.agent.nixl
+    plan = make_plan(peer.info.layout, src, client.cache.layout, dst)
+    src_idx, dst_idx = plan.nixl_indices(split)
+    local, remote = client.registration.local_dlist, client.registration.peer_dlist(peer.agent)
+    t = time.perf_counter()
+    handle = nixl.make_prepped_xfer("READ", local, dst_idx, remote, src_idx, b"")
+    state = nixl.transfer(handle)
+    while state == "PROC":
+        state = nixl.check_xfer_state(handle)
+    seconds = time.perf_counter() - t
+    handle.release()
+    if state != "DONE":
+        raise RuntimeError(f"bare NIXL READ ended in state {state}")
+    return seconds
+
+
+def _inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dict:
+    """``peers`` decode clients (own caches, one process) keep ``requests`` pulls of random
+    blocks in flight on one prefill; their aggregate rate beside one request of the same
+    total bytes from one client, same run."""
+    from .decode import DecodeClient
+    from .roles import allocate_cache
+
+    n_peers, n_requests = cfg.inflight
+    total_blocks = min(layout.num_blocks, max(cfg.sizes_mib) * 1024 // cfg.block_kib)
+    n_requests = max(1, min(n_requests, total_blocks))
+    per_request = max(1, total_blocks // n_requests)
+    clients, caches, peers = [], [], []
+    try:
+        for _ in range(n_peers):
+            cache = allocate_cache(layout, decode_options)
+            caches.append(cache)
+            client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads,
+                                  device_kind=cfg.device, engine=engine)
+            clients.append(client)
+            peers.append(client.connect("127.0.0.1", port))
+        blocks = rnd.sample(range(layout.num_blocks), per_request * n_requests)
+        requests = [blocks[i * per_request:(i + 1) * per_request] for i in range(n_requests)]
+        for r in requests[:n_peers]:  # warm-up, every peer
+            peers[requests.index(r) % n_peers].pull(r, timeout=120)
+        agg, one = [], []
+        for _ in range(cfg.iters):
+            t = time.perf_counter()
+            handles = [peers[i % n_peers].start_pull(r, timeout=120)
+                       for i, r in enumerate(requests)]
+            for h in handles:
+                h.wait()
+            agg.append(per_request * n_requests * layout.block_bytes /
+                       (time.perf_counter() - t) / 1e9)
+            one.append(peers[0].pull(blocks, timeout=120).gbps)
+        a, o = statistics.median(agg), statistics.median(one)
+        return {"layout": layout.kind, "engine": peers[0].engine, "decode_peers": n_peers,
+                "requests_in_flight": n_requests, "blocks_per_request": per_request,
+                "bytes_total": per_request * n_requests * layout.block_bytes,
+                "aggregate_gbps": round(a, 3), "one_request_gbps": round(o, 3),
+                "ratio": round(a / o, 3), "spread": {"aggregate": _range(agg), "one": _range(one)}}
+    finally:
+        for client in clients:
+            client.close()
+        for cache in caches:
+            cache.close()
 
 
 def _range(values) -> list:

@@ -8,6 +8,12 @@ Requests are asynchronous: ``peer.start_pull``/``start_push`` return a ``Transfe
 once (see inflight.py); ``client.get_finished()`` collects every request that finished since
 the last call, across peers. ``peer.pull``/``push`` are ``start_*(...).wait()``.
 
+Engines: with ``engine="auto"`` (the default) a peer proved to run on this host as a user
+allowed to read its memory is served by the same-node engine (samenode.py: one gather per
+request); any other peer, or ``engine="nixl"``, goes through NIXL. ``peer.engine`` and every
+``TransferResult.engine`` say which moved the bytes; ``engine="samenode"`` fails the connect
+with the reason when it cannot be used.
+
 Threads: a peer may be used from several threads. Frames to the prefill go out under the peer's
 send lock; whichever thread polls reads the replies and hands them to their handles by request
 id. NIXL calls take the agent lock for one call at a time, never for a transfer's duration.
@@ -31,6 +37,7 @@ from .inflight import PENDING, TransferHandle
 from .memory import KVCache
 from .plan import make_plan
 from .registration import Registration
+from .samenode import ENGINES, SameNodeUnavailable, open_engine
 from .transfer import PostedTransfer, TransferResult, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -57,6 +64,28 @@ class PrefillPeer:
         self._pending: dict[str, TransferHandle] = {}  # request id -> handle awaiting frames
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
+        self._engine = None  # a same-node engine (samenode.py) when one serves this peer
+        self.engine_reason = "not asked"  # why the engine in use was chosen
+
+    @property
+    def engine(self) -> str:
+        """What moves this peer's requests: "nixl", or the same-node engine's name."""
+        return self._engine.name if self._engine is not None else "nixl"
+
+    def _open_samenode(self, required: bool) -> None:
+        """Ask the prefill for its same-node offer and open its memory; NIXL stays the path
+        (and the reason is kept) when that cannot be proved or opened."""
+        try:
+            offer = self._call({"type": "samenode"}, "samenode", self.client.timeout)
+            self._engine = open_engine(offer, self.client.cache, self.info.layout,
+                                       self.info.regions)
+            self.engine_reason = "same host and user proved over the side channel"
+        except KVRuntimeError as exc:
+            if required:
+                raise SameNodeUnavailable(f"{self.name}: same-node engine unavailable: {exc}"
+                                          ) from exc
+            self.engine_reason = f"NIXL: same-node engine unavailable: {exc}"
+            log.info("%s: %s", self.name, self.engine_reason)
 
     @property
     def name(self) -> str:
@@ -72,6 +101,8 @@ class PrefillPeer:
         notification tells the prefill side it may free the request's blocks."""
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
         handle = TransferHandle(self, "pull", request_id, plan, timeout)
+        if self._engine is not None:
+            return self._start_local(handle)
         reg = self.client.registration
         handle._xfer = PostedTransfer(self.client.agent, "READ", plan, reg.local_dlist,
                                       reg.peer_dlist(self.agent), True,
@@ -87,6 +118,10 @@ class PrefillPeer:
         if request_id in self._pending:
             raise KVRuntimeError(f"request id {request_id!r} is already in flight on {self.name}")
         handle = TransferHandle(self, "push", request_id, plan, timeout)
+        if self._engine is not None:
+            # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
+            # here, the prefill told it may free them) is the push's, at the pull's speed.
+            return self._start_local(handle)
         src = [int(b) for b in src_blocks]
         dst = src if dst_blocks is None else [int(b) for b in dst_blocks]
         self._pending[request_id] = handle
@@ -96,6 +131,18 @@ class PrefillPeer:
         self._send({"type": "push", "request": request_id, "src": src, "dst": dst,
                     "timeout": timeout, "deadline": time.time() + timeout, "split": split})
         return handle
+
+    def _start_local(self, handle: TransferHandle) -> TransferHandle:
+        handle._xfer = self._engine.start("READ", handle.plan)
+        self.client._track(handle)
+        return handle
+
+    def _send_release(self, request_id: str) -> None:
+        try:
+            self._send({"type": "release", "request": request_id})
+        except KVRuntimeError as exc:
+            log.warning("%s: telling the prefill to free request %s: %s", self.name,
+                        request_id, exc)
 
     def pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
              timeout: float = 30.0, split: int = 1) -> TransferResult:
@@ -258,6 +305,9 @@ class PrefillPeer:
             self.sock.close()
         except OSError:
             pass
+        if self._engine is not None:  # opened memory lives exactly as long as the peer
+            self._engine.close()
+            self._engine = None
         self.client._forget(self)
 
 
@@ -272,10 +322,14 @@ class DecodeClient:
         ucx_threads: int = 0,
         device_kind: str = "cpu",
         name: str | None = None,
+        engine: str = "auto",
     ):
+        if engine not in ENGINES:
+            raise KVRuntimeError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         self.cache = cache
         self.secret = secret
         self.timeout = timeout
+        self.engine = engine
         self._peers: dict[tuple[str, int], PrefillPeer] = {}
         self._closed = False
         self._inflight: dict[int, TransferHandle] = {}
@@ -314,8 +368,17 @@ class DecodeClient:
         except BaseException:
             sock.close()
             raise
-        peer = PrefillPeer(self, address, sock, info, name, time.perf_counter() - start)
+        peer = PrefillPeer(self, address, sock, info, name, 0.0)
         self._peers[address] = peer
+        if self.engine == "nixl":
+            peer.engine_reason = "NIXL: forced (engine='nixl')"
+        else:
+            try:
+                peer._open_samenode(required=self.engine == "samenode")
+            except BaseException:
+                peer.close()
+                raise
+        peer.handshake_seconds = time.perf_counter() - start
         return peer
 
     # -- requests in flight ------------------------------------------------------------------

@@ -106,32 +106,38 @@ class TransferHandle:
         with self._lock:
             if self.state != PENDING:
                 return
-            if self.op == "pull":
-                self._advance_pull()
+            if self._xfer is not None:
+                self._advance_local()
             else:
                 self._advance_push()
 
-    def _advance_pull(self) -> None:
+    def _advance_local(self) -> None:
+        """A copy this process drives: a NIXL READ, or a same-node engine's gather."""
         xfer = self._xfer
+        nixl = isinstance(xfer, PostedTransfer)
         state = xfer.poll()
         if state == "DONE":
             xfer.finish()
             self._finish(xfer.result())
+            if not nixl:  # NIXL's READ notifies the prefill itself; the engine tells it here
+                self.peer._send_release(self.request_id)
         elif state == "ERR":
             xfer.finish()
+            why = ("the prefill is gone or refused the memory access" if nixl
+                   else getattr(xfer, "error", None))
             self._fail(TransferError(
-                f"READ of {self.plan.nbytes} bytes for request {self.request_id} failed in NIXL "
-                f"(state ERR): the prefill is gone or refused the memory access"))
+                f"{xfer.engine if not nixl else 'NIXL READ'} of {self.plan.nbytes} bytes for "
+                f"request {self.request_id} failed: {why}"))
         elif time.monotonic() > self.deadline:
             aborted = xfer.abort()
-            why = ("the READ was aborted" if aborted else
-                   "the READ could not be aborted and may still land: the peer is marked "
-                   "unusable until it is reconnected")
-            self._fail(TransferTimeout(f"READ of {self.plan.nbytes} bytes for request "
+            why = ("it was aborted" if aborted else
+                   "it could not be aborted and may still land" +
+                   (": the peer is marked unusable until it is reconnected" if nixl else ""))
+            self._fail(TransferTimeout(f"{self.op} of {self.plan.nbytes} bytes for request "
                                        f"{self.request_id} missed its {self.timeout:.3f}s "
                                        f"deadline (peer dead or stalled); {why}"),
                        settled=aborted)
-            if not aborted:
+            if not aborted and nixl:
                 self.peer._distrust(f"READ of request {self.request_id} could not be aborted")
 
     def _advance_push(self) -> None:

@@ -30,6 +30,7 @@ from .handshake import PeerInfo, serve_handshake
 from .memory import KVCache
 from .plan import make_plan
 from .registration import Registration
+from .samenode import NodeToken, serve_offer
 from .transfer import PostedTransfer, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -94,6 +95,7 @@ class PrefillServer:
         self._writes: dict[tuple[str, str], _Write] = {}  # (decode agent, request) -> WRITE
         self._writes_lock = threading.RLock()
         self._work = threading.Event()
+        self._token = NodeToken()
         self._peers: dict[str, _Peer] = {}
         # Adding and dropping a peer are atomic: a reconnecting decode reuses its agent name,
         # and the old connection's teardown must not remove the new connection's agent.
@@ -206,6 +208,11 @@ class PrefillServer:
             self._start_write(peer, message)
         elif kind == "cancel":
             self._cancel_write(peer, frames.field(message, "request", str))
+        elif kind == "samenode":  # a decode asks to open our memory directly (samenode.py)
+            peer.send({**serve_offer(self.cache, self._token), "request": message.get("request")},
+                      self.timeout)
+        elif kind == "release":  # a same-node copy finished: the blocks may be freed
+            self._release(peer.agent, frames.field(message, "request", str))
         elif kind == "digests":
             blocks = frames.field(message, "blocks", list)
             plan = make_plan(layout, blocks)  # validates the ids
@@ -256,7 +263,7 @@ class PrefillServer:
     def _cancel_write(self, peer: _Peer, request: str) -> None:
         with self._writes_lock:
             write = self._writes.get((peer.agent, request))
-            if write is not None and write.xfer.poll() == "PROC":
+            if write is not None:  # abort without polling: a poll could complete it now
                 self._end_write(write, "cancelled by the decode side")
                 return
         # Not in flight: it was refused, or finished and answered before this cancel (frames
@@ -264,9 +271,19 @@ class PrefillServer:
         peer.send({"type": "cancelled", "request": request, "state": "not in flight"},
                   self.timeout)
 
+    def _expire_writes(self) -> None:
+        """Abort WRITEs past their deadline *before* anything drives UCX's progress: after a
+        stall (SIGSTOP, a long GC pause) the next progress call would complete a WRITE the
+        decode has already been told failed."""
+        now = time.monotonic()
+        with self._writes_lock:
+            for write in [w for w in self._writes.values() if now > w.deadline]:
+                self._end_write(write, "its deadline passed during the WRITE")
+
     def _progress_writes(self) -> bool:
         """One pass over the WRITEs in flight; True while any remain."""
         with self._writes_lock:
+            self._expire_writes()
             for write in list(self._writes.values()):
                 state = write.xfer.poll()
                 if state == "DONE":
@@ -275,8 +292,6 @@ class PrefillServer:
                 elif state == "ERR":
                     write.xfer.finish()
                     self._end_write(write, "the WRITE failed in NIXL (decode gone?)")
-                elif time.monotonic() > write.deadline:
-                    self._end_write(write, "its deadline passed during the WRITE")
             return bool(self._writes)
 
     def _end_write(self, write: "_Write", error: str | None) -> None:
@@ -310,6 +325,7 @@ class PrefillServer:
                 self._work.wait(0.001)
                 self._work.clear()
             try:
+                self._expire_writes()
                 notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
             except Exception as exc:
                 if not self._stop.is_set():

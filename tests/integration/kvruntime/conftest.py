@@ -52,3 +52,35 @@ def spawn_prefill(layouts, seed=1, **options):
 @pytest.fixture
 def prefill():
     return spawn_prefill
+
+
+def stop_process(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped: the signal reaches the
+    threads one by one (about a millisecond on the 2-core host), and a thread still running
+    could serve a request the test means to send to a stalled peer."""
+    import glob
+    import os
+    import signal
+    import time
+
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = set()
+        for path in glob.glob(f"/proc/{pid}/task/*/stat"):
+            try:
+                with open(path) as f:
+                    states.add(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states <= {"T", "t"} and states:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"process {pid} did not stop: thread states {states}")
+        time.sleep(0.0005)
+
+
+@pytest.fixture
+def stall():
+    """``stall(pid)``: stop a process and wait until every thread of it has stopped."""
+    return stop_process

@@ -32,13 +32,14 @@ def _zero_digest(layout):
         zero.close()
 
 
+@pytest.mark.parametrize("engine", ["nixl", "samenode"])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
-def test_many_requests_in_flight_across_two_peers(prefill, kind):
+def test_many_requests_in_flight_across_two_peers(prefill, kind, engine):
     layout = small(kind)
     with prefill([layout, layout], seed=3, secret=b"s") as (_proc, ports):
         cache = KVCache.allocate_host(small(kind, blocks=256))
         cache.fill_value(0)
-        with DecodeClient(cache, secret=b"s") as client:
+        with DecodeClient(cache, secret=b"s", engine=engine) as client:
             peers = [client.connect("127.0.0.1", p) for p in ports]
             handles, expect = [], {}
             for i in range(32):  # 16 per peer, pulls and pushes interleaved, 4 blocks each
@@ -63,7 +64,7 @@ def test_many_requests_in_flight_across_two_peers(prefill, kind):
         cache.close()
 
 
-def test_push_to_a_stalled_prefill_fails_at_its_deadline_and_never_lands(prefill):
+def test_push_to_a_stalled_prefill_fails_at_its_deadline_and_never_lands(prefill, stall):
     """Before: push(timeout=2) raised after 7 s and the resumed prefill then WROTE the blocks
     the decode had been told were not written. Now the caller's timeout is the deadline, and
     the prefill refuses a push it reads after that deadline."""
@@ -72,11 +73,11 @@ def test_push_to_a_stalled_prefill_fails_at_its_deadline_and_never_lands(prefill
     with prefill([layout], seed=9) as (proc, ports):
         cache = KVCache.allocate_host(layout)
         cache.fill_value(0)
-        with DecodeClient(cache) as client:
+        with DecodeClient(cache, engine="nixl") as client:
             peer = client.connect("127.0.0.1", ports[0])
             peer.pull([0], [0], timeout=20)  # endpoints wired up while the prefill runs
             cache.fill_value(0)
-            os.kill(proc.pid, signal.SIGSTOP)
+            stall(proc.pid)
             try:
                 t = time.monotonic()
                 handle = peer.start_push([1, 2, 3], [10, 11, 12], timeout=1.0)
@@ -102,13 +103,13 @@ def test_push_to_a_stalled_prefill_fails_at_its_deadline_and_never_lands(prefill
         cache.close()
 
 
-def test_wait_shorter_than_the_request_leaves_it_running(prefill):
+def test_wait_shorter_than_the_request_leaves_it_running(prefill, stall):
     layout = small(blocks=512)
     with prefill([layout], seed=4) as (proc, ports):
         cache = KVCache.allocate_host(layout)
-        with DecodeClient(cache) as client:
+        with DecodeClient(cache, engine="nixl") as client:
             peer = client.connect("127.0.0.1", ports[0])
-            os.kill(proc.pid, signal.SIGSTOP)
+            stall(proc.pid)
             try:
                 handle = peer.start_push(list(range(64)), timeout=30)
                 with pytest.raises(WaitTimeout, match="still in flight"):
@@ -121,17 +122,17 @@ def test_wait_shorter_than_the_request_leaves_it_running(prefill):
         cache.close()
 
 
-def test_a_peer_whose_cancel_goes_unanswered_is_not_trusted(prefill, monkeypatch):
+def test_a_peer_whose_cancel_goes_unanswered_is_not_trusted(prefill, monkeypatch, stall):
     import kvruntime.decode as decode
 
     monkeypatch.setattr(decode, "SETTLE_SECONDS", 0.5)
     layout = small()
     with prefill([layout], seed=2) as (proc, ports):
         cache = KVCache.allocate_host(layout)
-        with DecodeClient(cache) as client:
+        with DecodeClient(cache, engine="nixl") as client:
             peer = client.connect("127.0.0.1", ports[0])
             peer.pull([0], timeout=20)
-            os.kill(proc.pid, signal.SIGSTOP)
+            stall(proc.pid)
             try:
                 with pytest.raises(TransferTimeout):
                     peer.push([1], timeout=0.3)
@@ -145,13 +146,14 @@ def test_a_peer_whose_cancel_goes_unanswered_is_not_trusted(prefill, monkeypatch
         cache.close()
 
 
-def test_threads_share_one_peer(prefill):
+@pytest.mark.parametrize("engine", ["nixl", "samenode"])
+def test_threads_share_one_peer(prefill, engine):
     """Before: concurrent pushes on one peer interleaved frames ("bad frame magic") and the
     peer stayed broken. Now frames go out whole and replies find their request."""
     layout = small(blocks=256)
     with prefill([layout], seed=6) as (_proc, ports):
         cache = KVCache.allocate_host(layout)
-        with DecodeClient(cache) as client:
+        with DecodeClient(cache, engine=engine) as client:
             peer = client.connect("127.0.0.1", ports[0])
             errors = []
 
@@ -181,7 +183,8 @@ def test_release_ids_are_per_peer_consumed_and_collected():
     layout = small()
     src_cache, dst_a, dst_b = (KVCache.allocate_host(layout) for _ in range(3))
     src_cache.fill_random(1)
-    with PrefillServer(src_cache) as server, DecodeClient(dst_a) as a, DecodeClient(dst_b) as b:
+    with PrefillServer(src_cache) as server, DecodeClient(dst_a, engine="nixl") as a, \
+            DecodeClient(dst_b, engine="samenode") as b:
         pa, pb = a.connect(*server.address), b.connect(*server.address)
         pa.pull([1, 2], request_id="req")
         assert server.wait_released("req", 5, peer=a.agent.name)

@@ -31,26 +31,36 @@ def small(kind, blocks=64):
     return KVLayout(kind, 3, blocks, 16, 4, 64, "float16")
 
 
+def _pairs():
+    import torch
+
+    return [(0, 0), (0, 1)] if torch.cuda.device_count() > 1 else [(0, 0)]
+
+
+@pytest.mark.parametrize("ids", _pairs(), ids=lambda p: f"cuda{p[0]}-to-cuda{p[1]}")
+@pytest.mark.parametrize("engine", ["nixl", "samenode"])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
-def test_bit_exact_pull_and_push_in_vram(prefill, kind):
+def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
     layout = small(kind)
     with prefill([layout], seed=21, secret=b"k", device="cuda",
-                 device_id=DEVICE_ID) as (_proc, ports):
-        cache = KVCache.allocate_device(small(kind, blocks=80), "cuda", DEVICE_ID)
+                 device_id=ids[0]) as (_proc, ports):
+        cache = KVCache.allocate_device(small(kind, blocks=80), "cuda", ids[1])
         assert cache.mem_type == "VRAM"
-        assert {r.device_id for r in cache.regions} == {DEVICE_ID}
+        assert {r.device_id for r in cache.regions} == {ids[1]}
         assert {t.device.type for t in cache.tensors} == {"cuda"}
-        zero = KVCache.allocate_device(small(kind, blocks=80), "cuda", DEVICE_ID)
+        zero = KVCache.allocate_device(small(kind, blocks=80), "cuda", ids[1])
         zero.fill_value(0)
-        with DecodeClient(cache, secret=b"k", device_kind="cuda") as client:
+        with DecodeClient(cache, secret=b"k", device_kind="cuda", engine=engine) as client:
             # the agent chose CUDA IPC for READs before its UCX backend existed
             assert os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == "on"
             peer = client.connect("127.0.0.1", ports[0])
             assert peer.info.mem_type == "VRAM"
+            assert peer.engine == ("nixl" if engine == "nixl" else "samenode:cuda-ipc")
             for n, op in enumerate(("pull", "push")):
                 src, dst = request_blocks(layout.num_blocks, 100 + n)
                 cache.fill_value(0)
                 res = getattr(peer, op)(src, dst, timeout=30)
+                assert res.engine == peer.engine
                 assert res.nbytes == len(src) * layout.block_bytes
                 assert res.runs == len(coalesce(src, dst))
                 assert res.descriptors == res.runs * layout.num_regions
@@ -70,8 +80,9 @@ def test_selftest_cli_runs_every_cuda_mode_bit_exact():
     report = json.loads(proc.stdout)
     assert proc.returncode == 0, (report.get("error"), proc.stderr[-3000:])
     cuda = [m for m in report["modes"] if m["mode"].startswith("cuda/")]
-    assert {(m["layout"], m["op"]) for m in cuda} == {
-        (k, o) for k in (CROSS_LAYER, PER_LAYER) for o in ("pull", "push")}
+    assert {(m["layout"], m["op"], m["mode"].rsplit("/", 1)[1]) for m in cuda} == {
+        (k, o, e) for k in (CROSS_LAYER, PER_LAYER) for o in ("pull", "push")
+        for e in ("nixl", "samenode")}
     for m in cuda:
         assert m["status"] == "passed", m
         assert m["memory"] == "VRAM" and m["digest_ok"]
@@ -86,9 +97,9 @@ def test_bench_reports_vram_beside_a_device_copy():
                                    device_ids=[DEVICE_ID, DEVICE_ID]))
     assert report["ok"], report.get("error")
     assert "cuda:0" in report["device"]
-    assert {(r["layout"], r["op"], r["pattern"]) for r in report["results"]} == {
-        (k, o, p) for k in (CROSS_LAYER, PER_LAYER) for o in ("pull", "push")
-        for p in ("contiguous", "random")}
+    assert {(r["layout"], r["op"], r["pattern"], r["engine"]) for r in report["results"]} == {
+        (k, o, p, e) for k in (CROSS_LAYER, PER_LAYER) for o in ("pull", "push")
+        for p in ("contiguous", "random") for e in ("nixl", "samenode:cuda-ipc")}
     for r in report["results"]:
         assert r["memory"] == "VRAM" and "copy_" in r["ref"]
         assert r["gbps"] > 0 and r["ref_gbps"] > 0 and r["ratio"] > 0

@@ -22,17 +22,20 @@ def small(kind, blocks=64):
     return KVLayout(kind, 3, blocks, 16, 4, 64, "float16")
 
 
+@pytest.mark.parametrize("engine", ["nixl", "samenode"])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
-def test_bit_exact_pull_and_push(prefill, kind):
+def test_bit_exact_pull_and_push(prefill, kind, engine):
     layout = small(kind)
     with prefill([layout], seed=11, secret=b"k") as (_proc, ports):
         cache = KVCache.allocate_host(small(kind, blocks=80))
-        with DecodeClient(cache, secret=b"k") as client:
+        with DecodeClient(cache, secret=b"k", engine=engine) as client:
             peer = client.connect("127.0.0.1", ports[0])
+            assert peer.engine.startswith(engine)
             for n, op in enumerate(("pull", "push")):
                 src, dst = request_blocks(layout.num_blocks, n)
                 cache.fill_value(0)
                 res = getattr(peer, op)(src, dst, timeout=20)
+                assert res.engine.startswith(engine)
                 assert res.nbytes == len(src) * layout.block_bytes
                 assert res.runs == len(coalesce(src, dst))
                 assert res.descriptors == res.runs * layout.num_regions
@@ -58,7 +61,7 @@ def test_shared_memory_carries_nixl_messages_on_one_host(prefill, monkeypatch):
     layout = small(CROSS_LAYER)
     with prefill([layout], seed=5) as (_proc, ports):
         cache = KVCache.allocate_host(layout)
-        with DecodeClient(cache) as client:
+        with DecodeClient(cache, engine="nixl") as client:
             assert os.environ.get("UCX_POSIX_ERROR_HANDLING") == "y"
             peer = client.connect("127.0.0.1", ports[0])
             for n, op in enumerate(("pull", "push")):
@@ -73,7 +76,7 @@ def test_out_of_range_blocks_refused_before_sending(prefill):
     layout = small(CROSS_LAYER)
     with prefill([layout]) as (_proc, ports):
         cache = KVCache.allocate_host(layout)
-        with DecodeClient(cache) as client:
+        with DecodeClient(cache, engine="nixl") as client:
             peer = client.connect("127.0.0.1", ports[0])
             with pytest.raises(PlanError, match="outside 0..63"):
                 peer.pull([63, 64])
@@ -87,7 +90,7 @@ def test_prefill_killed_mid_transfer_gives_error_not_hang(prefill):
     layout = KVLayout(CROSS_LAYER, 4, 1024, 16, 8, 128, "float16")  # 256 KiB blocks, 256 MiB
     with prefill([layout]) as (proc, ports):
         cache = KVCache.allocate_host(layout)
-        client = DecodeClient(cache)
+        client = DecodeClient(cache, engine="nixl")
         try:
             peer = client.connect("127.0.0.1", ports[0])
             peer.pull(list(range(1024)), timeout=30)  # warm
@@ -110,7 +113,7 @@ def test_prefill_killed_mid_transfer_gives_error_not_hang(prefill):
 def test_restarted_prefill_is_handshaked_again(prefill):
     layout = small(CROSS_LAYER)
     cache = KVCache.allocate_host(layout)
-    client = DecodeClient(cache)
+    client = DecodeClient(cache, engine="nixl")
     try:
         with prefill([layout], seed=1) as (_proc, ports):
             port = ports[0]
@@ -142,7 +145,7 @@ def test_quick_reconnects_are_served_by_the_new_connection(prefill):
     layout = small(CROSS_LAYER)
     with prefill([layout], seed=3) as (_proc, ports):
         cache = KVCache.allocate_host(layout)
-        with DecodeClient(cache) as client:
+        with DecodeClient(cache, engine="nixl") as client:
             for block in range(20):
                 peer = client.connect("127.0.0.1", ports[0])
                 peer.push([block], [block], timeout=10)  # the prefill's WRITE needs our list
@@ -158,7 +161,13 @@ def test_bench_reports_medians_spread_and_ucx_settings():
     assert report["ok"], report.get("error")
     assert report["ucx_env"].get("UCX_POSIX_ERROR_HANDLING") == "y"
     assert report["ucx_env"].get("UCX_CMA_SEG_SIZE") == "4M"
-    assert len(report["handshake_ms"][CROSS_LAYER]["all"]) == 2
+    assert len(report["handshake_ms"][f"{CROSS_LAYER}/nixl"]["all"]) == 2
+    assert {r["engine"] for r in report["results"]} == {"nixl", "samenode:process_vm_readv"}
+    assert [r for r in report["results"] if r["engine"] == "nixl" and r["op"] == "pull"
+            ][0]["overhead_us"] is not None  # beside a bare NIXL READ of the same descriptors
+    (inflight,) = report["inflight"]
+    assert inflight["requests_in_flight"] * inflight["blocks_per_request"] <= 21
+    assert inflight["aggregate_gbps"] > 0 and inflight["one_request_gbps"] > 0
     for row in report["results"]:
         spread = row["spread"]
         assert spread["gbps"][0] <= row["gbps"] <= spread["gbps"][1] == row["gbps_max"]

@@ -1,0 +1,146 @@
+"""The same-node engine on host memory, with real processes: the proof that a peer runs on
+this host as a user allowed to read its memory, what happens when it does not hold, and a
+peer that dies under it. (CUDA IPC runs in test_gpu.py on a GPU host.)"""
+
+import ctypes
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvruntime import frames
+from kvruntime.decode import DecodeClient
+from kvruntime.errors import KVRuntimeError, PlanError
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.memory import KVCache
+from kvruntime.samenode import NodeToken, SameNodeUnavailable, prove_same_node, read_remote
+
+pytestmark = pytest.mark.integration
+
+
+def small(kind=CROSS_LAYER, blocks=64):
+    return KVLayout(kind, 2, blocks, 16, 4, 32, "float16")
+
+
+def test_the_proof_reads_the_token_back_from_the_peer():
+    token = NodeToken()
+    offer = token.offer()
+    assert prove_same_node(offer) == (os.getpid(), None)
+    forged = {**offer, "token": frames.b64(os.urandom(32))}
+    assert "differs" in prove_same_node(forged)[1]
+    assert "another host" in prove_same_node({**offer, "boot_id": "elsewhere"})[1]
+    assert "valid pid" in prove_same_node({**offer, "pid": -1})[1]
+    assert "valid pid" in prove_same_node({**offer, "pid": True})[1]
+    assert "base64" in prove_same_node({**offer, "token": 5})[1]
+
+
+def test_the_proof_fails_for_another_process_at_the_same_address():
+    """A pid that names another process (another pid namespace would do this): the bytes at
+    the token's address there are not the token."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        offer = {**NodeToken().offer(), "pid": child.pid}
+        pid, why = prove_same_node(offer)
+        assert pid is None and ("differs" in why or "cannot read" in why), why
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_the_proof_fails_for_a_user_not_allowed_to_read():
+    """A decode running as another, unprivileged user cannot read root's prefill memory, so
+    it never gets the same-node path (skipped where this test does not run as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    import json
+
+    offer = NodeToken().offer()
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child drops to nobody, then tries the proof
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(wfd, json.dumps(prove_same_node(offer)).encode())
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd) as f:
+        got, why = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert got is None and "cannot read the peer's memory" in why, why
+
+
+def test_read_remote_reports_the_kernels_reason():
+    buf = ctypes.create_string_buffer(16)
+    with pytest.raises(OSError, match="process_vm_readv"):
+        read_remote(os.getpid(), [(ctypes.addressof(buf), 8, 16)])  # address 8: unmapped
+
+
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+def test_forced_samenode_moves_scattered_blocks_in_one_request(prefill, kind):
+    layout = small(kind)
+    with prefill([layout], seed=21) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0)
+        with DecodeClient(cache, engine="samenode") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.engine == "samenode:process_vm_readv"
+            assert "proved" in peer.engine_reason
+            src = [3, 9, 10, 11, 40, 2, 63]
+            dst = [0, 5, 6, 7, 8, 60, 1]
+            res = peer.pull(src, dst, timeout=20)
+            assert res.engine == "samenode:process_vm_readv"
+            assert res.nbytes == len(src) * layout.block_bytes
+            assert peer.digests(src) == cache.block_digests(dst)
+            with pytest.raises(PlanError, match="outside"):
+                peer.start_pull([64])
+        cache.close()
+
+
+def test_samenode_pull_releases_the_blocks_on_the_prefill():
+    from kvruntime.prefill import PrefillServer
+
+    layout = small()
+    src_cache, dst_cache = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src_cache.fill_random(4)
+    with PrefillServer(src_cache) as server, DecodeClient(dst_cache) as client:
+        peer = client.connect(*server.address)
+        assert peer.engine.startswith("samenode")  # auto: same host, same user
+        peer.pull([1, 2], request_id="r1")
+        peer.push([5], [6], request_id="r2")
+        assert server.wait_released("r1", 5) and server.wait_released("r2", 5)
+        assert dst_cache.block_digests([1, 2, 6]) == src_cache.block_digests([1, 2, 5])
+    src_cache.close()
+    dst_cache.close()
+
+
+def test_a_dead_peer_fails_the_request_and_nothing_stays_open(prefill):
+    layout = small()
+    with prefill([layout], seed=2) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="samenode") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            peer.pull([1], timeout=20)
+            proc.kill()
+            proc.join(10)
+            with pytest.raises(KVRuntimeError):  # refused at start, or failed by its deadline
+                peer.start_pull([2, 3], timeout=5).wait()
+            assert peer.closed and peer._engine is None  # the opened peer is let go
+            assert all(h.state != "pending" for h in client._inflight_handles())
+        cache.close()
+
+
+def test_engine_choice_is_checked():
+    layout = small()
+    cache = KVCache.allocate_host(layout)
+    try:
+        with pytest.raises(Exception, match="engine must be one of"):
+            DecodeClient(cache, engine="fast")
+    finally:
+        cache.close()
+
+
+def test_unavailable_is_a_kvruntime_error():
+    assert issubclass(SameNodeUnavailable, Exception)
