@@ -262,7 +262,8 @@ def _bare_read(peer, src, dst, split) -> float:
     src_idx, dst_idx = plan.nixl_indices(split)
     local, remote = client.registration.local_dlist, client.registration.peer_dlist(peer.agent)
     t = time.perf_counter()
-    handle = nixl.make_prepped_xfer("READ", local, dst_idx, remote, src_idx, b"")
+    # the same notification kvruntime's READ carries (the prefill ignores this one's prefix)
+    handle = nixl.make_prepped_xfer("READ", local, dst_idx, remote, src_idx, b"kvr:bare:0")
     state = nixl.transfer(handle)
     while state == "PROC":
         state = nixl.check_xfer_state(handle)

@@ -122,8 +122,7 @@ class PrefillPeer:
             # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
             # here, the prefill told it may free them) is the push's, at the pull's speed.
             return self._start_local(handle)
-        src = [int(b) for b in src_blocks]
-        dst = src if dst_blocks is None else [int(b) for b in dst_blocks]
+        src, dst = (ids.tolist() for ids in plan.block_ids())
         self._pending[request_id] = handle
         self.client._track(handle)
         # The deadline travels as wall-clock time: the prefill refuses a push it reads after
@@ -276,7 +275,6 @@ class PrefillPeer:
     def _check_usable(self) -> None:
         if self.closed:
             raise PeerError(f"connection to {self.name} is closed; connect again")
-        self._pump()
         if self._broken:
             raise PeerError(f"{self.name} is not usable: {self._broken}; connect again")
         now = time.monotonic()

@@ -10,15 +10,17 @@ one descriptor — so the number of descriptors NIXL posts equals the plan's cou
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
+
+import numpy as np
 
 from .errors import PlanError
 from .layout import KVLayout
 
 
-@dataclass(frozen=True)
-class Run:
+class Run(NamedTuple):  # a tuple: an engine's request of scattered blocks makes thousands
     src: int
     dst: int
     count: int
@@ -35,34 +37,56 @@ class Descriptor:
     length: int
 
 
-def _check_ids(name: str, ids: Sequence[int], num_blocks: int) -> None:
-    seen = set()
-    for b in ids:
-        if not isinstance(b, int) or isinstance(b, bool):
-            raise PlanError(f"{name} block id {b!r} is not an integer")
-        if not 0 <= b < num_blocks:
-            raise PlanError(f"{name} block id {b} is outside 0..{num_blocks - 1}")
-        if b in seen:
-            raise PlanError(f"{name} block id {b} appears twice in one request")
-        seen.add(b)
+def _as_ids(name: str, ids: Sequence[int]) -> np.ndarray:
+    """Block ids as an int64 array; ints, numpy and torch integers are ids, bools and floats
+    are not."""
+    if isinstance(ids, np.ndarray) or type(ids).__module__.startswith("torch"):
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu":
+            raise PlanError(f"{name} block ids must be integers, got an array of {arr.dtype}")
+        return arr.reshape(-1).astype(np.int64, copy=False)
+    ids = list(ids)
+    if not all(type(b) is int for b in ids):
+        ids = [_one_id(name, b) for b in ids]
+    return np.asarray(ids, dtype=np.int64).reshape(-1)
+
+
+def _one_id(name: str, b) -> int:
+    """An int from anything integer-like (numpy and torch integer scalars); never a bool."""
+    if isinstance(b, (bool, np.bool_, float)) or "bool" in str(getattr(b, "dtype", "")):
+        raise PlanError(f"{name} block id {b!r} is not an integer")
+    try:
+        return operator.index(b)
+    except TypeError:
+        raise PlanError(f"{name} block id {b!r} is not an integer") from None
+
+
+def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
+    if not len(ids):
+        return
+    bad = ids[(ids < 0) | (ids >= num_blocks)]
+    if len(bad):
+        raise PlanError(f"{name} block id {int(bad[0])} is outside 0..{num_blocks - 1}")
+    if len(np.unique(ids)) != len(ids):
+        seen = set()
+        for b in ids.tolist():
+            if b in seen:
+                raise PlanError(f"{name} block id {b} appears twice in one request")
+            seen.add(b)
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     """Runs of consecutive (src, dst) pairs, in request order."""
-    runs: list[Run] = []
-    start_s = start_d = prev_s = prev_d = None
-    count = 0
-    for s, d in zip(src, dst):
-        if count and s == prev_s + 1 and d == prev_d + 1:
-            count += 1
-        else:
-            if count:
-                runs.append(Run(start_s, start_d, count))
-            start_s, start_d, count = s, d, 1
-        prev_s, prev_d = s, d
-    if count:
-        runs.append(Run(start_s, start_d, count))
-    return runs
+    s = np.asarray(src, dtype=np.int64).reshape(-1)
+    d = np.asarray(dst, dtype=np.int64).reshape(-1)
+    n = min(len(s), len(d))
+    if n == 0:
+        return []
+    s, d = s[:n], d[:n]
+    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
+    starts = np.concatenate(([0], breaks))
+    counts = np.diff(np.concatenate((starts, [n])))
+    return list(map(Run, s[starts].tolist(), d[starts].tolist(), counts.tolist()))
 
 
 @dataclass(frozen=True)
@@ -99,6 +123,8 @@ class TransferPlan:
         engine several descriptors to move in parallel.
         """
         ns, nd = self.src_layout.num_blocks, self.dst_layout.num_blocks
+        if split == 1:
+            return self._indices_unsplit(ns, nd)
         src_idx: list[int] = []
         dst_idx: list[int] = []
         for run in self.runs:
@@ -110,6 +136,29 @@ class TransferPlan:
                     src_idx.extend(range(s0, s0 + cnt))
                     dst_idx.extend(range(d0, d0 + cnt))
         return src_idx, dst_idx
+
+    def block_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The request's (source, destination) block ids, run by run."""
+        src = np.fromiter((r.src for r in self.runs), np.int64, len(self.runs))
+        dst = np.fromiter((r.dst for r in self.runs), np.int64, len(self.runs))
+        counts = np.fromiter((r.count for r in self.runs), np.int64, len(self.runs))
+        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        return np.repeat(src, counts) + within, np.repeat(dst, counts) + within
+
+    def _indices_unsplit(self, ns: int, nd: int) -> tuple[list[int], list[int]]:
+        """nixl_indices(1), vectorized: run by run, and within a run region by region."""
+        s, d = self.block_ids()
+        regions = self.src_layout.num_regions
+        if regions == 1:
+            return s.tolist(), d.tolist()
+        counts = np.fromiter((r.count for r in self.runs), np.int64, len(self.runs))
+        run_of = np.repeat(np.arange(len(self.runs)), counts)
+        r = np.arange(regions)
+        order = np.lexsort((np.tile(np.arange(len(s)), regions), np.repeat(r, len(s)),
+                            np.tile(run_of, regions)))
+        src_all = (np.repeat(r, len(s)) * ns + np.tile(s, regions))[order]
+        dst_all = (np.repeat(r, len(d)) * nd + np.tile(d, regions))[order]
+        return src_all.tolist(), dst_all.tolist()
 
     def piece_count(self, split: int = 1) -> int:
         """Descriptors posted for ``nixl_indices(split)``."""
@@ -135,13 +184,13 @@ def make_plan(
 ) -> TransferPlan:
     """Plan moving ``src_blocks`` of ``src_layout`` into ``dst_blocks`` of ``dst_layout``."""
     dst_layout = dst_layout or src_layout
-    dst_blocks = list(src_blocks) if dst_blocks is None else list(dst_blocks)
-    src_blocks = list(src_blocks)
+    src_blocks = _as_ids("source", src_blocks)
+    dst_blocks = src_blocks if dst_blocks is None else _as_ids("destination", dst_blocks)
     if (src_layout.kind, src_layout.chunk_bytes, src_layout.num_regions) != (
         dst_layout.kind, dst_layout.chunk_bytes, dst_layout.num_regions
     ):
         raise PlanError("source and destination layouts differ in kind or block geometry")
-    if not src_blocks:
+    if not len(src_blocks):
         raise PlanError("a request must name at least one block")
     if len(src_blocks) != len(dst_blocks):
         raise PlanError(

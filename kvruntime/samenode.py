@@ -242,7 +242,7 @@ class CudaEngine:
             # our stream sees what the caller's stream did to the cache before this request
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                self.gather.copy(plan.runs)
+                self.gather.copy(plan)
                 event = torch.cuda.Event()
                 event.record(self.stream)
         return _CudaJob(op, plan, event)

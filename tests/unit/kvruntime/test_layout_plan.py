@@ -128,3 +128,27 @@ def test_plan_properties(req, split):
     pairs = {(i % src_l.num_blocks, j % dst_l.num_blocks) for i, j in zip(s_idx, d_idx)}
     assert pairs == set(zip(src, dst))
     assert all(i // src_l.num_blocks == j // dst_l.num_blocks for i, j in zip(s_idx, d_idx))
+
+
+def test_integer_like_ids_are_ids_and_bools_or_floats_are_not():
+    import numpy as np
+
+    layout = KVLayout("cross_layer", 2, 10, 16, 4, 32, "float16")
+    assert make_plan(layout, [np.int64(1), np.int32(2), 3]).runs == ((1, 1, 3),)
+    assert make_plan(layout, np.array([4, 5]), layout, np.array([0, 1], np.uint16)).runs == \
+        ((4, 0, 2),)
+    for bad in ([True], [1.0], np.array([1.5]), ["1"], np.array([True])):
+        with pytest.raises(PlanError, match="integer"):
+            make_plan(layout, bad)
+
+
+def test_block_ids_and_vectorized_indices_follow_the_request_order():
+    layout = KVLayout("per_layer", 2, 20, 16, 4, 32, "float16")
+    plan = make_plan(layout, [5, 6, 2, 9], layout, [0, 1, 7, 3])
+    src, dst = plan.block_ids()
+    assert src.tolist() == [5, 6, 2, 9] and dst.tolist() == [0, 1, 7, 3]
+    s_idx, d_idx = plan.nixl_indices()
+    # run by run, region by region within a run (4 regions of 20 blocks)
+    assert s_idx[:8] == [5, 6, 25, 26, 45, 46, 65, 66]
+    assert d_idx[:8] == [0, 1, 20, 21, 40, 41, 60, 61]
+    assert len(s_idx) == 4 * 4
