@@ -99,8 +99,9 @@ class PrefillPeer:
                    timeout: float = 30.0, split: int = 1) -> TransferHandle:
         """Post a READ of the peer's ``src_blocks`` into our ``dst_blocks``; its NIXL
         notification tells the prefill side it may free the request's blocks."""
+        t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
-        handle = TransferHandle(self, "pull", request_id, plan, timeout)
+        handle = TransferHandle(self, "pull", request_id, plan, timeout, t0)
         if self._engine is not None:
             return self._start_local(handle)
         reg = self.client.registration
@@ -114,10 +115,11 @@ class PrefillPeer:
                    timeout: float = 30.0, split: int = 1) -> TransferHandle:
         """Ask the prefill side to WRITE its ``src_blocks`` into our ``dst_blocks``. Done when
         the prefill's reply and the WRITE's notification (proof the data landed) are both in."""
+        t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
         if request_id in self._pending:
             raise KVRuntimeError(f"request id {request_id!r} is already in flight on {self.name}")
-        handle = TransferHandle(self, "push", request_id, plan, timeout)
+        handle = TransferHandle(self, "push", request_id, plan, timeout, t0)
         if self._engine is not None:
             # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
             # here, the prefill told it may free them) is the push's, at the pull's speed.

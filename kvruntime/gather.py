@@ -104,9 +104,9 @@ class BlockGather:
 
     def copy(self, plan) -> str:
         """Enqueue the copy of ``plan``'s blocks on the current stream; returns the method."""
-        runs = plan.runs
         c = self.chunk
-        if len(runs) <= RUN_COPY_MAX:
+        if plan.num_runs <= RUN_COPY_MAX:
+            runs = plan.runs
             for src, dst in zip(self.src, self.dst):
                 for r in runs:
                     dst[r.dst * c:(r.dst + r.count) * c].copy_(src[r.src * c:(r.src + r.count) * c],

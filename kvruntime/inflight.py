@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
@@ -32,13 +33,13 @@ class TransferHandle:
     """One pull (decode READs) or push (prefill WRITEs) request."""
 
     def __init__(self, peer: "PrefillPeer", op: str, request_id: str, plan: TransferPlan,
-                 timeout: float):
+                 timeout: float, started: float | None = None):
         self.peer = peer
         self.op = op
         self.request_id = request_id
         self.plan = plan
         self.timeout = timeout
-        self.started = time.perf_counter()
+        self.started = time.perf_counter() if started is None else started  # before planning
         self.deadline = time.monotonic() + timeout
         self.state = PENDING
         self.settled = True
@@ -118,7 +119,9 @@ class TransferHandle:
         state = xfer.poll()
         if state == "DONE":
             xfer.finish()
-            self._finish(xfer.result())
+            # timed from the caller's start: for an engine that includes planning and the
+            # launch (the copy may run while the host is still launching it)
+            self._finish(replace(xfer.result(), seconds=time.perf_counter() - self.started))
             if not nixl:  # NIXL's READ notifies the prefill itself; the engine tells it here
                 self.peer._send_release(self.request_id)
         elif state == "ERR":
@@ -145,7 +148,7 @@ class TransferHandle:
             r = self._reply
             self._finish(TransferResult(
                 "WRITE", self.plan.nbytes, time.perf_counter() - self.started,
-                len(self.plan.runs), int(r.get("descriptors") or self.plan.descriptor_count),
+                self.plan.num_runs, int(r.get("descriptors") or self.plan.descriptor_count),
                 _int_or_none(r.get("nixl_descriptors")), _seconds(r.get("seconds"))))
             self.peer._settled(self)
         elif time.monotonic() > self.deadline:

@@ -11,7 +11,8 @@ one descriptor — so the number of descriptors NIXL posts equals the plan's cou
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -46,7 +47,7 @@ def _as_ids(name: str, ids: Sequence[int]) -> np.ndarray:
             raise PlanError(f"{name} block ids must be integers, got an array of {arr.dtype}")
         return arr.reshape(-1).astype(np.int64, copy=False)
     ids = list(ids)
-    if not all(type(b) is int for b in ids):
+    if not set(map(type, ids)) <= {int}:  # (C-level: a generator costs ~0.5 ms per 4096 ids)
         ids = [_one_id(name, b) for b in ids]
     return np.asarray(ids, dtype=np.int64).reshape(-1)
 
@@ -67,7 +68,9 @@ def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
     bad = ids[(ids < 0) | (ids >= num_blocks)]
     if len(bad):
         raise PlanError(f"{name} block id {int(bad[0])} is outside 0..{num_blocks - 1}")
-    if len(np.unique(ids)) != len(ids):
+    seen = np.zeros(num_blocks, dtype=np.bool_)
+    seen[ids] = True
+    if int(np.count_nonzero(seen)) != len(ids):
         seen = set()
         for b in ids.tolist():
             if b in seen:
@@ -75,29 +78,51 @@ def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
             seen.add(b)
 
 
-def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
-    """Runs of consecutive (src, dst) pairs, in request order."""
+def _run_arrays(src, dst) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts in src, starts in dst, counts) of the runs of consecutive (src, dst) pairs."""
     s = np.asarray(src, dtype=np.int64).reshape(-1)
     d = np.asarray(dst, dtype=np.int64).reshape(-1)
     n = min(len(s), len(d))
     if n == 0:
-        return []
+        empty = np.zeros(0, np.int64)
+        return empty, empty, empty
     s, d = s[:n], d[:n]
     breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     counts = np.diff(np.concatenate((starts, [n])))
-    return list(map(Run, s[starts].tolist(), d[starts].tolist(), counts.tolist()))
+    return s[starts], d[starts], counts
+
+
+def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
+    """Runs of consecutive (src, dst) pairs, in request order."""
+    rs, rd, rc = _run_arrays(src, dst)
+    return list(map(Run, rs.tolist(), rd.tolist(), rc.tolist()))
 
 
 @dataclass(frozen=True)
 class TransferPlan:
+    """Runs are kept as three arrays (src start, dst start, count): a request of thousands of
+    scattered blocks is planned without a Python object per run. ``runs`` makes the tuples on
+    first use."""
+
     src_layout: KVLayout
     dst_layout: KVLayout
-    runs: tuple[Run, ...]
+    run_src: np.ndarray = field(repr=False, compare=False)
+    run_dst: np.ndarray = field(repr=False, compare=False)
+    run_count: np.ndarray = field(repr=False, compare=False)
+
+    @cached_property
+    def runs(self) -> tuple[Run, ...]:
+        return tuple(map(Run, self.run_src.tolist(), self.run_dst.tolist(),
+                         self.run_count.tolist()))
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.run_count)
 
     @property
     def num_blocks(self) -> int:
-        return sum(r.count for r in self.runs)
+        return int(self.run_count.sum())
 
     @property
     def nbytes(self) -> int:
@@ -105,7 +130,7 @@ class TransferPlan:
 
     @property
     def descriptor_count(self) -> int:
-        return len(self.runs) * self.src_layout.num_regions
+        return self.num_runs * self.src_layout.num_regions
 
     def descriptors(self) -> list[Descriptor]:
         chunk = self.src_layout.chunk_bytes
@@ -139,9 +164,7 @@ class TransferPlan:
 
     def block_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """The request's (source, destination) block ids, run by run."""
-        src = np.fromiter((r.src for r in self.runs), np.int64, len(self.runs))
-        dst = np.fromiter((r.dst for r in self.runs), np.int64, len(self.runs))
-        counts = np.fromiter((r.count for r in self.runs), np.int64, len(self.runs))
+        src, dst, counts = self.run_src, self.run_dst, self.run_count
         within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         return np.repeat(src, counts) + within, np.repeat(dst, counts) + within
 
@@ -151,8 +174,7 @@ class TransferPlan:
         regions = self.src_layout.num_regions
         if regions == 1:
             return s.tolist(), d.tolist()
-        counts = np.fromiter((r.count for r in self.runs), np.int64, len(self.runs))
-        run_of = np.repeat(np.arange(len(self.runs)), counts)
+        run_of = np.repeat(np.arange(self.num_runs), self.run_count)
         r = np.arange(regions)
         order = np.lexsort((np.tile(np.arange(len(s)), regions), np.repeat(r, len(s)),
                             np.tile(run_of, regions)))
@@ -198,4 +220,4 @@ def make_plan(
         )
     _check_ids("source", src_blocks, src_layout.num_blocks)
     _check_ids("destination", dst_blocks, dst_layout.num_blocks)
-    return TransferPlan(src_layout, dst_layout, tuple(coalesce(src_blocks, dst_blocks)))
+    return TransferPlan(src_layout, dst_layout, *_run_arrays(src_blocks, dst_blocks))

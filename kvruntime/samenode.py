@@ -156,7 +156,7 @@ class _Job:
     def result(self):
         from .transfer import TransferResult
 
-        return TransferResult(self.op, self.plan.nbytes, self.seconds, len(self.plan.runs),
+        return TransferResult(self.op, self.plan.nbytes, self.seconds, self.plan.num_runs,
                               self.plan.descriptor_count, None, engine=self.engine)
 
 

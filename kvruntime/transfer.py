@@ -127,7 +127,7 @@ class PostedTransfer:
         return True
 
     def result(self) -> TransferResult:
-        return TransferResult(self.op, self.plan.nbytes, self.seconds, len(self.plan.runs),
+        return TransferResult(self.op, self.plan.nbytes, self.seconds, self.plan.num_runs,
                               self.plan.piece_count(self.split), self.descriptors_posted)
 
 
