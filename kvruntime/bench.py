@@ -196,6 +196,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         return report
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
+        if not proc.is_alive():
+            report["error"] += f" (the prefill process exited with code {proc.exitcode})"
         return report
     finally:
         for client in clients:

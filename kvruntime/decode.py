@@ -295,7 +295,7 @@ class PrefillPeer:
             return
         self.closed = True
         for handle in [h for h in self.client._inflight_handles() if h.peer is self]:
-            handle._on_peer_lost("the connection was closed")
+            handle._on_peer_lost(self._broken or "the connection was closed")
         try:
             with self._send_lock:
                 frames.write_frame(self.sock, {"type": "bye"}, 0.5)

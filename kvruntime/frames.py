@@ -82,6 +82,10 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:
         try:
             chunk = sock.recv(min(n - len(buf), 1 << 20))
         except socket.timeout:
+            if deadline is None:
+                # No deadline: the socket's timeout is a sender's (another thread's
+                # write_frame sets it), not ours; an idle peer is not a failed one.
+                continue
             raise PeerError(
                 f"peer sent {len(buf)} of {n} expected bytes before the timeout"
             ) from None

@@ -36,6 +36,8 @@ from .transfer import PostedTransfer, free_notification, parse_notification
 log = logging.getLogger("kvruntime")
 
 
+# How long the progress loop keeps polling tightly after the last WRITE ended.
+LINGER_SECONDS = 0.005
 # Released request ids kept for wait_released/get_released when nobody collects them.
 RELEASED_KEPT = 65536
 
@@ -149,7 +151,8 @@ class PrefillServer:
             while not self._stop.is_set():
                 try:
                     message = frames.read_frame(sock, None)
-                except PeerError:
+                except PeerError as exc:
+                    log.info("connection from %s:%s ended: %s", addr[0], addr[1], exc)
                     return  # the decode side left
                 if message.get("type") == "bye":
                     return
@@ -317,9 +320,9 @@ class PrefillServer:
     def _progress_loop(self) -> None:
         """NIXL notifications (decode READs done: their blocks may be freed) and our WRITEs in
         flight. Polls tightly while WRITEs are in flight, every millisecond otherwise."""
-        busy = False
+        busy, linger_until = False, 0.0
         while not self._stop.is_set():
-            if busy:
+            if busy or time.monotonic() < linger_until:
                 time.sleep(0.00005)
             else:
                 self._work.wait(0.001)
@@ -338,11 +341,15 @@ class PrefillServer:
                     if request is not None:
                         self._release(agent, request)
             try:
-                busy = self._progress_writes()
+                was_busy, busy = busy, self._progress_writes()
             except Exception:
                 if not self._stop.is_set():
                     log.exception("progressing WRITEs")
-                busy = False
+                was_busy, busy = busy, False
+            if was_busy and not busy:
+                # a finished WRITE's notification is still on its way out: UCX sends it only
+                # while we keep calling into the worker
+                linger_until = time.monotonic() + LINGER_SECONDS
 
     def _release(self, agent: str, request: str) -> None:
         with self._released_cv:

@@ -39,6 +39,7 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
     """Serve one PrefillServer per layout until ``control`` says stop."""
     servers, caches = [], []
     try:
+        _log_from_env()
         prepare_process(options)
         from .binding import load_nixl
         from .prefill import PrefillServer
@@ -67,6 +68,17 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
             server.close()
         for cache in caches:
             cache.close()
+
+
+def _log_from_env() -> None:
+    """Role processes log at KVRUNTIME_LOG_LEVEL (e.g. INFO) to stderr when it is set."""
+    import logging
+    import os
+
+    level = os.environ.get("KVRUNTIME_LOG_LEVEL")
+    if level:
+        logging.basicConfig(level=level.upper(), format="%(processName)s %(levelname)s "
+                            "%(name)s: %(message)s")
 
 
 def reap(proc, control=None, grace: float = 10.0) -> None:

@@ -202,3 +202,20 @@ def test_release_ids_are_per_peer_consumed_and_collected():
         assert sorted(got) == sorted([(a.agent.name, "x"), (b.agent.name, "y")])
     for c in (src_cache, dst_a, dst_b):
         c.close()
+
+
+def test_an_idle_connection_stays_open_past_the_servers_timeout():
+    """Before: the prefill's reads 'without timeout' inherited the 5 s its own replies set on
+    the socket, so a decode idle for 5 s (while it served another peer) found its connection
+    closed ("peer sent 0 of 8 expected bytes before the timeout")."""
+    layout = small()
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(3)
+    with PrefillServer(src, timeout=0.5) as server, DecodeClient(dst, engine="nixl") as client:
+        peer = client.connect(*server.address)
+        peer.push([1], timeout=5)  # the server answers: its send sets the socket's timeout
+        time.sleep(1.5)
+        peer.push([2], timeout=5)
+        assert dst.block_digests([1, 2]) == src.block_digests([1, 2])
+    src.close()
+    dst.close()
