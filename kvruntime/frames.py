@@ -19,7 +19,8 @@ from .errors import FrameError, PeerError, ProtocolVersionError
 
 MAGIC = b"KVRT"
 HEADER = struct.Struct(">4sI")
-PROTOCOL_VERSION = 1
+# 2: handshake proofs cover the whole transcript; asynchronous push/cancel/release.
+PROTOCOL_VERSION = 2
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 
 

@@ -6,19 +6,23 @@ grants memory access (NIXL metadata) is sent before the peer proved it knows the
 
     decode -> prefill  hello     {layout, nonce}
     prefill -> decode  challenge {nonce, auth}
-    decode -> prefill  auth      {proof}             HMAC(secret, "c" | prefill nonce | decode nonce)
-    prefill -> decode  welcome   {proof, info}       HMAC(secret, "s" | decode nonce | prefill nonce)
-    decode -> prefill  info      {info}
-    prefill -> decode  ready
+    decode -> prefill  auth      {proof}         HMAC(secret, "c" | H(hello, challenge))
+    prefill -> decode  welcome   {proof, info}   HMAC(secret, "s" | H(hello, challenge, auth, info))
+    decode -> prefill  info      {proof, info}   HMAC(secret, "i" | H(... welcome, info))
+    prefill -> decode  ready                      (only once the decode's agent is added)
 
-A layout mismatch is refused by the prefill side with an ``incompatible`` error listing every
-differing field; the decode side runs the same check on the welcome.
+Each proof covers the whole transcript so far (H: SHA-256 over the canonical JSON of every
+message, proofs left out), not just the nonces: a relay without the secret cannot change a
+layout, an address, a region or an agent's metadata without both sides refusing. A layout
+mismatch is refused by the prefill side with an ``incompatible`` error listing every differing
+field; the decode side runs the same check on the welcome.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import socket
 import time
@@ -90,8 +94,25 @@ class PeerInfo:
                    tuple(out), mem_type)
 
 
-def _proof(secret: bytes, tag: bytes, first: bytes, second: bytes) -> str:
-    return hmac.new(secret, tag + first + second, hashlib.sha256).hexdigest()
+class _Transcript:
+    """SHA-256 over the canonical JSON of every handshake message (proofs and the protocol
+    version left out), in order."""
+
+    def __init__(self):
+        self._hash = hashlib.sha256()
+
+    def add(self, message: dict) -> None:
+        body = {k: v for k, v in message.items() if k not in ("proof", "v")}
+        self._hash.update(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+        self._hash.update(b"\n")
+
+    def proof(self, secret: bytes, tag: bytes) -> str:
+        return hmac.new(secret, tag + self._hash.digest(), hashlib.sha256).hexdigest()
+
+
+def _proof_ok(got: object, expected: str) -> bool:
+    """Constant-time compare; a proof that is not ASCII text is simply wrong."""
+    return isinstance(got, str) and got.isascii() and hmac.compare_digest(got, expected)
 
 
 def check_compat(ours: KVLayout, theirs: KVLayout) -> None:
@@ -111,10 +132,13 @@ def _nonce(message: dict) -> bytes:
 
 
 def serve_handshake(
-    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float
+    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float, admit=None
 ) -> PeerInfo:
     """Prefill side. Returns the decode peer's info; on any failure sends an error frame
-    (when the socket still works) and raises. The caller closes the socket."""
+    (when the socket still works) and raises. ``admit(info)`` runs before ``ready`` is sent
+    (the server adds the decode's agent there), so a decode that got ``ready`` can be served at
+    once. The caller closes the socket."""
+    transcript = _Transcript()
     try:
         hello = frames.expect(frames.read_frame(sock, timeout), "hello")
         client_nonce = _nonce(hello)
@@ -122,27 +146,35 @@ def serve_handshake(
             their_layout = KVLayout.from_dict(hello.get("layout"))
         except LayoutError as exc:
             raise FrameError(f"peer sent an invalid layout: {exc}") from None
+        transcript.add(hello)
         server_nonce = os.urandom(NONCE_BYTES)
-        frames.write_frame(sock, {"type": "challenge", "nonce": frames.b64(server_nonce),
-                                  "auth": secret is not None}, timeout)
+        challenge = {"type": "challenge", "nonce": frames.b64(server_nonce),
+                     "auth": secret is not None}
+        frames.write_frame(sock, challenge, timeout)
+        transcript.add(challenge)
         auth = frames.expect(frames.read_frame(sock, timeout), "auth")
-        server_proof = ""
-        if secret is not None:
-            proof = auth.get("proof")
-            expected = _proof(secret, b"c", server_nonce, client_nonce)
-            if not isinstance(proof, str) or not hmac.compare_digest(proof, expected):
-                raise AuthError("peer failed the shared-secret challenge (wrong or no secret)")
-            server_proof = _proof(secret, b"s", client_nonce, server_nonce)
+        if secret is not None and not _proof_ok(auth.get("proof"),
+                                                transcript.proof(secret, b"c")):
+            raise AuthError("peer failed the shared-secret challenge (wrong or no secret)")
+        transcript.add(auth)
         try:
             check_compat(local.layout, their_layout)
         except IncompatiblePeerError as exc:
             _send_error(sock, str(exc), "incompatible", exc.fields, timeout)
             raise
-        frames.write_frame(sock, {"type": "welcome", "proof": server_proof,
-                                  "info": local.to_dict()}, timeout)
+        welcome = {"type": "welcome", "info": local.to_dict()}
+        transcript.add(welcome)
+        welcome["proof"] = transcript.proof(secret, b"s") if secret is not None else ""
+        frames.write_frame(sock, welcome, timeout)
         info = frames.expect(frames.read_frame(sock, timeout), "info")
+        transcript.add(info)
+        if secret is not None and not _proof_ok(info.get("proof"),
+                                                transcript.proof(secret, b"i")):
+            raise AuthError("the decode's info failed its proof (changed on the way?)")
         peer = PeerInfo.from_dict(info.get("info"))
         check_compat(local.layout, peer.layout)
+        if admit is not None:
+            admit(peer)
         frames.write_frame(sock, {"type": "ready"}, timeout)
         return peer
     except IncompatiblePeerError:
@@ -159,26 +191,33 @@ def client_handshake(
     sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float
 ) -> PeerInfo:
     """Decode side. Returns the prefill peer's info or raises."""
+    transcript = _Transcript()
     client_nonce = os.urandom(NONCE_BYTES)
-    frames.write_frame(sock, {"type": "hello", "layout": local.layout.to_dict(),
-                              "nonce": frames.b64(client_nonce)}, timeout)
+    hello = {"type": "hello", "layout": local.layout.to_dict(), "nonce": frames.b64(client_nonce)}
+    frames.write_frame(sock, hello, timeout)
+    transcript.add(hello)
     challenge = _expect_or_raise(frames.read_frame(sock, timeout), "challenge")
-    server_nonce = _nonce(challenge)
+    _nonce(challenge)
+    transcript.add(challenge)
     if challenge.get("auth") and secret is None:
         raise AuthError("peer requires a shared secret and none was configured")
     if secret is not None and not challenge.get("auth"):
         raise AuthError("a shared secret is configured but the peer does not authenticate")
-    proof = _proof(secret, b"c", server_nonce, client_nonce) if secret is not None else ""
-    frames.write_frame(sock, {"type": "auth", "proof": proof}, timeout)
+    auth = {"type": "auth", "proof": transcript.proof(secret, b"c") if secret is not None else ""}
+    frames.write_frame(sock, auth, timeout)
+    transcript.add(auth)
     welcome = _expect_or_raise(frames.read_frame(sock, timeout), "welcome")
-    if secret is not None:
-        expected = _proof(secret, b"s", client_nonce, server_nonce)
-        got = welcome.get("proof")
-        if not isinstance(got, str) or not hmac.compare_digest(got, expected):
-            raise AuthError("peer did not prove it knows the shared secret")
+    transcript.add(welcome)
+    if secret is not None and not _proof_ok(welcome.get("proof"),
+                                            transcript.proof(secret, b"s")):
+        raise AuthError("peer did not prove it knows the shared secret, or what it sent was "
+                        "changed on the way")
     peer = PeerInfo.from_dict(welcome.get("info"))
     check_compat(local.layout, peer.layout)
-    frames.write_frame(sock, {"type": "info", "info": local.to_dict()}, timeout)
+    info = {"type": "info", "info": local.to_dict()}
+    transcript.add(info)
+    info["proof"] = transcript.proof(secret, b"i") if secret is not None else ""
+    frames.write_frame(sock, info, timeout)
     _expect_or_raise(frames.read_frame(sock, timeout), "ready")
     return peer
 

@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from . import frames
@@ -64,12 +64,23 @@ class _Write:
     deadline: float  # monotonic: the decode's deadline, or our own timeout if sooner
 
 
+# What a server keeps of refused connections: the newest, and a count of all.
+REFUSED_KEPT = 256
+
+
 @dataclass
 class ServerStats:
     connections: int = 0
     handshakes: int = 0
-    refused: list = field(default_factory=list)  # (peer address, error text)
+    refused: deque = field(default_factory=lambda: deque(maxlen=REFUSED_KEPT))  # (addr, why)
+    refused_total: int = 0
     late_pushes: int = 0  # pushes refused because their deadline passed before we read them
+    accept_errors: int = 0  # accept() failures (EMFILE, ENFILE, ENOBUFS...) survived
+    over_limit: int = 0  # connections closed at once: too many open, or handshaking per address
+
+    def refuse(self, addr, why: str) -> None:
+        self.refused.append((f"{addr[0]}:{addr[1]}", why))
+        self.refused_total += 1
 
 
 class PrefillServer:
@@ -86,9 +97,15 @@ class PrefillServer:
         ucx_threads: int = 0,
         device_kind: str = "cpu",
         name: str | None = None,
+        max_connections: int = 256,
+        max_handshaking_per_address: int = 16,
     ):
         self.cache = cache
         self.secret = secret
+        self.max_connections = max_connections
+        self.max_handshaking_per_address = max_handshaking_per_address
+        self._handshaking: dict[str, int] = {}  # peer address -> connections not yet admitted
+        self._handshaking_lock = threading.Lock()
         self.timeout = timeout
         self.on_release = on_release
         self.stats = ServerStats()
@@ -103,7 +120,8 @@ class PrefillServer:
         # and the old connection's teardown must not remove the new connection's agent.
         self._peers_lock = threading.RLock()
         self._conns: set[socket.socket] = set()
-        self._threads: list[threading.Thread] = []
+        self._threads: set[threading.Thread] = set()  # running ones only
+        self._threads_lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
         self.agent = Agent(name or unique_name("prefill"), binding, device_kind, ucx_threads)
@@ -114,6 +132,12 @@ class PrefillServer:
             self.agent.close()
             raise
         self._listener.settimeout(0.2)
+        if secret is None and not _loopback(host):
+            # NIXL metadata grants access to the registered memory: without a secret, anyone
+            # who can reach this port can read (and write) this cache.
+            log.warning("PrefillServer on %s:%s has NO shared secret: any host that reaches this "
+                        "port gets read/write access to the KV cache; pass secret=... (or bind "
+                        "to 127.0.0.1)", host, self.address[1])
         self.info = PeerInfo(cache.layout, self.agent.name, self.agent.metadata(),
                              self.registration.region_triples(), cache.mem_type)
         self._spawn(self._accept_loop, "kvr-accept")
@@ -124,29 +148,63 @@ class PrefillServer:
         return self._listener.getsockname()[:2]
 
     def _spawn(self, target, name, *args) -> None:
-        t = threading.Thread(target=target, name=name, args=args, daemon=True)
+        def run():
+            try:
+                target(*args)
+            finally:  # a finished connection leaves nothing behind
+                with self._threads_lock:
+                    self._threads.discard(threading.current_thread())
+
+        t = threading.Thread(target=run, name=name, daemon=True)
+        with self._threads_lock:
+            self._threads.add(t)
         t.start()
-        self._threads.append(t)
 
     # -- serving -----------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        """Accept until closed. Resource errors (EMFILE under a connection flood, ENOBUFS...)
+        are logged and waited out with backoff: the listener never dies while its socket stays
+        open (health checks would pass while every decode timed out)."""
+        backoff = 0.01
         while not self._stop.is_set():
             try:
                 sock, addr = self._listener.accept()
             except socket.timeout:
                 continue
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:
+                if self._stop.is_set() or self._listener.fileno() < 0:
+                    return
+                self.stats.accept_errors += 1
+                log.warning("accept failed (%s); retrying in %.2fs", exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            backoff = 0.01
             self.stats.connections += 1
+            host = addr[0]
+            if (len(self._conns) >= self.max_connections
+                    or self._handshaking.get(host, 0) >= self.max_handshaking_per_address):
+                self.stats.over_limit += 1
+                self.stats.refuse(addr, "connection limit reached")
+                _close_gracefully(sock, linger=0.0)
+                continue
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._conns.add(sock)
+            with self._handshaking_lock:
+                self._handshaking[host] = self._handshaking.get(host, 0) + 1
             self._spawn(self._serve_connection, f"kvr-conn-{addr[1]}", sock, addr)
 
     def _serve_connection(self, sock: socket.socket, addr) -> None:
         peer = None
+        admitted = []
+
+        def admit(info: PeerInfo) -> None:  # before "ready": the decode may send at once
+            admitted.append(self._add_peer(info, sock))
+            self._done_handshaking(addr[0])
+
         try:
-            info = serve_handshake(sock, self.info, self.secret, self.timeout)
-            peer = self._add_peer(info, sock)
+            serve_handshake(sock, self.info, self.secret, self.timeout, admit)
+            peer = admitted[0]
             self.stats.handshakes += 1
             while not self._stop.is_set():
                 try:
@@ -160,15 +218,26 @@ class PrefillServer:
         except KVRuntimeError as exc:
             if not self._stop.is_set():
                 log.warning("closing connection from %s:%s: %s", addr[0], addr[1], exc)
-                self.stats.refused.append((f"{addr[0]}:{addr[1]}", str(exc)))
+                self.stats.refuse(addr, str(exc))
         except Exception as exc:  # never let one connection take the server down
             log.exception("unexpected error serving %s:%s", addr[0], addr[1])
-            self.stats.refused.append((f"{addr[0]}:{addr[1]}", repr(exc)))
+            self.stats.refuse(addr, repr(exc))
         finally:
+            peer = peer or (admitted[0] if admitted else None)
             if peer is not None:
                 self._drop_peer(peer)
+            else:
+                self._done_handshaking(addr[0])
             self._conns.discard(sock)
             _close_gracefully(sock)
+
+    def _done_handshaking(self, host: str) -> None:
+        with self._handshaking_lock:
+            left = self._handshaking.get(host, 0) - 1
+            if left > 0:
+                self._handshaking[host] = left
+            else:
+                self._handshaking.pop(host, None)
 
     def _add_peer(self, info: PeerInfo, sock: socket.socket) -> _Peer:
         with self._peers_lock:
@@ -404,7 +473,9 @@ class PrefillServer:
             except OSError:
                 pass
         deadline = time.monotonic() + 5
-        for t in self._threads:
+        with self._threads_lock:
+            threads = list(self._threads)
+        for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
@@ -418,12 +489,16 @@ class PrefillServer:
         self.close()
 
 
-def _close_gracefully(sock: socket.socket) -> None:
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
+
+
+def _close_gracefully(sock: socket.socket, linger: float = 0.1) -> None:
     """Close so that our last (error) frame reaches the peer: closing with unread input
     makes the kernel send a reset, which can discard what we sent just before."""
     try:
         sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(0.1)
+        sock.settimeout(linger)
         drained = 0
         while drained < (1 << 20):
             chunk = sock.recv(65536)

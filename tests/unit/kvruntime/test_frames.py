@@ -29,7 +29,7 @@ def _raw(payload: bytes, length=None, magic=frames.MAGIC) -> bytes:
     (_raw(b'{"v":1,"type":"x"', length=100), "announces 100"),
     (_raw(b"\xff\xfe"), "not valid UTF-8 JSON"),
     (_raw(b"[1,2]"), "not an object"),
-    (_raw(b'{"v":1}'), "no string 'type'"),
+    (_raw(b'{"v":2}'), "no string 'type'"),
     (b"KVR", "truncated frame header"),
 ])
 def test_malformed(data, msg):
