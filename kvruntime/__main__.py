@@ -92,8 +92,10 @@ def _bench(args, out) -> int:
                   f"{'' if ovh is None else f'{ovh:11.1f}'}")
         for r in report.get("inflight", []):
             say(f"in flight ({r['layout']}, {r['engine']}): {r['requests_in_flight']} requests "
-                f"from {r['decode_peers']} decode peers {r['aggregate_gbps']:.2f} GB/s vs one "
-                f"request {r['one_request_gbps']:.2f} GB/s: ratio {r['ratio']:.2f}")
+                f"from {r['decode_peers']} decode peers {r['aggregate_gbps']:.2f} GB/s "
+                f"({r['batched_gbps']:.2f} batched per peer) vs one request "
+                f"{r['one_request_gbps']:.2f} GB/s: ratio {r['ratio']:.2f} "
+                f"({r['ratio_batched']:.2f} batched)")
         for s in report.get("skipped", []):
             say(f"skipped {s['layout']}/{s['engine']}: {s['reason']}")
         for kind, hs in (report.get("handshake_ms") or {}).items():

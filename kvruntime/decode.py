@@ -35,9 +35,9 @@ from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, TransferHandle
 from .memory import KVCache
-from .plan import make_plan
+from .plan import make_plan, merge_plans
 from .registration import Registration
-from .samenode import ENGINES, SameNodeUnavailable, open_engine
+from .samenode import ENGINES, SameNodeUnavailable, SharedJob, open_engine
 from .transfer import PostedTransfer, TransferResult, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -104,10 +104,13 @@ class PrefillPeer:
         handle = TransferHandle(self, "pull", request_id, plan, timeout, t0)
         if self._engine is not None:
             return self._start_local(handle)
+        return self._post_read(handle, split)
+
+    def _post_read(self, handle: TransferHandle, split: int) -> TransferHandle:
         reg = self.client.registration
-        handle._xfer = PostedTransfer(self.client.agent, "READ", plan, reg.local_dlist,
+        handle._xfer = PostedTransfer(self.client.agent, "READ", handle.plan, reg.local_dlist,
                                       reg.peer_dlist(self.agent), True,
-                                      free_notification(request_id), split)
+                                      free_notification(handle.request_id), split)
         self.client._track(handle)
         return handle
 
@@ -132,6 +135,36 @@ class PrefillPeer:
         self._send({"type": "push", "request": request_id, "src": src, "dst": dst,
                     "timeout": timeout, "deadline": time.time() + timeout, "split": split})
         return handle
+
+    def start_pulls(self, requests, timeout: float = 30.0) -> list[TransferHandle]:
+        """Start many pulls at once — an engine step's worth — and get one handle each.
+
+        ``requests``: ``(src_blocks, dst_blocks or None, request_id or None)`` tuples. Every
+        request is checked as by ``start_pull``, and no destination block may appear in two of
+        them. On the same-node engine the whole batch is one gather (one id upload, one launch
+        per region): a request's host cost is then its planning alone. Over NIXL each request
+        is posted as its own READ (its notification frees its own blocks on the prefill).
+        """
+        requests = list(requests)
+        t0 = time.perf_counter()
+        admitted = [self._admit(src, dst, rid, timeout) for src, dst, rid in requests]
+        if not admitted:
+            return []
+        ids = {rid for _plan, rid in admitted}
+        if len(ids) != len(admitted):
+            raise KVRuntimeError("a request id appears twice in one batch")
+        merged = merge_plans([plan for plan, _rid in admitted])  # refuses shared destinations
+        if self._engine is None:
+            return [self._post_read(TransferHandle(self, "pull", rid, plan, timeout, t0), 1)
+                    for plan, rid in admitted]
+        job = self._engine.start("READ", merged)
+        handles = []
+        for plan, rid in admitted:
+            handle = TransferHandle(self, "pull", rid, plan, timeout, t0)
+            handle._xfer = SharedJob(job, plan)
+            self.client._track(handle)
+            handles.append(handle)
+        return handles
 
     def _start_local(self, handle: TransferHandle) -> TransferHandle:
         handle._xfer = self._engine.start("READ", handle.plan)

@@ -221,3 +221,19 @@ def make_plan(
     _check_ids("source", src_blocks, src_layout.num_blocks)
     _check_ids("destination", dst_blocks, dst_layout.num_blocks)
     return TransferPlan(src_layout, dst_layout, *_run_arrays(src_blocks, dst_blocks))
+
+
+def merge_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
+    """One plan moving every block of ``plans`` (same layouts), for a single gather; refuses a
+    destination block named by two of them (two requests writing one block)."""
+    first = plans[0]
+    for p in plans[1:]:
+        if (p.src_layout, p.dst_layout) != (first.src_layout, first.dst_layout):
+            raise PlanError("requests of one batch must share their layouts")
+    merged = TransferPlan(first.src_layout, first.dst_layout,
+                          np.concatenate([p.run_src for p in plans]),
+                          np.concatenate([p.run_dst for p in plans]),
+                          np.concatenate([p.run_count for p in plans]))
+    _src, dst = merged.block_ids()
+    _check_ids("destination", dst, first.dst_layout.num_blocks)
+    return merged

@@ -189,6 +189,35 @@ class _CudaJob(_Job):
         return self.state
 
 
+class SharedJob:
+    """One request's view of a gather that moves a whole batch: polled, finished and aborted
+    through the batch's job; its result counts its own bytes."""
+
+    def __init__(self, job: _Job, plan: TransferPlan):
+        self.job = job
+        self.plan = plan
+        self.engine = job.engine
+
+    @property
+    def error(self):
+        return self.job.error
+
+    def poll(self) -> str:
+        return self.job.poll()
+
+    def finish(self) -> None:
+        self.job.finish()
+
+    def abort(self) -> bool:
+        return self.job.abort()
+
+    def result(self):
+        from .transfer import TransferResult
+
+        return TransferResult(self.job.op, self.plan.nbytes, self.job.seconds, self.plan.num_runs,
+                              self.plan.descriptor_count, None, engine=self.engine)
+
+
 # -- engines --------------------------------------------------------------------------------------
 class HostEngine:
     """Reads the prefill's host regions with process_vm_readv (zero-copy, one call per

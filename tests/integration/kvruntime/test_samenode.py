@@ -144,3 +144,23 @@ def test_engine_choice_is_checked():
 
 def test_unavailable_is_a_kvruntime_error():
     assert issubclass(SameNodeUnavailable, Exception)
+
+
+@pytest.mark.parametrize("engine", ["samenode", "nixl"])
+def test_a_batch_of_requests_is_one_gather_with_a_handle_each(prefill, engine):
+    layout = small(blocks=64)
+    with prefill([layout], seed=8) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0)
+        with DecodeClient(cache, engine=engine) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            requests = [([s, s + 20], [d, d + 1], f"b{s}") for s, d in ((1, 0), (5, 2), (9, 4))]
+            handles = peer.start_pulls(requests, timeout=20)
+            assert [h.request_id for h in handles] == ["b1", "b5", "b9"]
+            results = client.wait_all(handles, timeout=30)
+            assert [r.nbytes for r in results] == [2 * layout.block_bytes] * 3
+            for src, dst, _ in requests:
+                assert peer.digests(src) == cache.block_digests(dst)
+            with pytest.raises(PlanError, match="appears twice"):  # two requests, one block
+                peer.start_pulls([([1], [7], None), ([2], [7], None)])
+        cache.close()

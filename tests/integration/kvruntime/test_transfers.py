@@ -168,6 +168,7 @@ def test_bench_reports_medians_spread_and_ucx_settings():
     (inflight,) = report["inflight"]
     assert inflight["requests_in_flight"] * inflight["blocks_per_request"] <= 21
     assert inflight["aggregate_gbps"] > 0 and inflight["one_request_gbps"] > 0
+    assert inflight["batched_gbps"] > 0
     for row in report["results"]:
         spread = row["spread"]
         assert spread["gbps"][0] <= row["gbps"] <= spread["gbps"][1] == row["gbps_max"]
