@@ -3,6 +3,8 @@
     python -m installer [--platform P] [--prefix DIR] [--mirror DIR|URL] [--dry-run [--json]] ...
     python -m installer mirror DIR [--platform P ...] [--from DIR|URL]
     python -m installer verify [--prefix DIR]
+
+The verbs and their one-line descriptions live in VERBS; --help lists them.
 """
 from __future__ import annotations
 
@@ -19,7 +21,22 @@ from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher
 
 log = logging.getLogger("kvstack.installer")
-COMMANDS = ("install", "mirror", "verify")
+# Every verb, with the line `--help` shows for it.
+VERBS = {
+    "install": "build, install and verify the stack for this host (the default; options below)",
+    "mirror": "fill a directory with every pinned source and build-tool wheel, for --mirror "
+              "on an air-gapped host",
+    "verify": "re-run the verification levels (built, loaded, moved) of an install on this host",
+}
+COMMANDS = tuple(VERBS)
+
+
+def _verbs_epilog() -> str:
+    width = max(map(len, VERBS))
+    lines = [f"  {name:{width}}  {text}" for name, text in VERBS.items()]
+    return ("commands (python -m installer COMMAND --help for each):\n" + "\n".join(lines) +
+            "\n\nexit codes: 2 usage, 3 recipe, 4 download, 5 offline, 6 checksum, 7 system "
+            "packages, 8 build, 9 verification, 10 prefix, 11 host, 130 interrupted")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -34,8 +51,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> dict[str, argparse.ArgumentParser]:
-    inst = _Parser(prog="python -m installer", description="Build UCX + NIXL for this host from pinned sources, "
-                   "into an atomic prefix, and prove the result moves KV bytes.")
+    inst = _Parser(prog="python -m installer [COMMAND]", description="Build UCX + NIXL for this host from pinned "
+                   "sources, into an atomic prefix, and prove the result moves KV bytes.",
+                   epilog=_verbs_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     inst.add_argument("--platform", choices=recipemod.PLATFORMS, help="default: detected (NVIDIA driver: cuda; Intel GPU: xpu; else cpu)")
     inst.add_argument("--prefix", type=Path, default=None, help="install location, a symlink to the current build (default: ~/.local/kvstack or $KVSTACK_PREFIX)")
     inst.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default: CPUs available)")
