@@ -38,6 +38,7 @@ from .memory import KVCache
 from .plan import make_plan, merge_plans
 from .registration import Registration
 from .samenode import ENGINES, SameNodeUnavailable, SharedJob, open_engine
+from .staging import KV_BUFFERS, StagedPull, StagingPool
 from .transfer import PostedTransfer, TransferResult, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -69,7 +70,9 @@ class PrefillPeer:
 
     @property
     def engine(self) -> str:
-        """What moves this peer's requests: "nixl", or the same-node engine's name."""
+        """What moves this peer's requests: "nixl", "host_staged", or the same-node engine."""
+        if self.client.staging is not None:
+            return "host_staged"
         return self._engine.name if self._engine is not None else "nixl"
 
     def _open_samenode(self, required: bool) -> None:
@@ -104,7 +107,21 @@ class PrefillPeer:
         handle = TransferHandle(self, "pull", request_id, plan, timeout, t0)
         if self._engine is not None:
             return self._start_local(handle)
+        if self.client.staging is not None:
+            return self._start_staged(handle)
         return self._post_read(handle, split)
+
+    def _start_staged(self, handle: TransferHandle) -> TransferHandle:
+        """Host-staged (staging.py): the prefill gathers into its pool, we READ the run into
+        ours and scatter. A push takes the same road (the outcome is the push's)."""
+        if handle.request_id in self._pending:
+            raise KVRuntimeError(f"request id {handle.request_id!r} is already in flight on "
+                                 f"{self.name}")
+        self._pending[handle.request_id] = handle
+        self.client._track(handle)
+        handle._xfer = StagedPull(self, handle.plan, handle.request_id,
+                                  time.time() + handle.timeout)
+        return handle
 
     def _post_read(self, handle: TransferHandle, split: int) -> TransferHandle:
         reg = self.client.registration
@@ -123,6 +140,8 @@ class PrefillPeer:
         if request_id in self._pending:
             raise KVRuntimeError(f"request id {request_id!r} is already in flight on {self.name}")
         handle = TransferHandle(self, "push", request_id, plan, timeout, t0)
+        if self.client.staging is not None:
+            return self._start_staged(handle)
         if self._engine is not None:
             # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
             # here, the prefill told it may free them) is the push's, at the pull's speed.
@@ -190,7 +209,7 @@ class PrefillPeer:
         self._check_usable()
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        plan = make_plan(self.info.layout, src_blocks, self.client.cache.layout, dst_blocks)
+        plan = make_plan(self.info.cache_layout, src_blocks, self.client.cache.layout, dst_blocks)
         if request_id is None:
             request_id = self._new_request()
         elif not isinstance(request_id, str) or not request_id or len(request_id) > 256:
@@ -267,7 +286,8 @@ class PrefillPeer:
         if request in self._replies:
             self._replies[request] = message
             return
-        if kind in ("pushed", "push_failed", "cancelled") and isinstance(request, str):
+        if kind in ("pushed", "push_failed", "cancelled", "staged", "stage_failed") \
+                and isinstance(request, str):
             handle = self._pending.get(request)
             if handle is not None:
                 handle._on_reply(message)
@@ -356,10 +376,16 @@ class DecodeClient:
         device_kind: str = "cpu",
         name: str | None = None,
         engine: str = "auto",
+        kv_buffer: str = "device",
+        staging_blocks: int = 0,
     ):
         if engine not in ENGINES:
             raise KVRuntimeError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        if kv_buffer not in KV_BUFFERS:
+            raise KVRuntimeError(f"kv_buffer must be one of {', '.join(KV_BUFFERS)}, got "
+                                 f"{kv_buffer!r}")
         self.cache = cache
+        self.kv_buffer = kv_buffer
         self.secret = secret
         self.timeout = timeout
         self.engine = engine
@@ -368,12 +394,20 @@ class DecodeClient:
         self._inflight: dict[int, TransferHandle] = {}
         self._lock = threading.Lock()
         self._notif_lock = threading.Lock()
+        self.staging: StagingPool | None = None
         self.agent = Agent(name or unique_name("decode"), binding, device_kind, ucx_threads)
         try:
-            self.registration = Registration(self.agent, cache)
-            self.info = PeerInfo(cache.layout, self.agent.name, self.agent.metadata(),
-                                 self.registration.region_triples(), cache.mem_type)
+            if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
+                self.staging = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,
+                                           cache)
+            registered = self.staging.cache if self.staging else cache
+            self.registration = Registration(self.agent, registered)
+            self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
+                                 self.registration.region_triples(), registered.mem_type,
+                                 kv_buffer, cache.layout if self.staging else None)
         except Exception:
+            if self.staging is not None:
+                self.staging.close()
             self.agent.close()
             raise
 
@@ -403,7 +437,9 @@ class DecodeClient:
             raise
         peer = PrefillPeer(self, address, sock, info, name, 0.0)
         self._peers[address] = peer
-        if self.engine == "nixl":
+        if self.staging is not None:
+            peer.engine_reason = "host-staged: NIXL moves staging pool blocks (kv_buffer)"
+        elif self.engine == "nixl":
             peer.engine_reason = "NIXL: forced (engine='nixl')"
         else:
             try:
@@ -514,6 +550,8 @@ class DecodeClient:
         for peer in list(self._peers.values()):
             peer.close()
         self.registration.close()
+        if self.staging is not None:
+            self.staging.close()
         self.agent.close()
 
     def __enter__(self):

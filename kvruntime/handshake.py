@@ -51,6 +51,15 @@ class PeerInfo:
     metadata: bytes
     regions: tuple[tuple[int, int, int], ...]  # (address, length, device id) per layout region
     mem_type: str
+    # "host_staged": ``layout``/``regions`` describe the staging pool NIXL moves; the KV cache
+    # itself (``device_layout``) stays unregistered (staging.py).
+    kv_buffer: str = "device"
+    device_layout: KVLayout | None = None
+
+    @property
+    def cache_layout(self) -> KVLayout:
+        """The layout block ids of requests refer to."""
+        return self.device_layout or self.layout
 
     def to_dict(self) -> dict:
         return {
@@ -59,6 +68,8 @@ class PeerInfo:
             "metadata": frames.b64(self.metadata),
             "regions": [list(r) for r in self.regions],
             "mem_type": self.mem_type,
+            "kv_buffer": self.kv_buffer,
+            "device_layout": self.device_layout.to_dict() if self.device_layout else None,
         }
 
     @classmethod
@@ -90,8 +101,17 @@ class PeerInfo:
                     f"({layout.region_bytes})"
                 )
             out.append(tuple(r))
+        kv_buffer = data.get("kv_buffer", "device")
+        if kv_buffer not in ("device", "host_staged"):
+            raise FrameError(f"peer kv_buffer {kv_buffer!r} is not 'device' or 'host_staged'")
+        device_layout = None
+        if kv_buffer == "host_staged":
+            try:
+                device_layout = KVLayout.from_dict(data.get("device_layout"))
+            except LayoutError as exc:
+                raise FrameError(f"peer sent an invalid device layout: {exc}") from None
         return cls(layout, agent, frames.unb64(data.get("metadata"), "metadata"),
-                   tuple(out), mem_type)
+                   tuple(out), mem_type, kv_buffer, device_layout)
 
 
 class _Transcript:
@@ -113,6 +133,17 @@ class _Transcript:
 def _proof_ok(got: object, expected: str) -> bool:
     """Constant-time compare; a proof that is not ASCII text is simply wrong."""
     return isinstance(got, str) and got.isascii() and hmac.compare_digest(got, expected)
+
+
+def check_buffers(ours: "PeerInfo", theirs: "PeerInfo") -> None:
+    """Both sides move KV the same way: directly, or through their staging pools."""
+    if ours.kv_buffer != theirs.kv_buffer:
+        raise IncompatiblePeerError(
+            f"peer KV buffer differs: kv_buffer: ours={ours.kv_buffer!r} "
+            f"peer={theirs.kv_buffer!r} (both sides must be direct or both host-staged)",
+            ["kv_buffer"])
+    if ours.device_layout and theirs.device_layout:
+        check_compat(ours.device_layout, theirs.device_layout)
 
 
 def check_compat(ours: KVLayout, theirs: KVLayout) -> None:
@@ -173,6 +204,11 @@ def serve_handshake(
             raise AuthError("the decode's info failed its proof (changed on the way?)")
         peer = PeerInfo.from_dict(info.get("info"))
         check_compat(local.layout, peer.layout)
+        try:
+            check_buffers(local, peer)
+        except IncompatiblePeerError as exc:
+            _send_error(sock, str(exc), "incompatible", exc.fields, timeout)
+            raise
         if admit is not None:
             admit(peer)
         frames.write_frame(sock, {"type": "ready"}, timeout)
@@ -213,6 +249,7 @@ def client_handshake(
         raise AuthError("peer did not prove it knows the shared secret, or what it sent was "
                         "changed on the way")
     peer = PeerInfo.from_dict(welcome.get("info"))
+    check_buffers(local, peer)
     check_compat(local.layout, peer.layout)
     info = {"type": "info", "info": local.to_dict()}
     transcript.add(info)

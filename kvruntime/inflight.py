@@ -122,7 +122,8 @@ class TransferHandle:
             # timed from the caller's start: for an engine that includes planning and the
             # launch (the copy may run while the host is still launching it)
             self._finish(replace(xfer.result(), seconds=time.perf_counter() - self.started))
-            if not nixl:  # NIXL's READ notifies the prefill itself; the engine tells it here
+            if not nixl and not getattr(xfer, "releases_itself", False):
+                # NIXL's READ notifies the prefill itself; the same-node engine tells it here
                 self.peer._send_release(self.request_id)
         elif state == "ERR":
             xfer.finish()
@@ -163,6 +164,10 @@ class TransferHandle:
     # -- events from the peer (frames, notifications) --------------------------------------------
     def _on_reply(self, message: dict) -> None:
         kind = message.get("type")
+        if kind in ("staged", "stage_failed"):  # for the staged job this handle polls
+            self.peer._settled(self)
+            self._xfer.on_reply(message)
+            return
         with self._lock:
             if kind == "pushed":
                 self._reply = message

@@ -31,6 +31,7 @@ from .memory import KVCache
 from .plan import make_plan
 from .registration import Registration
 from .samenode import NodeToken, serve_offer
+from .staging import KV_BUFFERS, StagingPool
 from .transfer import PostedTransfer, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -99,8 +100,18 @@ class PrefillServer:
         name: str | None = None,
         max_connections: int = 256,
         max_handshaking_per_address: int = 16,
+        kv_buffer: str = "device",
+        staging_blocks: int = 0,
     ):
+        if kv_buffer not in KV_BUFFERS:
+            raise KVRuntimeError(f"kv_buffer must be one of {', '.join(KV_BUFFERS)}, got "
+                                 f"{kv_buffer!r}")
         self.cache = cache
+        self.kv_buffer = kv_buffer
+        self.staging: StagingPool | None = None
+        self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
+        self._stage_queue: deque = deque()  # (peer, request, plan, deadline, queued at)
+        self._stage_lock = threading.Lock()
         self.secret = secret
         self.max_connections = max_connections
         self.max_handshaking_per_address = max_handshaking_per_address
@@ -126,9 +137,15 @@ class PrefillServer:
         self._closed = False
         self.agent = Agent(name or unique_name("prefill"), binding, device_kind, ucx_threads)
         try:
-            self.registration = Registration(self.agent, cache)
+            if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
+                self.staging = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,
+                                           cache)
+            self.registration = Registration(self.agent, self.staging.cache if self.staging
+                                             else cache)
             self._listener = socket.create_server((host, port), backlog=64)
         except Exception:
+            if self.staging is not None:
+                self.staging.close()
             self.agent.close()
             raise
         self._listener.settimeout(0.2)
@@ -138,8 +155,10 @@ class PrefillServer:
             log.warning("PrefillServer on %s:%s has NO shared secret: any host that reaches this "
                         "port gets read/write access to the KV cache; pass secret=... (or bind "
                         "to 127.0.0.1)", host, self.address[1])
-        self.info = PeerInfo(cache.layout, self.agent.name, self.agent.metadata(),
-                             self.registration.region_triples(), cache.mem_type)
+        registered = self.staging.cache if self.staging else cache
+        self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
+                             self.registration.region_triples(), registered.mem_type, kv_buffer,
+                             cache.layout if self.staging else None)
         self._spawn(self._accept_loop, "kvr-accept")
         self._spawn(self._progress_loop, "kvr-progress")
 
@@ -281,8 +300,13 @@ class PrefillServer:
         elif kind == "cancel":
             self._cancel_write(peer, frames.field(message, "request", str))
         elif kind == "samenode":  # a decode asks to open our memory directly (samenode.py)
-            peer.send({**serve_offer(self.cache, self._token), "request": message.get("request")},
-                      self.timeout)
+            offer = ({"type": "samenode", "unavailable": "the prefill is host-staged"}
+                     if self.staging else serve_offer(self.cache, self._token))
+            peer.send({**offer, "request": message.get("request")}, self.timeout)
+        elif kind == "stage":
+            self._stage(peer, message)
+        elif kind == "unstage":
+            self._unstage(peer.agent, frames.field(message, "request", str))
         elif kind == "release":  # a same-node copy finished: the blocks may be freed
             self._release(peer.agent, frames.field(message, "request", str))
         elif kind == "digests":
@@ -331,6 +355,88 @@ class PrefillServer:
                       self.timeout)
             return
         self._work.set()
+
+    # -- host-staged requests (staging.py) -------------------------------------------------------
+    def _stage(self, peer: _Peer, message: dict) -> None:
+        """Queue a request's gather into pool blocks; the progress loop (or this call, when
+        blocks are free) serves the queue in order. Nothing here waits: the connection thread
+        must go on reading, since the unstage frames that free blocks come through it."""
+        request = frames.field(message, "request", str)
+        src = frames.field(message, "src", list)
+        deadline = float(frames.field(message, "deadline", (int, float)))
+        try:
+            if self.staging is None:
+                raise KVRuntimeError("this prefill is not host-staged")
+            plan = make_plan(self.cache.layout, src)
+            left = deadline - time.time()
+            if left <= 0:
+                raise KVRuntimeError(f"its deadline passed {-left:.3f}s before it was read")
+            if plan.num_blocks > self.staging.blocks:
+                raise KVRuntimeError(f"a request of {plan.num_blocks} blocks cannot fit a "
+                                     f"staging pool of {self.staging.blocks} blocks")
+        except KVRuntimeError as exc:
+            peer.send({"type": "stage_failed", "request": request, "error": str(exc)},
+                      self.timeout)
+            return
+        with self._stage_lock:
+            self._stage_queue.append((peer, request, plan, time.monotonic() + left,
+                                      time.monotonic()))
+        self._serve_stages()
+
+    def _serve_stages(self) -> None:
+        """Gather queued requests, in order, while pool blocks are free; fail those whose
+        deadline passed while they waited, with the numbers."""
+        while True:
+            with self._stage_lock:
+                if not self._stage_queue:
+                    return
+                peer, request, plan, deadline, queued = self._stage_queue[0]
+                n = plan.num_blocks
+                if time.monotonic() > deadline:
+                    self._stage_queue.popleft()
+                    start, reply = None, {
+                        "type": "stage_failed", "request": request,
+                        "error": f"staging pool exhausted: {n} blocks wanted, largest free run "
+                                 f"{self.staging.largest_free_run()} of {self.staging.blocks}, "
+                                 f"waited {time.monotonic() - queued:.3f}s until the request's "
+                                 f"deadline"}
+                else:
+                    start = self.staging.try_acquire(n)
+                    if start is None:
+                        return  # the head waits for blocks (FIFO: no starving large requests)
+                    self._stage_queue.popleft()
+                    reply = None
+            if reply is None:
+                try:
+                    self.staging.gather(plan.block_ids()[0].tolist(), start)
+                except Exception as exc:
+                    self.staging.release(start, n)
+                    reply = {"type": "stage_failed", "request": request,
+                             "error": f"gather failed: {exc}"}
+                else:
+                    # freed by unstage; or, if the decode never says, well after its deadline
+                    # (its READ has been aborted by then)
+                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
+                    reply = {"type": "staged", "request": request, "start": start, "count": n}
+            try:
+                peer.send(reply, self.timeout)
+            except KVRuntimeError as exc:
+                log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
+
+    def _unstage(self, agent: str, request: str) -> None:
+        staged = self._staged.pop((agent, request), None)
+        if staged is not None:
+            self.staging.release(staged[0], staged[1])
+            self._release(agent, request)
+            self._work.set()  # queued requests may fit now
+
+    def _expire_staged(self) -> None:
+        now = time.monotonic()
+        for key, (start, n, expiry) in list(self._staged.items()):
+            if now > expiry and self._staged.pop(key, None) is not None:
+                log.warning("staged request %s of %s was never unstaged; its pool blocks are "
+                            "freed", key[1], key[0])
+                self.staging.release(start, n)
 
     def _cancel_write(self, peer: _Peer, request: str) -> None:
         with self._writes_lock:
@@ -391,13 +497,17 @@ class PrefillServer:
         flight. Polls tightly while WRITEs are in flight, every millisecond otherwise."""
         busy, linger_until = False, 0.0
         while not self._stop.is_set():
-            if busy or time.monotonic() < linger_until:
+            if busy or self._stage_queue or time.monotonic() < linger_until:
                 time.sleep(0.00005)
             else:
                 self._work.wait(0.001)
                 self._work.clear()
             try:
                 self._expire_writes()
+                if self._staged:
+                    self._expire_staged()
+                if self._stage_queue:
+                    self._serve_stages()
                 notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
             except Exception as exc:
                 if not self._stop.is_set():
@@ -480,6 +590,8 @@ class PrefillServer:
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
         self.registration.close()
+        if self.staging is not None:
+            self.staging.close()
         self.agent.close()
 
     def __enter__(self):

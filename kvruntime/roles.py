@@ -54,7 +54,9 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
             server = PrefillServer(cache, binding=binding, secret=options.get("secret"),
                                    ucx_threads=options.get("ucx_threads", 0),
                                    device_kind=device_of(options),
-                                   port=fixed[i] if i < len(fixed) else 0)
+                                   port=fixed[i] if i < len(fixed) else 0,
+                                   kv_buffer=options.get("kv_buffer", "device"),
+                                   staging_blocks=options.get("staging_blocks", 0))
             servers.append(server)
             ports.append(server.address[1])
         queue.put({"ok": True, "ports": ports, "module": binding.module_name,

@@ -18,7 +18,8 @@ from .memory import device_unavailable
 from .roles import allocate_cache, device_of, prefill_main, prepare_process, reap
 
 OPS = ("pull", "push")
-# NIXL always (it is what the installer verifies), and the same-node engine beside it.
+# NIXL always (it is what the installer verifies), and the same-node engine beside it; the
+# host-staged modes ("staged") run in a pair of their own.
 ENGINES = ("nixl", "samenode")
 SELFTEST_SHAPE = dict(num_layers=4, num_blocks=256, tokens_per_block=16, num_kv_heads=8,
                       head_dim=128, dtype="float16")
@@ -48,7 +49,8 @@ def mode_name(device: str, kind: str, op: str, engine: str = "nixl") -> str:
     return f"{'host' if device == 'cpu' else device}/{kind}/{op}/{engine}"
 
 
-def skipped_modes(device: str, reason: str, engines=ENGINES, kinds=(CROSS_LAYER, PER_LAYER)
+def skipped_modes(device: str, reason: str, engines=ENGINES + ("staged",),
+                  kinds=(CROSS_LAYER, PER_LAYER)
                   ) -> list[dict]:
     memory = "DRAM" if device == "cpu" else "VRAM"
     return [{"mode": mode_name(device, kind, op, engine), "layout": kind, "op": op,
@@ -71,9 +73,12 @@ def decode_main(result_queue, ports: list[int], layouts: list[dict], seed: int,
         for port, spec in zip(ports, layouts):
             layout = KVLayout.from_dict(spec)
             cache = allocate_cache(layout, options)
-            for engine in ENGINES:
+            staged = options.get("kv_buffer") == "host_staged"
+            for engine in (("staged",) if staged else ENGINES):
                 client = DecodeClient(cache, binding=binding, secret=options.get("secret"),
-                                      device_kind=device, engine=engine)
+                                      device_kind=device, engine="nixl" if staged else engine,
+                                      kv_buffer=options.get("kv_buffer", "device"),
+                                      staging_blocks=options.get("staging_blocks", 0))
                 client_objs.append(client)
                 try:
                     peer = client.connect("127.0.0.1", port)
@@ -185,6 +190,13 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
         modes, errors = list(host.get("modes", [])), []
         if not host.get("ok"):
             errors.append(host)
+        # host-staged: the KV caches stay unregistered; NIXL moves staging pool blocks (the TPU
+        # case on a CPU host). A pool smaller than a request's worth of blocks x 2 keeps it busy.
+        staged = _run_pair(layouts, seed, {**options, "kv_buffer": "host_staged",
+                                            "staging_blocks": 96}, (0, 0), timeout)
+        modes += staged.get("modes", [])
+        if not staged.get("ok"):
+            errors.append(staged)
         for device in DEVICES:
             reason = device_unavailable(device)
             if reason is not None:
@@ -193,6 +205,12 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
             ran = _run_pair(layouts, seed, {**options, "device": device,
                                             "device_ids": list(device_ids)}, device_ids, timeout)
             got = ran.get("modes", [])
+            staged = _run_pair(layouts, seed, {**options, "device": device, "kv_buffer":
+                                               "host_staged", "staging_blocks": 96,
+                                               "device_ids": list(device_ids)}, device_ids, timeout)
+            got += staged.get("modes", [])
+            if not staged.get("ok"):
+                errors.append(staged)
             if not ran.get("ok"):
                 errors.append(ran)
                 done = {m["mode"] for m in got}

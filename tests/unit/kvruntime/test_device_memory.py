@@ -47,7 +47,7 @@ def test_missing_device_gives_a_reason_and_skipped_modes(device):
     with pytest.raises(KVRuntimeError, match=device):
         KVCache.allocate_device(LAYOUT, device, 0)
     modes = skipped_modes(device, reason)
-    assert len(modes) == 8  # 2 layouts x 2 ops x 2 engines (nixl, samenode)
-    assert {m['engine'] for m in modes} == {'nixl', 'samenode'}
+    assert len(modes) == 12  # 2 layouts x 2 ops x (nixl, samenode, staged)
+    assert {m['engine'] for m in modes} == {'nixl', 'samenode', 'staged'}
     assert all(m["status"] == "skipped" and m["reason"] == reason for m in modes)
     assert all(m["mode"].startswith(f"{device}/") for m in modes)

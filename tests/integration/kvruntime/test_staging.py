@@ -1,0 +1,102 @@
+"""Host-staged copies with real NIXL agents in two processes: the KV caches stay unregistered
+(the TPU case, on this CPU host) and NIXL moves staging-pool blocks; the pools under pressure;
+the errors that name the numbers."""
+
+import time
+
+import pytest
+
+from kvruntime.decode import DecodeClient
+from kvruntime.errors import IncompatiblePeerError, KVRuntimeError
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.memory import KVCache
+from kvruntime.prefill import PrefillServer
+from kvruntime.selftest import request_blocks
+from kvruntime.staging import StagingExhausted, StagingPool
+
+pytestmark = pytest.mark.integration
+
+
+def small(kind, blocks=64):
+    return KVLayout(kind, 2, blocks, 16, 4, 32, "float16")
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+def test_staged_requests_are_bit_exact_and_the_caches_stay_unregistered(prefill, kind, op):
+    layout = small(kind)
+    with prefill([layout], seed=13, kv_buffer="host_staged", staging_blocks=24) as (_p, ports):
+        cache = KVCache.allocate_host(small(kind, blocks=80))
+        cache.fill_value(0)
+        zero = cache.block_digest(0)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=24) as client:
+            # NIXL holds the staging pool, never the cache
+            assert client.registration.cache is client.staging.cache
+            assert client.staging.cache.layout.kind == CROSS_LAYER
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.engine == "host_staged" and peer.info.kv_buffer == "host_staged"
+            src, dst = request_blocks(layout.num_blocks, 7)
+            res = getattr(peer, op)(src, dst, timeout=20)
+            assert res.engine == "host_staged" and res.nbytes == len(src) * layout.block_bytes
+            assert peer.digests(src) == cache.block_digests(dst)
+            untouched = sorted(set(range(80)) - set(dst))[:5]
+            assert cache.block_digests(untouched) == [zero] * len(untouched)
+        cache.close()
+
+
+def test_more_requests_than_pool_blocks_wait_their_turn(prefill):
+    """6 requests of 4 blocks in flight through pools of 8 blocks on both sides."""
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=3, kv_buffer="host_staged", staging_blocks=8) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=8) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            reqs = [([4 * i + k for k in range(4)], [40 - 4 * i + k for k in range(4)])
+                    for i in range(6)]
+            handles = [peer.start_pull(s, d, timeout=30) for s, d in reqs]
+            client.wait_all(handles, timeout=60)
+            for s, d in reqs:
+                assert peer.digests(s) == cache.block_digests(d)
+        cache.close()
+
+
+def test_a_request_larger_than_the_prefills_pool_fails_with_the_numbers(prefill):
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=3, kv_buffer="host_staged", staging_blocks=4) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=16) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            with pytest.raises(KVRuntimeError, match="8 blocks cannot fit a staging pool of 4"):
+                peer.pull(list(range(8)), timeout=10)
+            peer.pull([1, 2], timeout=10)  # and the peer goes on serving
+            assert peer.digests([1, 2]) == cache.block_digests([1, 2])
+        cache.close()
+
+
+def test_an_exhausted_pool_never_blocks_past_the_deadline():
+    layout = small(CROSS_LAYER)
+    cache = KVCache.allocate_host(layout)
+    pool = StagingPool(layout, 4, cache)
+    try:
+        start = pool.acquire(3, time.monotonic() + 1)
+        t = time.monotonic()
+        with pytest.raises(StagingExhausted, match="2 blocks wanted, largest free run 1 of 4"):
+            pool.acquire(2, time.monotonic() + 0.2)
+        assert 0.2 <= time.monotonic() - t < 1.0
+        pool.release(start, 3)
+        assert pool.acquire(4, time.monotonic() + 1) == 0
+    finally:
+        pool.close()
+        cache.close()
+
+
+def test_direct_and_staged_peers_do_not_pair():
+    layout = small(CROSS_LAYER)
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    with PrefillServer(src) as server, \
+            DecodeClient(dst, kv_buffer="host_staged", staging_blocks=8) as client:
+        with pytest.raises(IncompatiblePeerError, match="kv_buffer") as err:
+            client.connect(*server.address)
+        assert err.value.fields == ["kv_buffer"]
+    src.close()
+    dst.close()
