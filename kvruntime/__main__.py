@@ -76,7 +76,8 @@ def _bench(args, out) -> int:
         splits=args.split, ucx_threads=args.ucx_threads, huge_pages=not args.no_huge,
         iters=args.iters, block_kib=args.block_kib, nixl_module=args.nixl_module,
         handshakes=args.handshakes, device=args.device, device_ids=args.device_ids,
-        engines=args.engines, bare=not args.no_bare, inflight=args.inflight or [])
+        engines=args.engines, bare=not args.no_bare, inflight=args.inflight or [],
+        kv_buffer=args.kv_buffer)
     report = run_bench(cfg)
     if args.json:
         say(json.dumps(report, indent=None if args.compact else 2))
@@ -96,6 +97,11 @@ def _bench(args, out) -> int:
                 f"({r['batched_gbps']:.2f} batched per peer) vs one request "
                 f"{r['one_request_gbps']:.2f} GB/s: ratio {r['ratio']:.2f} "
                 f"({r['ratio_batched']:.2f} batched)")
+        for c in report.get("staging_copies", []):
+            say(f"staging ({c['layout']}, {c['blocks']} random blocks): gather "
+                f"{c['gather_gbps']:.1f} GB/s vs pinned D2H {c['d2h_pinned_gbps']:.1f} "
+                f"({c['gather_ratio']:.2f}); scatter {c['scatter_gbps']:.1f} vs pinned H2D "
+                f"{c['h2d_pinned_gbps']:.1f} ({c['scatter_ratio']:.2f})")
         for s in report.get("skipped", []):
             say(f"skipped {s['layout']}/{s['engine']}: {s['reason']}")
         for kind, hs in (report.get("handshake_ms") or {}).items():
@@ -151,6 +157,8 @@ def main(argv=None) -> int:
     b.add_argument("--engines", nargs="+", default=["nixl", "samenode"],
                    choices=["nixl", "samenode", "auto"],
                    help="what moves the bytes: NIXL, the same-node engine, or auto")
+    b.add_argument("--kv-buffer", default="device", choices=["device", "host_staged"],
+                   help="host_staged: caches stay unregistered, NIXL moves staging-pool blocks")
     b.add_argument("--no-bare", action="store_true",
                    help="skip timing a bare NIXL READ of the same descriptors beside each pull")
     b.add_argument("--inflight", type=int, nargs=2, metavar=("PEERS", "REQUESTS"),

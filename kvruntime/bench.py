@@ -41,6 +41,7 @@ class BenchConfig:
     engines: list = field(default_factory=lambda: ["nixl", "samenode"])
     bare: bool = True  # also time a bare NIXL transfer of the same descriptors (overhead)
     inflight: list = field(default_factory=lambda: [4, 32])  # decode peers, requests; [] off
+    kv_buffer: str = "device"  # "host_staged": both sides through their staging pools
 
 
 def bench_layout(kind: str, block_kib: int, max_mib: int) -> KVLayout:
@@ -134,7 +135,13 @@ def run_bench(cfg: BenchConfig) -> dict:
         report["error"] = f"cannot bench {cfg.device} memory: {reason}"
         return report
     options = {"nixl_module": cfg.nixl_module, "huge": cfg.huge_pages,
-               "ucx_threads": cfg.ucx_threads, "device": cfg.device}
+               "ucx_threads": cfg.ucx_threads, "device": cfg.device,
+               "kv_buffer": cfg.kv_buffer}
+    staged = cfg.kv_buffer == "host_staged"
+    if staged:
+        cfg.engines, cfg.inflight = ["nixl"], []
+        # a pool of a little more than the largest request, on both sides
+        options["staging_blocks"] = -(-max(cfg.sizes_mib) * 1024 // cfg.block_kib) + 1
     prepare_process(options)  # this process is the decode side: UCX settings before NIXL
     report["ucx_env"] = ucx_environment()  # what the figures ran under (both sides)
     if cfg.device != "cpu":
@@ -165,8 +172,13 @@ def run_bench(cfg: BenchConfig) -> dict:
             caches.append(cache)
             for engine in cfg.engines:
                 client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads,
-                                      device_kind=cfg.device, engine=engine)
+                                      device_kind=cfg.device, engine=engine,
+                                      kv_buffer=cfg.kv_buffer,
+                                      staging_blocks=options.get("staging_blocks", 0))
                 clients.append(client)
+                if staged and cfg.device != "cpu":
+                    report.setdefault("staging_copies", []).append(
+                        _staging_copies(client.staging, layout, rnd, cfg))
                 hs = []
                 try:
                     for _ in range(max(1, cfg.handshakes)):
@@ -251,6 +263,41 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split)
         row["bare_nixl_us"] = round(statistics.median(bare), 1)
         row["overhead_us"] = round(statistics.median(lats) - statistics.median(bare), 1)
     return row
+
+
+def _staging_copies(pool, layout, rnd, cfg) -> dict:
+    """The staging copies alone, beside a contiguous pinned copy of the same bytes in the same
+    run: gather of random blocks device -> pool vs one device -> pinned copy, and pool -> device
+    scatter vs one pinned -> device copy."""
+    import torch
+
+    count = min(pool.blocks, max(1, (max(cfg.sizes_mib) << 20) // layout.block_bytes))
+    blocks = rnd.sample(range(layout.num_blocks), count)
+    nbytes = count * layout.block_bytes
+    dev = pool._device[0].device
+    module = getattr(torch, dev.type)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    host = pool._pool[:nbytes]
+
+    def timed(fn) -> float:
+        module.synchronize(dev)
+        t = time.perf_counter()
+        fn()
+        module.synchronize(dev)
+        return nbytes / (time.perf_counter() - t) / 1e9
+
+    rows = {"gather": [], "d2h": [], "scatter": [], "h2d": []}
+    for _ in range(cfg.iters + 1):
+        rows["gather"].append(timed(lambda: pool.gather(blocks, 0)))
+        rows["d2h"].append(timed(lambda: host.copy_(flat, non_blocking=True)))
+        rows["scatter"].append(timed(lambda: pool.scatter(0, blocks)))
+        rows["h2d"].append(timed(lambda: flat.copy_(host, non_blocking=True)))
+    med = {k: statistics.median(v[1:]) for k, v in rows.items()}  # first: warm-up
+    return {"layout": layout.kind, "blocks": count, "bytes": nbytes, "pinned": pool._pinned,
+            "gather_gbps": round(med["gather"], 3), "d2h_pinned_gbps": round(med["d2h"], 3),
+            "gather_ratio": round(med["gather"] / med["d2h"], 3),
+            "scatter_gbps": round(med["scatter"], 3), "h2d_pinned_gbps": round(med["h2d"], 3),
+            "scatter_ratio": round(med["scatter"] / med["h2d"], 3)}
 
 
 def _bare_read(peer, src, dst, split) -> float:

@@ -154,27 +154,39 @@ class StagingPool:
         device = self._device[0].device
         return torch.as_tensor(list(blocks), dtype=torch.int64, device=device)
 
+    # Within a staged run of n blocks the pool holds region by region: [region][block][chunk]
+    # (for per_layer: layer-major, each region's n chunks one contiguous range). Each region is
+    # then gathered straight into its slice and scattered straight out of it, with no temporary.
+    def _run_slices(self, start: int, n: int) -> list:
+        chunk, bb = self.device_layout.chunk_bytes, self.layout.block_bytes
+        base = start * bb
+        return [self._pool[base + r * n * chunk: base + (r + 1) * n * chunk].view(n, chunk)
+                for r in range(len(self._device))]
+
     def gather(self, blocks, start: int) -> None:
-        """Device cache ``blocks`` -> pool blocks ``start..start+len(blocks)`` (block-major),
-        finished when this returns."""
-        n, chunk, bb = len(blocks), self.device_layout.chunk_bytes, self.layout.block_bytes
-        ids = self._ids(blocks)
-        out = self._pool[start * bb:(start + n) * bb].view(n, bb)
-        nb = self.device_layout.num_blocks
-        for r, region in enumerate(self._device):
-            rows = region[:nb * chunk].view(nb, chunk).index_select(0, ids)
-            out[:, r * chunk:(r + 1) * chunk].copy_(rows, non_blocking=self._pinned)
+        """Device cache ``blocks`` -> the pool run at ``start``, finished when this returns."""
+        ids, nb, chunk = self._ids(blocks), self.device_layout.num_blocks, \
+            self.device_layout.chunk_bytes
+        for region, out in zip(self._device, self._run_slices(start, len(blocks))):
+            src = region[:nb * chunk].view(nb, chunk)
+            if src.device.type == "cpu":
+                torch_index_select(src, ids, out)
+            else:  # gather on the device, then one copy into the pinned run
+                out.copy_(src.index_select(0, ids), non_blocking=self._pinned)
         self._sync()
 
     def scatter(self, start: int, blocks) -> None:
-        """Pool blocks ``start..`` -> device cache ``blocks``, finished when this returns."""
-        n, chunk, bb = len(blocks), self.device_layout.chunk_bytes, self.layout.block_bytes
-        ids = self._ids(blocks)
-        src = self._pool[start * bb:(start + n) * bb].view(n, bb)
-        nb = self.device_layout.num_blocks
-        for r, region in enumerate(self._device):
-            rows = src[:, r * chunk:(r + 1) * chunk].to(region.device, non_blocking=self._pinned)
-            region[:nb * chunk].view(nb, chunk).index_copy_(0, ids, rows)
+        """The pool run at ``start`` -> device cache ``blocks``, finished when this returns."""
+        ids, nb, chunk = self._ids(blocks), self.device_layout.num_blocks, \
+            self.device_layout.chunk_bytes
+        for region, src in zip(self._device, self._run_slices(start, len(blocks))):
+            dst = region[:nb * chunk].view(nb, chunk)
+            if region.device.type == "cpu":
+                # numpy's row assignment copies whole rows (memcpy each); torch's index_copy_
+                # on CPU went element by element: 7 ms against 0.9 for 16 MiB here
+                dst.numpy()[ids.numpy()] = src.numpy()
+            else:
+                dst.index_copy_(0, ids, src.to(region.device, non_blocking=self._pinned))
         self._sync()
 
     def _sync(self) -> None:
@@ -193,6 +205,12 @@ class StagingPool:
         self._pool = None
         self._device = []
         self.cache.close()
+
+
+def torch_index_select(src, ids, out) -> None:
+    import torch
+
+    torch.index_select(src, 0, ids, out=out)
 
 
 def pool_plan(src_layout: KVLayout, src_start: int, dst_layout: KVLayout, dst_start: int,
