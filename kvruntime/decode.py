@@ -395,7 +395,9 @@ class DecodeClient:
         self._lock = threading.Lock()
         self._notif_lock = threading.Lock()
         self.staging: StagingPool | None = None
-        self.agent = Agent(name or unique_name("decode"), binding, device_kind, ucx_threads)
+        # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
+        nixl_memory = "cpu" if kv_buffer == "host_staged" else device_kind
+        self.agent = Agent(name or unique_name("decode"), binding, nixl_memory, ucx_threads)
         try:
             if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
                 self.staging = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,

@@ -135,7 +135,9 @@ class PrefillServer:
         self._threads_lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
-        self.agent = Agent(name or unique_name("prefill"), binding, device_kind, ucx_threads)
+        # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
+        nixl_memory = "cpu" if kv_buffer == "host_staged" else device_kind
+        self.agent = Agent(name or unique_name("prefill"), binding, nixl_memory, ucx_threads)
         try:
             if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
                 self.staging = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,

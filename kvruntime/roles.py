@@ -21,7 +21,9 @@ def prepare_process(options: dict) -> None:
     with it UCX) is imported, so that e.g. cuda pull gets CUDA IPC rather than TCP."""
     from .transports import apply_ucx_settings
 
-    apply_ucx_settings(device_of(options))
+    # host-staged: NIXL moves only the host staging pools, whatever memory the caches are in
+    staged = options.get("kv_buffer") == "host_staged"
+    apply_ucx_settings("cpu" if staged else device_of(options))
 
 
 def allocate_cache(layout: KVLayout, options: dict):
