@@ -22,6 +22,7 @@ id. NIXL calls take the agent lock for one call at a time, never for a transfer'
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 import logging
 import os
 import select
@@ -31,7 +32,7 @@ import time
 from . import frames
 from .agent import Agent, unique_name
 from .binding import NixlBinding
-from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
+from .errors import IncompatiblePeerError, KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, TransferHandle
 from .memory import KVCache
@@ -66,6 +67,7 @@ class PrefillPeer:
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
         self._engine = None  # a same-node engine (samenode.py) when one serves this peer
+        self.head_slice = None  # host-staged: which of its heads go to which of ours (tp.py)
         self.engine_reason = "not asked"  # why the engine in use was chosen
 
     @property
@@ -209,7 +211,13 @@ class PrefillPeer:
         self._check_usable()
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        plan = make_plan(self.info.cache_layout, src_blocks, self.client.cache.layout, dst_blocks)
+        if self.client.staging is not None:
+            # staged: the caches may differ in kind and heads (TP); source ids are the peer's
+            src_layout = replace(self.client.cache.layout,
+                                 num_blocks=self.info.cache_layout.num_blocks)
+        else:
+            src_layout = self.info.cache_layout
+        plan = make_plan(src_layout, src_blocks, self.client.cache.layout, dst_blocks)
         if request_id is None:
             request_id = self._new_request()
         elif not isinstance(request_id, str) or not request_id or len(request_id) > 256:
@@ -378,6 +386,7 @@ class DecodeClient:
         engine: str = "auto",
         kv_buffer: str = "device",
         staging_blocks: int = 0,
+        tp_rank: int = 0,
     ):
         if engine not in ENGINES:
             raise KVRuntimeError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -406,7 +415,7 @@ class DecodeClient:
             self.registration = Registration(self.agent, registered)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                                  self.registration.region_triples(), registered.mem_type,
-                                 kv_buffer, cache.layout if self.staging else None)
+                                 kv_buffer, cache.layout if self.staging else None, tp_rank)
         except Exception:
             if self.staging is not None:
                 self.staging.close()
@@ -438,6 +447,23 @@ class DecodeClient:
             sock.close()
             raise
         peer = PrefillPeer(self, address, sock, info, name, 0.0)
+        if self.staging is not None:
+            from .tp import slice_from
+
+            try:
+                peer.head_slice = slice_from(info.cache_layout, info.tp_rank, self.cache.layout,
+                                             self.info.tp_rank)
+            except KVRuntimeError:
+                sock.close()
+                self._remove_agent(name)
+                raise
+        elif info.cache_layout.tp_size != self.cache.layout.tp_size:
+            sock.close()
+            self._remove_agent(name)
+            raise IncompatiblePeerError(
+                f"prefill TP {info.cache_layout.tp_size} and decode TP "
+                f"{self.cache.layout.tp_size} differ: mixed TP needs kv_buffer='host_staged' on "
+                f"both sides", ["tp_size"])
         self._peers[address] = peer
         if self.staging is not None:
             peer.engine_reason = "host-staged: NIXL moves staging pool blocks (kv_buffer)"

@@ -55,6 +55,7 @@ class PeerInfo:
     # itself (``device_layout``) stays unregistered (staging.py).
     kv_buffer: str = "device"
     device_layout: KVLayout | None = None
+    tp_rank: int = 0  # this side's rank among cache_layout.tp_size
 
     @property
     def cache_layout(self) -> KVLayout:
@@ -70,6 +71,7 @@ class PeerInfo:
             "mem_type": self.mem_type,
             "kv_buffer": self.kv_buffer,
             "device_layout": self.device_layout.to_dict() if self.device_layout else None,
+            "tp_rank": self.tp_rank,
         }
 
     @classmethod
@@ -110,8 +112,12 @@ class PeerInfo:
                 device_layout = KVLayout.from_dict(data.get("device_layout"))
             except LayoutError as exc:
                 raise FrameError(f"peer sent an invalid device layout: {exc}") from None
+        tp_rank = data.get("tp_rank", 0)
+        tp_size = (device_layout or layout).tp_size
+        if not isinstance(tp_rank, int) or isinstance(tp_rank, bool) or not 0 <= tp_rank < tp_size:
+            raise FrameError(f"peer tp_rank {tp_rank!r} is not within 0..{tp_size - 1}")
         return cls(layout, agent, frames.unb64(data.get("metadata"), "metadata"),
-                   tuple(out), mem_type, kv_buffer, device_layout)
+                   tuple(out), mem_type, kv_buffer, device_layout, tp_rank)
 
 
 class _Transcript:
@@ -143,7 +149,11 @@ def check_buffers(ours: "PeerInfo", theirs: "PeerInfo") -> None:
             f"peer={theirs.kv_buffer!r} (both sides must be direct or both host-staged)",
             ["kv_buffer"])
     if ours.device_layout and theirs.device_layout:
-        check_compat(ours.device_layout, theirs.device_layout)
+        # staged peers may differ in TP size (and layout kind): the model's heads must agree
+        # and this decode rank must get some of its heads from that prefill rank
+        from .tp import check_tp_pair
+
+        check_tp_pair(ours.device_layout, theirs.device_layout)
 
 
 def check_compat(ours: KVLayout, theirs: KVLayout) -> None:
@@ -189,6 +199,11 @@ def serve_handshake(
             raise AuthError("peer failed the shared-secret challenge (wrong or no secret)")
         transcript.add(auth)
         try:
+            if hello.get("kv_buffer", "device") != local.kv_buffer:
+                raise IncompatiblePeerError(
+                    f"peer KV buffer differs: kv_buffer: ours={local.kv_buffer!r} peer="
+                    f"{hello.get('kv_buffer', 'device')!r} (both sides must be direct or both "
+                    f"host-staged)", ["kv_buffer"])
             check_compat(local.layout, their_layout)
         except IncompatiblePeerError as exc:
             _send_error(sock, str(exc), "incompatible", exc.fields, timeout)
@@ -229,7 +244,8 @@ def client_handshake(
     """Decode side. Returns the prefill peer's info or raises."""
     transcript = _Transcript()
     client_nonce = os.urandom(NONCE_BYTES)
-    hello = {"type": "hello", "layout": local.layout.to_dict(), "nonce": frames.b64(client_nonce)}
+    hello = {"type": "hello", "layout": local.layout.to_dict(), "nonce": frames.b64(client_nonce),
+             "kv_buffer": local.kv_buffer}
     frames.write_frame(sock, hello, timeout)
     transcript.add(hello)
     challenge = _expect_or_raise(frames.read_frame(sock, timeout), "challenge")

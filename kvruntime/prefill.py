@@ -102,6 +102,7 @@ class PrefillServer:
         max_handshaking_per_address: int = 16,
         kv_buffer: str = "device",
         staging_blocks: int = 0,
+        tp_rank: int = 0,
     ):
         if kv_buffer not in KV_BUFFERS:
             raise KVRuntimeError(f"kv_buffer must be one of {', '.join(KV_BUFFERS)}, got "
@@ -160,7 +161,7 @@ class PrefillServer:
         registered = self.staging.cache if self.staging else cache
         self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                              self.registration.region_triples(), registered.mem_type, kv_buffer,
-                             cache.layout if self.staging else None)
+                             cache.layout if self.staging else None, tp_rank)
         self._spawn(self._accept_loop, "kvr-accept")
         self._spawn(self._progress_loop, "kvr-progress")
 
@@ -370,18 +371,21 @@ class PrefillServer:
             if self.staging is None:
                 raise KVRuntimeError("this prefill is not host-staged")
             plan = make_plan(self.cache.layout, src)
+            heads = _heads(message.get("heads"), self.cache.layout.num_kv_heads)
             left = deadline - time.time()
             if left <= 0:
                 raise KVRuntimeError(f"its deadline passed {-left:.3f}s before it was read")
-            if plan.num_blocks > self.staging.blocks:
-                raise KVRuntimeError(f"a request of {plan.num_blocks} blocks cannot fit a "
-                                     f"staging pool of {self.staging.blocks} blocks")
+            units = plan.num_blocks * (heads[1] - heads[0])
+            if units > self.staging.units:
+                raise KVRuntimeError(f"a request of {units} units ({plan.num_blocks} blocks x "
+                                     f"{heads[1] - heads[0]} heads) cannot fit a staging pool "
+                                     f"of {self.staging.units} units")
         except KVRuntimeError as exc:
             peer.send({"type": "stage_failed", "request": request, "error": str(exc)},
                       self.timeout)
             return
         with self._stage_lock:
-            self._stage_queue.append((peer, request, plan, time.monotonic() + left,
+            self._stage_queue.append((peer, request, plan, heads, time.monotonic() + left,
                                       time.monotonic()))
         self._serve_stages()
 
@@ -392,14 +396,14 @@ class PrefillServer:
             with self._stage_lock:
                 if not self._stage_queue:
                     return
-                peer, request, plan, deadline, queued = self._stage_queue[0]
-                n = plan.num_blocks
+                peer, request, plan, heads, deadline, queued = self._stage_queue[0]
+                n = plan.num_blocks * (heads[1] - heads[0])
                 if time.monotonic() > deadline:
                     self._stage_queue.popleft()
                     start, reply = None, {
                         "type": "stage_failed", "request": request,
-                        "error": f"staging pool exhausted: {n} blocks wanted, largest free run "
-                                 f"{self.staging.largest_free_run()} of {self.staging.blocks}, "
+                        "error": f"staging pool exhausted: {n} units wanted, largest free run "
+                                 f"{self.staging.largest_free_run()} of {self.staging.units}, "
                                  f"waited {time.monotonic() - queued:.3f}s until the request's "
                                  f"deadline"}
                 else:
@@ -410,7 +414,7 @@ class PrefillServer:
                     reply = None
             if reply is None:
                 try:
-                    self.staging.gather(plan.block_ids()[0].tolist(), start)
+                    self.staging.gather(plan.block_ids()[0].tolist(), start, heads)
                 except Exception as exc:
                     self.staging.release(start, n)
                     reply = {"type": "stage_failed", "request": request,
@@ -601,6 +605,17 @@ class PrefillServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _heads(value, num_heads: int) -> tuple[int, int]:
+    """A stage request's head range (local to this rank), checked; all heads when absent."""
+    if value is None:
+        return (0, num_heads)
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            or not 0 <= value[0] < value[1] <= num_heads):
+        raise KVRuntimeError(f"stage heads {value!r} is not a range within 0..{num_heads}")
+    return (value[0], value[1])
 
 
 def _loopback(host: str) -> bool:

@@ -58,7 +58,8 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
                                    device_kind=device_of(options),
                                    port=fixed[i] if i < len(fixed) else 0,
                                    kv_buffer=options.get("kv_buffer", "device"),
-                                   staging_blocks=options.get("staging_blocks", 0))
+                                   staging_blocks=options.get("staging_blocks", 0),
+                                   tp_rank=(options.get("tp_ranks") or [0] * len(layouts))[i])
             servers.append(server)
             ports.append(server.address[1])
         queue.put({"ok": True, "ports": ports, "module": binding.module_name,

@@ -39,10 +39,12 @@ class StagingExhausted(TransferError):
     """No run of free staging blocks large enough came free before the deadline."""
 
 
-def staging_layout(layout: KVLayout, blocks: int) -> KVLayout:
-    """The pool's layout: ``blocks`` whole KV blocks of ``layout`` (one region, block-major)."""
-    return KVLayout(CROSS_LAYER, layout.num_layers, blocks, layout.tokens_per_block,
-                    layout.num_kv_heads, layout.head_dim, layout.dtype, layout.tp_size)
+def staging_layout(layout: KVLayout, units: int) -> KVLayout:
+    """The pool's layout: ``units`` of one KV head of one block over all layers, K and V. Both
+    sides count in these units whatever their TP size, so a run moves between pools of ranks
+    with different head counts as one descriptor."""
+    return KVLayout(CROSS_LAYER, layout.num_layers, units, layout.tokens_per_block, 1,
+                    layout.head_dim, layout.dtype, 1)
 
 
 def _byte_regions(cache) -> list:
@@ -66,11 +68,11 @@ class StagingPool:
 
         if not isinstance(blocks, int) or blocks < 1:
             raise KVRuntimeError(f"staging_blocks must be a positive integer, got {blocks!r}")
-        self.layout = staging_layout(layout, blocks)
+        self.layout = staging_layout(layout, blocks * layout.num_kv_heads)
         self.device_layout = layout
         self.device_cache = device_cache
         self.cache = KVCache.allocate_host(self.layout)
-        self._free = [True] * blocks
+        self._free = [True] * self.layout.num_blocks  # in units (one head of one block)
         self._cv = threading.Condition()
         self._pinned = False
         tensors = device_cache.tensors
@@ -92,7 +94,7 @@ class StagingPool:
         self._pinned = True
 
     @property
-    def blocks(self) -> int:
+    def units(self) -> int:
         return len(self._free)
 
     # -- allocation ----------------------------------------------------------------------------
@@ -124,9 +126,9 @@ class StagingPool:
 
     def acquire(self, n: int, deadline: float) -> int:
         """``n`` consecutive blocks; waits for them until ``deadline`` (monotonic), never longer."""
-        if n > self.blocks:
-            raise StagingExhausted(f"a request of {n} blocks cannot fit a staging pool of "
-                                   f"{self.blocks} blocks: size the pool for the largest request")
+        if n > self.units:
+            raise StagingExhausted(f"a request of {n} units cannot fit a staging pool of "
+                                   f"{self.units} units: size the pool for the largest request")
         t0 = time.monotonic()
         with self._cv:
             while True:
@@ -137,8 +139,8 @@ class StagingPool:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StagingExhausted(
-                        f"staging pool exhausted: {n} blocks wanted, largest free run "
-                        f"{self._largest_free_run()} of {self.blocks}, waited "
+                        f"staging pool exhausted: {n} units wanted, largest free run "
+                        f"{self._largest_free_run()} of {self.units}, waited "
                         f"{time.monotonic() - t0:.3f}s until the request's deadline")
                 self._cv.wait(left)
 
@@ -154,39 +156,55 @@ class StagingPool:
         device = self._device[0].device
         return torch.as_tensor(list(blocks), dtype=torch.int64, device=device)
 
-    # Within a staged run of n blocks the pool holds region by region: [region][block][chunk]
-    # (for per_layer: layer-major, each region's n chunks one contiguous range). Each region is
-    # then gathered straight into its slice and scattered straight out of it, with no temporary.
-    def _run_slices(self, start: int, n: int) -> list:
-        chunk, bb = self.device_layout.chunk_bytes, self.layout.block_bytes
-        base = start * bb
-        return [self._pool[base + r * n * chunk: base + (r + 1) * n * chunk].view(n, chunk)
-                for r in range(len(self._device))]
+    # A staged run of n blocks and hs heads holds [2 x layers][n][tokens][hs][head_dim] (K/V of
+    # each layer, then blocks): the same on every side whatever its layout kind or TP size, so
+    # a decode rank's heads arrive as one contiguous run and scatter into their place.
+    def _run(self, start: int, n: int, hs: int):
+        lay = self.device_layout
+        u = self.layout.block_bytes
+        de = lay.head_dim * lay.element_bytes
+        return self._pool[start * u:(start + n * hs) * u].view(
+            2 * lay.num_layers, n, lay.tokens_per_block, hs, de)
 
-    def gather(self, blocks, start: int) -> None:
-        """Device cache ``blocks`` -> the pool run at ``start``, finished when this returns."""
-        ids, nb, chunk = self._ids(blocks), self.device_layout.num_blocks, \
-            self.device_layout.chunk_bytes
-        for region, out in zip(self._device, self._run_slices(start, len(blocks))):
-            src = region[:nb * chunk].view(nb, chunk)
-            if src.device.type == "cpu":
-                torch_index_select(src, ids, out)
-            else:  # gather on the device, then one copy into the pinned run
-                out.copy_(src.index_select(0, ids), non_blocking=self._pinned)
+    def _views(self) -> list:
+        """The device cache as [block][region-in-block][token][head][bytes of a head] views."""
+        lay = self.device_layout
+        nb, t, h = lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads
+        de = lay.head_dim * lay.element_bytes
+        if lay.kind == CROSS_LAYER:
+            return [self._device[0][:lay.region_bytes].view(nb, 2 * lay.num_layers, t, h, de)]
+        return [r[:lay.region_bytes].view(nb, 1, t, h, de) for r in self._device]
+
+    def gather(self, blocks, start: int, heads: tuple[int, int] | None = None) -> int:
+        """Heads ``heads`` (all by default) of device cache ``blocks`` -> the run at ``start``;
+        finished when this returns. Returns the units used."""
+        h0, h1 = heads or (0, self.device_layout.num_kv_heads)
+        ids = self._ids(blocks)
+        out = self._run(start, len(blocks), h1 - h0)
+        r = 0
+        for view in self._views():
+            rows = view.index_select(0, ids)[:, :, :, h0:h1, :]  # [n, regions, t, hs, de]
+            k = rows.shape[1]
+            out[r:r + k].copy_(rows.permute(1, 0, 2, 3, 4), non_blocking=self._pinned)
+            r += k
         self._sync()
+        return len(blocks) * (h1 - h0)
 
-    def scatter(self, start: int, blocks) -> None:
-        """The pool run at ``start`` -> device cache ``blocks``, finished when this returns."""
-        ids, nb, chunk = self._ids(blocks), self.device_layout.num_blocks, \
-            self.device_layout.chunk_bytes
-        for region, src in zip(self._device, self._run_slices(start, len(blocks))):
-            dst = region[:nb * chunk].view(nb, chunk)
-            if region.device.type == "cpu":
-                # numpy's row assignment copies whole rows (memcpy each); torch's index_copy_
-                # on CPU went element by element: 7 ms against 0.9 for 16 MiB here
-                dst.numpy()[ids.numpy()] = src.numpy()
+    def scatter(self, start: int, blocks, heads: tuple[int, int] | None = None) -> None:
+        """The run at ``start`` -> heads ``heads`` of device cache ``blocks``."""
+        g0, g1 = heads or (0, self.device_layout.num_kv_heads)
+        ids = self._ids(blocks)
+        src = self._run(start, len(blocks), g1 - g0)
+        r = 0
+        for view in self._views():
+            k = view.shape[1]
+            part = src[r:r + k].permute(1, 0, 2, 3, 4)  # [n, regions, t, hs, de]
+            if view.device.type == "cpu":
+                # numpy copies whole rows; torch's CPU index_put goes element by element
+                view.numpy()[ids.numpy(), :, :, g0:g1, :] = part.numpy()
             else:
-                dst.index_copy_(0, ids, src.to(region.device, non_blocking=self._pinned))
+                view[ids, :, :, g0:g1, :] = part.to(view.device, non_blocking=self._pinned)
+            r += k
         self._sync()
 
     def _sync(self) -> None:
@@ -207,12 +225,6 @@ class StagingPool:
         self.cache.close()
 
 
-def torch_index_select(src, ids, out) -> None:
-    import torch
-
-    torch.index_select(src, 0, ids, out=out)
-
-
 def pool_plan(src_layout: KVLayout, src_start: int, dst_layout: KVLayout, dst_start: int,
               n: int) -> TransferPlan:
     """The one-run plan moving pool blocks ``src_start..`` to ``dst_start..``."""
@@ -228,6 +240,11 @@ class StagedPull:
 
     def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float):
         self.peer = peer
+        tp = peer.head_slice  # which of the prefill's heads, to which of ours
+        self._src_heads = tp.src if tp else None
+        self._dst_heads = tp.dst if tp else None
+        self._units = plan.num_blocks * (tp.count if tp else
+                                         peer.client.cache.layout.num_kv_heads)
         self.plan = plan
         self.request_id = request_id
         self.state = "PROC"
@@ -239,14 +256,16 @@ class StagedPull:
         self._xfer = None
         self._unstaged = False
         src, self._dst = (ids.tolist() for ids in plan.block_ids())
-        peer._send({"type": "stage", "request": request_id, "src": src,
-                    "deadline": deadline_wall})
+        message = {"type": "stage", "request": request_id, "src": src, "deadline": deadline_wall}
+        if self._src_heads is not None:
+            message["heads"] = list(self._src_heads)
+        peer._send(message)
 
     def on_reply(self, message: dict) -> None:
         if message.get("type") == "staged":
             start, count = message.get("start"), message.get("count")
             if (isinstance(start, int) and isinstance(count, int)
-                    and count == self.plan.num_blocks and start >= 0):
+                    and count == self._units and start >= 0):
                 self._remote = (start, count)
                 return
             self._fail("the prefill answered with a malformed staged run")
@@ -277,7 +296,7 @@ class StagedPull:
             st = self._xfer.poll()
             if st == "DONE":
                 self._xfer.finish()
-                pool.scatter(self._local, self._dst)
+                pool.scatter(self._local, self._dst, self._dst_heads)
                 self._done("DONE")
             elif st == "ERR":
                 self._xfer.finish()
@@ -323,5 +342,6 @@ class StagedPull:
     def result(self):
         from .transfer import TransferResult
 
-        return TransferResult("READ", self.plan.nbytes, self.seconds, self.plan.num_runs,
-                              1, None, engine=self.engine)
+        nbytes = self._units * self.peer.client.staging.layout.block_bytes  # our heads only
+        return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs, 1, None,
+                              engine=self.engine)

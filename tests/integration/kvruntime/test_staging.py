@@ -66,7 +66,7 @@ def test_a_request_larger_than_the_prefills_pool_fails_with_the_numbers(prefill)
         cache = KVCache.allocate_host(layout)
         with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=16) as client:
             peer = client.connect("127.0.0.1", ports[0])
-            with pytest.raises(KVRuntimeError, match="8 blocks cannot fit a staging pool of 4"):
+            with pytest.raises(KVRuntimeError, match=r"32 units \(8 blocks x 4 heads\) cannot fit a staging pool of 16 units"):
                 peer.pull(list(range(8)), timeout=10)
             peer.pull([1, 2], timeout=10)  # and the peer goes on serving
             assert peer.digests([1, 2]) == cache.block_digests([1, 2])
@@ -76,11 +76,11 @@ def test_a_request_larger_than_the_prefills_pool_fails_with_the_numbers(prefill)
 def test_an_exhausted_pool_never_blocks_past_the_deadline():
     layout = small(CROSS_LAYER)
     cache = KVCache.allocate_host(layout)
-    pool = StagingPool(layout, 4, cache)
+    pool = StagingPool(layout, 1, cache)  # one block of 4 heads: 4 units
     try:
         start = pool.acquire(3, time.monotonic() + 1)
         t = time.monotonic()
-        with pytest.raises(StagingExhausted, match="2 blocks wanted, largest free run 1 of 4"):
+        with pytest.raises(StagingExhausted, match="2 units wanted, largest free run 1 of 4"):
             pool.acquire(2, time.monotonic() + 0.2)
         assert 0.2 <= time.monotonic() - t < 1.0
         pool.release(start, 3)

@@ -1,0 +1,91 @@
+"""Mixed tensor-parallel sizes through host staging, every rank a real process or agent: prefill
+TP p serves decode TP d for (1,2), (2,1), (2,4), (4,2); each decode rank gets exactly its heads,
+compared bit-exactly with a reference assembled independently from the prefill ranks' seeds.
+The prefill ranks keep per_layer caches and the decode ranks cross_layer ones: kinds may differ
+when staged."""
+
+import numpy as np
+import pytest
+
+from kvruntime.decode import DecodeClient
+from kvruntime.errors import IncompatiblePeerError
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.memory import KVCache
+from kvruntime.tp import head_slices
+
+pytestmark = pytest.mark.integration
+
+HEADS, LAYERS, TOKENS, DIM = 4, 2, 8, 16
+
+
+def rank_layout(kind, tp, blocks=32):
+    return KVLayout(kind, LAYERS, blocks, TOKENS, HEADS // tp, DIM, "float16", tp)
+
+
+def logical(cache):
+    """[block][2 x layers][token][head][bytes of a head] of a host cache, as numpy."""
+    lay = cache.layout
+    de = lay.head_dim * lay.element_bytes
+    regions = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * lay.region_bytes)
+                                     .from_address(r.address)) for r in cache.regions]
+    if lay.kind == CROSS_LAYER:
+        return regions[0].reshape(lay.num_blocks, 2 * lay.num_layers, lay.tokens_per_block,
+                                  lay.num_kv_heads, de).copy()
+    return np.stack([r.reshape(lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads, de)
+                     for r in regions], axis=1)
+
+
+@pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 4), (4, 2)])
+def test_each_decode_rank_gets_exactly_its_heads(prefill, p, d):
+    seed = 40 + p * 10 + d
+    prefill_layouts = [rank_layout(PER_LAYER, p) for _ in range(p)]
+    src = [3, 7, 8, 9, 30]
+    dst = [0, 5, 6, 7, 31]
+    # the reference: the full-head blocks, from the prefill ranks' own seeds
+    full = []
+    for i, lay in enumerate(prefill_layouts):
+        c = KVCache.allocate_host(lay)
+        c.fill_random(seed + i)
+        full.append(logical(c))
+        c.close()
+    full = np.concatenate(full, axis=3)  # [block][regions][token][all heads][bytes]
+    with prefill(prefill_layouts, seed=seed, kv_buffer="host_staged", staging_blocks=16,
+                 tp_ranks=list(range(p))) as (_proc, ports):
+        for j in range(d):
+            cache = KVCache.allocate_host(rank_layout(CROSS_LAYER, d))
+            cache.fill_value(0)
+            with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=16,
+                              tp_rank=j) as client:
+                slices = head_slices(prefill_layouts[0], cache.layout, j)
+                assert len(slices) == max(1, p // d)
+                for s in slices:
+                    peer = client.connect("127.0.0.1", ports[s.prefill_rank])
+                    assert peer.head_slice == s
+                    res = peer.pull(src, dst, timeout=20)
+                    assert res.nbytes == len(src) * cache.layout.block_bytes * s.count \
+                        // cache.layout.num_kv_heads
+                got = logical(cache)
+                hd = HEADS // d
+                want = full[src][:, :, :, j * hd:(j + 1) * hd, :]
+                assert np.array_equal(got[dst], want), f"decode rank {j} of TP {d} from TP {p}"
+                others = [b for b in range(32) if b not in dst]
+                assert not got[others].any()  # nothing else written
+            cache.close()
+
+
+def test_layouts_that_cannot_pair_are_named(prefill):
+    pre = KVLayout(PER_LAYER, LAYERS, 32, TOKENS, 2, DIM, "float16", 2)  # 4 heads in all
+    with prefill([pre], seed=1, kv_buffer="host_staged", staging_blocks=8) as (_proc, ports):
+        bad = KVLayout(CROSS_LAYER, LAYERS, 32, TOKENS, 3, DIM, "float16", 2)  # 6 heads
+        cache = KVCache.allocate_host(bad)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=8) as client:
+            with pytest.raises(IncompatiblePeerError, match="num_kv_heads x tp_size"):
+                client.connect("127.0.0.1", ports[0])
+        cache.close()
+        # decode rank 1 of TP 4 owns global head 1, held by prefill rank 0, not rank... 0 only
+        ok = KVLayout(CROSS_LAYER, LAYERS, 32, TOKENS, 1, DIM, "float16", 4)
+        cache = KVCache.allocate_host(ok)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=8, tp_rank=3) as client:
+            with pytest.raises(IncompatiblePeerError, match="holds none of the heads"):
+                client.connect("127.0.0.1", ports[0])  # prefill rank 0 holds heads 0-1
+        cache.close()
