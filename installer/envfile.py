@@ -44,6 +44,8 @@ def runtime_env(plan: Plan, build_dir: Path) -> dict[str, str]:
     module = nixl_module(build_dir, plan.verify["nixl"]["module"]) if "nixl" in plan.verify else None
     if module:
         env["KVRUNTIME_NIXL_MODULE"] = module
+    # how kvruntime moves KV here by default: through host staging (tpu), else registered directly
+    env["KVRUNTIME_KV_BUFFER"] = "host_staged" if plan.kv_buffer == "host_staged" else "device"
     env.update(plan.runtime_env)
     return env
 

@@ -39,7 +39,7 @@ from .memory import KVCache
 from .plan import make_plan, merge_plans
 from .registration import Registration
 from .samenode import ENGINES, SameNodeUnavailable, SharedJob, open_engine
-from .staging import KV_BUFFERS, StagedPull, StagingPool
+from .staging import StagedPull, StagingPool, resolve_kv_buffer
 from .transfer import PostedTransfer, TransferResult, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -384,15 +384,13 @@ class DecodeClient:
         device_kind: str = "cpu",
         name: str | None = None,
         engine: str = "auto",
-        kv_buffer: str = "device",
+        kv_buffer: str | None = None,
         staging_blocks: int = 0,
         tp_rank: int = 0,
     ):
         if engine not in ENGINES:
             raise KVRuntimeError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        if kv_buffer not in KV_BUFFERS:
-            raise KVRuntimeError(f"kv_buffer must be one of {', '.join(KV_BUFFERS)}, got "
-                                 f"{kv_buffer!r}")
+        kv_buffer = resolve_kv_buffer(kv_buffer)
         self.cache = cache
         self.kv_buffer = kv_buffer
         self.secret = secret

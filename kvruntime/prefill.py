@@ -31,7 +31,7 @@ from .memory import KVCache
 from .plan import make_plan
 from .registration import Registration
 from .samenode import NodeToken, serve_offer
-from .staging import KV_BUFFERS, StagingPool
+from .staging import StagingPool, resolve_kv_buffer
 from .transfer import PostedTransfer, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -100,13 +100,11 @@ class PrefillServer:
         name: str | None = None,
         max_connections: int = 256,
         max_handshaking_per_address: int = 16,
-        kv_buffer: str = "device",
+        kv_buffer: str | None = None,
         staging_blocks: int = 0,
         tp_rank: int = 0,
     ):
-        if kv_buffer not in KV_BUFFERS:
-            raise KVRuntimeError(f"kv_buffer must be one of {', '.join(KV_BUFFERS)}, got "
-                                 f"{kv_buffer!r}")
+        kv_buffer = resolve_kv_buffer(kv_buffer)
         self.cache = cache
         self.kv_buffer = kv_buffer
         self.staging: StagingPool | None = None

@@ -57,7 +57,7 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
                                    ucx_threads=options.get("ucx_threads", 0),
                                    device_kind=device_of(options),
                                    port=fixed[i] if i < len(fixed) else 0,
-                                   kv_buffer=options.get("kv_buffer", "device"),
+                                   kv_buffer=options.get("kv_buffer"),
                                    staging_blocks=options.get("staging_blocks", 0),
                                    tp_rank=(options.get("tp_ranks") or [0] * len(layouts))[i])
             servers.append(server)

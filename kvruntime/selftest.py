@@ -177,8 +177,9 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
     return the JSON-able report. Device modes that cannot run are skipped with the reason."""
     start = time.perf_counter()
     layouts = [KVLayout(kind=k, **SELFTEST_SHAPE).to_dict() for k in (CROSS_LAYER, PER_LAYER)]
+    # every mode explicitly (KVRUNTIME_KV_BUFFER, a deployment's default, must not mix them)
     options = {"nixl_module": nixl_module, "secret": secret or __import__("os").urandom(16),
-               "timeout": 30.0}
+               "timeout": 30.0, "kv_buffer": "device"}
     report: dict = {"tool": "kvruntime selftest", "modes": []}
     try:
         host = _run_pair(layouts, seed, options, (0, 0), timeout)

@@ -35,6 +35,19 @@ log = logging.getLogger("kvruntime")
 KV_BUFFERS = ("device", "host_staged")
 
 
+def resolve_kv_buffer(kv_buffer: str | None) -> str:
+    """The mode asked for, else ``KVRUNTIME_KV_BUFFER`` (the installer's env.sh sets it from the
+    platform recipe: tpu stages), else "device" (caches registered directly)."""
+    import os
+
+    value = kv_buffer if kv_buffer is not None else os.environ.get("KVRUNTIME_KV_BUFFER",
+                                                                     "device")
+    if value not in KV_BUFFERS:
+        source = "kv_buffer" if kv_buffer is not None else "KVRUNTIME_KV_BUFFER"
+        raise KVRuntimeError(f"{source} must be one of {', '.join(KV_BUFFERS)}, got {value!r}")
+    return value
+
+
 class StagingExhausted(TransferError):
     """No run of free staging blocks large enough came free before the deadline."""
 

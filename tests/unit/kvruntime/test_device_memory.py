@@ -51,3 +51,16 @@ def test_missing_device_gives_a_reason_and_skipped_modes(device):
     assert {m['engine'] for m in modes} == {'nixl', 'samenode', 'staged'}
     assert all(m["status"] == "skipped" and m["reason"] == reason for m in modes)
     assert all(m["mode"].startswith(f"{device}/") for m in modes)
+
+
+def test_kv_buffer_default_comes_from_the_environment(monkeypatch):
+    from kvruntime.staging import resolve_kv_buffer
+
+    monkeypatch.delenv("KVRUNTIME_KV_BUFFER", raising=False)
+    assert resolve_kv_buffer(None) == "device"
+    monkeypatch.setenv("KVRUNTIME_KV_BUFFER", "host_staged")  # what tpu's env.sh sets
+    assert resolve_kv_buffer(None) == "host_staged"
+    assert resolve_kv_buffer("device") == "device"  # an explicit choice wins
+    monkeypatch.setenv("KVRUNTIME_KV_BUFFER", "gpu")
+    with pytest.raises(KVRuntimeError, match="KVRUNTIME_KV_BUFFER must be one of"):
+        resolve_kv_buffer(None)
