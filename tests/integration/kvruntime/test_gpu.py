@@ -104,3 +104,57 @@ def test_bench_reports_vram_beside_a_device_copy():
         assert r["memory"] == "VRAM" and "copy_" in r["ref"]
         assert r["gbps"] > 0 and r["ref_gbps"] > 0 and r["ratio"] > 0
         assert r["descriptors"] == r["runs"] * (1 if r["layout"] == CROSS_LAYER else 8)
+
+
+def _logical(cache):
+    """[block][2 x layers][token][head][bytes of a head] of a cuda cache, as a torch tensor."""
+    import torch
+
+    lay = cache.layout
+    de = lay.head_dim * lay.element_bytes
+    views = cache._byte_views()
+    if lay.kind == CROSS_LAYER:
+        return views[0].view(lay.num_blocks, 2 * lay.num_layers, lay.tokens_per_block,
+                             lay.num_kv_heads, de)
+    return torch.stack([v.view(lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads, de)
+                        for v in views], dim=1)
+
+
+@pytest.mark.parametrize("p,d", [(1, 2), (2, 1)])
+def test_mixed_tp_staged_in_vram(prefill, p, d):
+    """Staged mixed TP with CUDA caches (ranks share cuda:0): each decode rank's heads equal
+    the reference rebuilt from the prefill ranks' seeds on the device."""
+    import torch
+
+    from kvruntime.tp import head_slices
+
+    heads, seed = 4, 70 + p * 10 + d
+
+    def lay(kind, tp):
+        return KVLayout(kind, 2, 32, 8, heads // tp, 16, "float16", tp)
+
+    pre = [lay(PER_LAYER, p) for _ in range(p)]
+    full = []
+    for i, layout in enumerate(pre):
+        c = KVCache.allocate_device(layout, "cuda", DEVICE_ID)
+        c.fill_random(seed + i)
+        full.append(_logical(c).clone())
+        c.close()
+    full = torch.cat(full, dim=3)
+    src, dst = [2, 3, 4, 20], [10, 0, 1, 31]
+    with prefill(pre, seed=seed, device="cuda", device_id=DEVICE_ID, kv_buffer="host_staged",
+                 staging_blocks=16, tp_ranks=list(range(p))) as (_proc, ports):
+        for j in range(d):
+            cache = KVCache.allocate_device(lay(CROSS_LAYER, d), "cuda", DEVICE_ID)
+            cache.fill_value(0)
+            with DecodeClient(cache, device_kind="cuda", kv_buffer="host_staged",
+                              staging_blocks=16, tp_rank=j) as client:
+                assert client.staging._pinned
+                for s in head_slices(pre[0], cache.layout, j):
+                    client.connect("127.0.0.1", ports[s.prefill_rank]).pull(src, dst, timeout=30)
+                hd = heads // d
+                got = _logical(cache)
+                assert torch.equal(got[dst], full[src][:, :, :, j * hd:(j + 1) * hd, :])
+                others = [b for b in range(32) if b not in dst]
+                assert not got[others].any()
+            cache.close()
