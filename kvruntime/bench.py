@@ -142,8 +142,11 @@ def run_bench(cfg: BenchConfig) -> dict:
         cfg.engines, cfg.inflight = ["nixl"], []
         # a pool of a little more than the largest request, on both sides
         options["staging_blocks"] = -(-max(cfg.sizes_mib) * 1024 // cfg.block_kib) + 1
-    prepare_process(options)  # this process is the decode side: UCX settings before NIXL
+    added = prepare_process(options)  # this process is the decode side: UCX before NIXL
     report["ucx_env"] = ucx_environment()  # what the figures ran under (both sides)
+    from .transports import describe
+
+    report["ucx_policy"] = describe(added, report["ucx_env"], cfg.device)  # what, and why
     if cfg.device != "cpu":
         report["device"] = _device_name(cfg.device, cfg.device_ids)
     binding = load_nixl(cfg.nixl_module)

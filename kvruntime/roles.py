@@ -16,14 +16,14 @@ def device_of(options: dict) -> str:
     return options.get("device") or "cpu"
 
 
-def prepare_process(options: dict) -> None:
+def prepare_process(options: dict) -> dict:
     """First thing a role process does: UCX settings for its memory kind, before NIXL (and
     with it UCX) is imported, so that e.g. cuda pull gets CUDA IPC rather than TCP."""
     from .transports import apply_ucx_settings
 
     # host-staged: NIXL moves only the host staging pools, whatever memory the caches are in
     staged = options.get("kv_buffer") == "host_staged"
-    apply_ucx_settings("cpu" if staged else device_of(options))
+    return apply_ucx_settings("cpu" if staged else device_of(options))
 
 
 def allocate_cache(layout: KVLayout, options: dict):

@@ -92,11 +92,56 @@ def usable_am(env: Mapping[str, str]) -> set[str]:
             (t in SHM_AM and shm_error_handling(env, t))}
 
 
-def ucx_settings(device_kind: str, env: Mapping[str, str]) -> dict[str, str]:
-    """The UCX variables to add for ``device_kind`` given the current ``env`` (pure)."""
+# Why each setting is made (reported beside the settings: bench's ucx_policy).
+REASONS = {
+    SHM_AM_SETTING: "NIXL's active messages over posix shared memory instead of tcp on one host",
+    CMA_SEG_SETTING: "host memory moves by cma in 4 MiB segments (512 KiB: 2048 calls per GiB)",
+    "UCX_MEMTYPE_CACHE": "Intel GPU memory is not seen through UCX's memory-type cache",
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "a pull (READ) of CUDA memory takes CUDA IPC, not tcp "
+                                     "(0.4 GB/s -> 838 GB/s measured)",
+    "UCX_TLS": "single-node Intel GPUs without InfiniBand: ze_ipc between processes, ze_copy, "
+               "and tcp for NIXL's active messages (seed 001)",
+}
+IB_TRANSPORTS = {"rc", "rc_x", "rc_v", "rc_mlx5", "ud", "ud_x", "ud_v", "ud_mlx5", "dc", "dc_x",
+                 "dc_mlx5"}
+
+
+def offered_transports(timeout: float = 10.0) -> set[str] | None:
+    """The transports this host's UCX offers (``ucx_info -d``), or None when no ucx_info is on
+    PATH (a wheel's bundled UCX): then no choice depends on them."""
+    import shutil
+    import subprocess
+
+    tool = shutil.which("ucx_info")
+    if tool is None:
+        return None
+    try:
+        out = subprocess.run([tool, "-d"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {line.split(":", 1)[1].strip() for line in out.stdout.splitlines()
+            if line.strip().startswith("# Transport:")}
+
+
+def describe(added: Mapping[str, str], env: Mapping[str, str], device_kind: str) -> list[str]:
+    """One line per setting in play: what kvruntime set and why, and what the user set (kept)."""
+    lines = [f"{k}={v}: {REASONS.get(k, 'set by kvruntime')}" for k, v in sorted(added.items())]
+    for k in sorted(REASONS):
+        if k in env and k not in added:
+            lines.append(f"{k}={env[k]}: yours, kept")
+    return lines
+
+
+def ucx_settings(device_kind: str, env: Mapping[str, str],
+                 offered: set[str] | None = None) -> dict[str, str]:
+    """The UCX variables to add for ``device_kind`` given the current ``env`` and the
+    transports the host's UCX ``offered`` (None: unknown) — pure."""
     if device_kind not in DEVICE_KINDS:
         raise TransportError(f"device kind {device_kind!r} is not one of {DEVICE_KINDS}")
     want: dict[str, str] = {}
+    if (device_kind == "xpu" and offered is not None and "ze_ipc" in offered
+            and not offered & IB_TRANSPORTS and "UCX_TLS" not in env):
+        want["UCX_TLS"] = "ze_ipc,ze_copy,tcp"
     if device_kind == "cpu" and "posix" in admitted_am(env):
         want[SHM_AM_SETTING] = "y"
     if device_kind == "cpu" and admitted(env, {"cma"}):
@@ -119,9 +164,12 @@ def ucx_settings(device_kind: str, env: Mapping[str, str]) -> dict[str, str]:
     return added
 
 
-def apply_ucx_settings(device_kind: str, env: MutableMapping[str, str] | None = None) -> dict:
+def apply_ucx_settings(device_kind: str, env: MutableMapping[str, str] | None = None,
+                       offered: set[str] | None = None) -> dict:
     env = os.environ if env is None else env
-    added = ucx_settings(device_kind, env)
+    if offered is None and device_kind == "xpu":  # the only choice that depends on them
+        offered = offered_transports()
+    added = ucx_settings(device_kind, env, offered)
     env.update(added)
     return added
 

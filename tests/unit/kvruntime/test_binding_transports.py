@@ -125,3 +125,38 @@ def test_apply_and_report():
     assert apply_ucx_settings("cpu", env) == {}  # already there: nothing added twice
     assert ucx_environment(env) == {"UCX_CMA_SEG_SIZE": "4M", "UCX_POSIX_ERROR_HANDLING": "y",
                                     "UCX_TLS": "tcp,posix,cma"}
+
+
+@pytest.mark.parametrize("device, env, offered, want", [
+    # single-node Intel GPUs without InfiniBand: ze_ipc + ze_copy + tcp (seed 001)
+    ("xpu", {}, {"tcp", "posix", "ze_copy", "ze_ipc"},
+     {"UCX_MEMTYPE_CACHE": "n", "UCX_TLS": "ze_ipc,ze_copy,tcp"}),
+    # InfiniBand present: UCX's own choice (rc for the bulk across hosts)
+    ("xpu", {}, {"tcp", "rc_mlx5", "ze_copy", "ze_ipc"}, {"UCX_MEMTYPE_CACHE": "n"}),
+    # a UCX without ze_ipc (e5d9887 has none; PR 11218): nothing forced
+    ("xpu", {}, {"tcp", "ze_copy"}, {"UCX_MEMTYPE_CACHE": "n"}),
+    # unknown (no ucx_info): nothing that depends on it
+    ("xpu", {}, None, {"UCX_MEMTYPE_CACHE": "n"}),
+    # the user's UCX_TLS wins
+    ("xpu", {"UCX_TLS": "ze_copy,tcp"}, {"tcp", "ze_copy", "ze_ipc"}, {"UCX_MEMTYPE_CACHE": "n"}),
+    ("cuda", {}, {"tcp", "cuda_ipc", "cuda_copy"}, {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}),
+    ("cpu", {}, {"tcp", "posix", "cma"},
+     {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M"}),
+])
+def test_policy_table(device, env, offered, want):
+    assert ucx_settings(device, env, offered) == want
+
+
+def test_policy_says_why_and_keeps_the_users_settings():
+    from kvruntime.transports import describe
+
+    lines = describe({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}, {"UCX_TLS": "tcp,cuda_ipc"}, "cuda")
+    assert lines[0].startswith("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on: a pull (READ)")
+    assert "UCX_TLS=tcp,cuda_ipc: yours, kept" in lines
+
+
+def test_offered_transports_from_this_hosts_ucx_info_or_none():
+    from kvruntime.transports import offered_transports
+
+    got = offered_transports()
+    assert got is None or "tcp" in got  # ucx_info lists tcp wherever it runs
