@@ -40,6 +40,7 @@ from .plan import make_plan, merge_plans
 from .registration import Registration
 from .samenode import ENGINES, SameNodeUnavailable, SharedJob, open_engine
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
+from .transports import offered_transports
 from .transfer import PostedTransfer, TransferResult, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -119,10 +120,11 @@ class PrefillPeer:
         if handle.request_id in self._pending:
             raise KVRuntimeError(f"request id {handle.request_id!r} is already in flight on "
                                  f"{self.name}")
-        self._pending[handle.request_id] = handle
-        self.client._track(handle)
         handle._xfer = StagedPull(self, handle.plan, handle.request_id,
                                   time.time() + handle.timeout)
+        self._pending[handle.request_id] = handle
+        self.client._track(handle)
+        handle._xfer.send()
         return handle
 
     def _post_read(self, handle: TransferHandle, split: int) -> TransferHandle:
@@ -390,7 +392,7 @@ class DecodeClient:
     ):
         if engine not in ENGINES:
             raise KVRuntimeError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        kv_buffer = resolve_kv_buffer(kv_buffer)
+        kv_buffer = resolve_kv_buffer(kv_buffer, device_kind, offered_transports)
         self.cache = cache
         self.kv_buffer = kv_buffer
         self.secret = secret

@@ -32,6 +32,7 @@ from .plan import make_plan
 from .registration import Registration
 from .samenode import NodeToken, serve_offer
 from .staging import StagingPool, resolve_kv_buffer
+from .transports import offered_transports
 from .transfer import PostedTransfer, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -104,7 +105,7 @@ class PrefillServer:
         staging_blocks: int = 0,
         tp_rank: int = 0,
     ):
-        kv_buffer = resolve_kv_buffer(kv_buffer)
+        kv_buffer = resolve_kv_buffer(kv_buffer, device_kind, offered_transports)
         self.cache = cache
         self.kv_buffer = kv_buffer
         self.staging: StagingPool | None = None

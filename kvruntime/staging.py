@@ -35,13 +35,25 @@ log = logging.getLogger("kvruntime")
 KV_BUFFERS = ("device", "host_staged")
 
 
-def resolve_kv_buffer(kv_buffer: str | None) -> str:
+def resolve_kv_buffer(kv_buffer: str | None, device_kind: str = "cpu",
+                      offered=lambda: None) -> str:
     """The mode asked for, else ``KVRUNTIME_KV_BUFFER`` (the installer's env.sh sets it from the
-    platform recipe: tpu stages), else "device" (caches registered directly)."""
+    platform recipe: tpu stages), else by device: Intel GPU memory goes direct only when this
+    host's UCX offers a Level Zero transport (``offered()``: ucx_info's transports), else staged
+    with a warning that says why; everything else direct."""
     import os
 
-    value = kv_buffer if kv_buffer is not None else os.environ.get("KVRUNTIME_KV_BUFFER",
-                                                                     "device")
+    value = kv_buffer if kv_buffer is not None else os.environ.get("KVRUNTIME_KV_BUFFER")
+    if value is None and device_kind == "xpu":
+        transports = offered()
+        if transports is not None and "ze_copy" in transports:
+            return "device"
+        why = ("this host's UCX offers no Level Zero transport (ze_copy)" if transports is not None
+               else "no ucx_info on PATH tells whether this host's UCX has Level Zero support")
+        log.warning("xpu KV caches go host-staged: %s; for direct transfers use a ze-capable "
+                    "UCX (python -m installer --platform xpu) or pass kv_buffer='device'", why)
+        return "host_staged"
+    value = value or "device"
     if value not in KV_BUFFERS:
         source = "kv_buffer" if kv_buffer is not None else "KVRUNTIME_KV_BUFFER"
         raise KVRuntimeError(f"{source} must be one of {', '.join(KV_BUFFERS)}, got {value!r}")
@@ -269,10 +281,15 @@ class StagedPull:
         self._xfer = None
         self._unstaged = False
         src, self._dst = (ids.tolist() for ids in plan.block_ids())
-        message = {"type": "stage", "request": request_id, "src": src, "deadline": deadline_wall}
+        self._message = {"type": "stage", "request": request_id, "src": src,
+                         "deadline": deadline_wall}
         if self._src_heads is not None:
-            message["heads"] = list(self._src_heads)
-        peer._send(message)
+            self._message["heads"] = list(self._src_heads)
+
+    def send(self) -> None:
+        """Ask the prefill to stage (once the handle holds this job: another thread's poll may
+        hand it the answer at once)."""
+        self.peer._send(self._message)
 
     def on_reply(self, message: dict) -> None:
         if message.get("type") == "staged":

@@ -64,3 +64,18 @@ def test_kv_buffer_default_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("KVRUNTIME_KV_BUFFER", "gpu")
     with pytest.raises(KVRuntimeError, match="KVRUNTIME_KV_BUFFER must be one of"):
         resolve_kv_buffer(None)
+
+
+def test_xpu_goes_direct_only_with_a_ze_capable_ucx(monkeypatch, caplog):
+    import logging
+
+    from kvruntime.staging import resolve_kv_buffer
+
+    monkeypatch.delenv("KVRUNTIME_KV_BUFFER", raising=False)
+    assert resolve_kv_buffer(None, "xpu", lambda: {"tcp", "ze_copy"}) == "device"
+    with caplog.at_level(logging.WARNING, logger="kvruntime"):
+        assert resolve_kv_buffer(None, "xpu", lambda: {"tcp", "cma"}) == "host_staged"
+        assert resolve_kv_buffer(None, "xpu", lambda: None) == "host_staged"
+    assert "offers no Level Zero transport" in caplog.text and "no ucx_info" in caplog.text
+    assert resolve_kv_buffer("device", "xpu", lambda: None) == "device"  # asked for: kept
+    assert resolve_kv_buffer(None, "cuda", lambda: None) == "device"
