@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .build import STEP_MAKERS
-from .build.step import Step
+from .buildsys import STEP_MAKERS
+from .buildsys.step import Step
 from .errors import UsageError
 from .recipe import PLACEHOLDER, Recipe
 

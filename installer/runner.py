@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from .build.step import Step
+from .buildsys.step import Step
 from .errors import BuildError
 
 log = logging.getLogger("kvstack.installer")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import envfile, prefix as prefixmod
-from .build.step import Step
+from .buildsys.step import Step
 from .detect import detect_platform
 from .errors import PrefixError
 from .extract import extract

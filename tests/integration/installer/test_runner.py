@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from installer.build.step import Step
+from installer.buildsys.step import Step
 from installer.errors import BuildError, HostError
 from installer.runner import run_step
 
