@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import detect, install, mirror, plan as planmod, recipe as recipemod, verify
+from . import binarycache, detect, install, mirror, plan as planmod, recipe as recipemod, verify
 from .cache import Cache
 from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher
@@ -55,6 +55,8 @@ def _install_parser() -> argparse.ArgumentParser:
     inst.add_argument("--system-packages", choices=("install", "check", "ignore"), default="install",
                       help="install: apt-get what the recipe lists and is missing (as root); check: fail if any is "
                            "missing; ignore: only warn (hosts whose tools come from elsewhere)")
+    inst.add_argument("--binary-cache", metavar="DIR|URL", help="take this build id's verified build from this cache "
+                      "(directory or file:// URL; see `publish`) instead of building; verified again here")
     inst.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     inst.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON; otherwise the manifest")
     _common(inst)
@@ -80,6 +82,15 @@ def _verify_parser() -> argparse.ArgumentParser:
     ver.add_argument("--json", action="store_true")
     _common(ver)
     return ver
+
+
+def _publish_parser() -> argparse.ArgumentParser:
+    pub = _Parser(prog="python -m installer publish", description="Store the verified build --prefix points to in a "
+                  "binary cache under its build id (archive + sha256 + manifest), for `install --binary-cache`.")
+    pub.add_argument("cache", metavar="DIR|URL", help="a directory or file:// URL")
+    pub.add_argument("--prefix", type=Path, default=None)
+    _common(pub)
+    return pub
 
 
 @dataclass(frozen=True)
@@ -151,7 +162,7 @@ def _install(args) -> int:
     if args.dry_run:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
         return 0
-    manifest = install.run(plan, mirror=args.mirror, system_packages=args.system_packages)
+    manifest = install.run(plan, mirror=args.mirror, system_packages=args.system_packages, binary_cache=args.binary_cache)
     if args.json:
         print(json.dumps(manifest, indent=2))
     else:
@@ -180,6 +191,12 @@ def _verify(args) -> int:
     return 0 if report["ok"] else 9
 
 
+def _publish(args) -> int:
+    out = binarycache.publish(args.prefix or planmod.default_prefix(), args.cache)
+    print(f"build {out['build_id']} {'already in' if out['existed'] else 'published to'} {out['entry']} (sha256 {out['sha256']})")
+    return 0
+
+
 # The verbs, in the order --help lists them. A new verb is one entry here.
 VERBS: dict[str, Verb] = {
     "install": Verb("build the stack for this host into --prefix and verify it (the default verb)",
@@ -188,4 +205,6 @@ VERBS: dict[str, Verb] = {
                    _mirror_parser, _mirror),
     "verify": Verb("re-run the verification levels (built, loaded, moved) on an installed prefix",
                    _verify_parser, _verify),
+    "publish": Verb("store the verified build of --prefix in a binary cache under its build id, for install --binary-cache",
+                    _publish_parser, _publish),
 }
