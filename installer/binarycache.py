@@ -132,9 +132,8 @@ def take(build_id: str, install_dir: Path, where: str | Path, path: str | None =
     except BaseException:
         shutil.rmtree(incoming, ignore_errors=True)
         raise
-    for key in ("install_dir",):
-        manifest[key] = str(install_dir)
     manifest["binary_cache"] = {"entry": str(entry), "sha256": got, "built_in": manifest.get("install_dir")}
+    manifest["install_dir"] = str(install_dir)
     return manifest
 
 

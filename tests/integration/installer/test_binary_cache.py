@@ -61,6 +61,7 @@ def test_install_from_cache_into_another_prefix_is_relocated_and_verified(world,
     manifest = json.loads((prefix / "manifest.json").read_text())
     assert manifest["binary_cache"]["entry"] == str(published["entry"])
     assert manifest["install_dir"] == str(prefix.resolve())
+    assert manifest["binary_cache"]["built_in"] == str(published["prefix"].resolve())
     assert "build" not in manifest["phases"]  # nothing was compiled
     assert manifest["verification"]["levels"]["built"]["status"] == "passed"
     build = prefix.resolve()
