@@ -43,3 +43,29 @@ def test_os_release_families(tmp_path):
     (tmp_path / "f").write_text('ID="fedora"\n')
     assert syspkgs.distro_family(tmp_path / "u") == "debian"
     assert syspkgs.distro_family(tmp_path / "f") is None
+
+
+def _tool_dir(tmp_path, name):
+    """A real executable named `name` in its own directory (a copy of /bin/true), standing for a
+    tool installed outside dpkg, as pip's cmake is on the GPU image."""
+    import shutil
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    shutil.copy("/bin/true", d / name)
+    return str(d)
+
+
+def test_a_tool_on_path_counts_though_dpkg_lacks_its_package(tmp_path):
+    provides = {"kvstack-no-such-package": ("kvstack-tool",)}
+    path = _tool_dir(tmp_path, "kvstack-tool")
+    rec = syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="check", log_path=tmp_path / "l",
+                         path=path, provides=provides)
+    assert rec["missing"] == [] and rec["provided_by_path"] == {"kvstack-no-such-package": f"{path}/kvstack-tool"}
+
+
+def test_missing_tool_message_lists_what_was_looked_for(tmp_path):
+    provides = {"kvstack-no-such-package": ("kvstack-tool", "kvstack-tool2")}
+    with pytest.raises(SystemPackagesError) as e:
+        syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="check", log_path=tmp_path / "l",
+                       path=str(tmp_path), provides=provides)
+    assert "looked for: kvstack-no-such-package (dpkg or kvstack-tool/kvstack-tool2 on PATH)" in e.value.line()
