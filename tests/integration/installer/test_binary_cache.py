@@ -125,3 +125,25 @@ def test_a_cache_that_cannot_be_written_is_one_line(published, tmp_path):
     assert r.returncode == 12 and len(r.stderr.strip().splitlines()) == 1 and "binary cache" in r.stderr, r.stderr
     r = _cli("publish", "https://example.invalid/cache", "--prefix", str(published["prefix"]))
     assert r.returncode == 12 and "file:// URL" in r.stderr, r.stderr
+
+
+def test_install_from_a_cache_served_over_http(world, published, server, tmp_path):
+    """A published directory served by a real HTTP server on 127.0.0.1; a tampered copy is refused."""
+    for f in published["entry"].iterdir():
+        server.files[f"/cache/{published['build_id']}/{f.name}"] = f.read_bytes()
+    prefix = tmp_path / "http" / "kv"
+    r = _install(world, prefix, "--binary-cache", server.url("/cache"))
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads((prefix / "manifest.json").read_text())
+    assert manifest["binary_cache"]["entry"] == server.url(f"/cache/{published['build_id']}")
+    assert ctypes.CDLL(str(prefix.resolve() / "hello-cmake/lib/libhello.so")).hello_cmake() == 42
+    assert not list(prefix.parent.glob("kv.builds/.*download*"))
+
+    key = f"/cache/{published['build_id']}/build.tar.gz"
+    server.files[key] = server.files[key][:-10]
+    other = tmp_path / "http2" / "kv"
+    r = _install(world, other, "--binary-cache", server.url("/cache"))
+    assert r.returncode == 0, r.stderr
+    refusals = [l for l in r.stderr.splitlines() if l.startswith("binary cache:")]
+    assert len(refusals) == 1 and server.url("/cache") in refusals[0] and "expected" in refusals[0], r.stderr
+    assert "binary_cache" not in json.loads((other / "manifest.json").read_text())
