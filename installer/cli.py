@@ -1,10 +1,11 @@
 """python -m installer: the only module that reads argv and prints.
 
-    python -m installer [--platform P] [--prefix DIR] [--mirror DIR|URL] [--dry-run [--json]] ...
+    python -m installer [install] [--platform P] [--prefix DIR] [--mirror DIR|URL] [--dry-run [--json]] ...
     python -m installer mirror DIR [--platform P ...] [--from DIR|URL]
     python -m installer verify [--prefix DIR]
 
-The verbs and their one-line descriptions live in VERBS; --help lists them.
+Every verb is one entry of VERBS (its one-line summary, its parser, its handler); `--help` lists
+them from there, so a new verb is one more entry and cannot be left out of the help.
 """
 from __future__ import annotations
 
@@ -13,30 +14,17 @@ import json
 import logging
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-from . import detect, install, mirror, plan as planmod, recipe as recipemod, verify
+from . import binarycache, detect, install, mirror, plan as planmod, recipe as recipemod, verify
 from .cache import Cache
 from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher
 
 log = logging.getLogger("kvstack.installer")
-# Every verb, with the line `--help` shows for it.
-VERBS = {
-    "install": "build, install and verify the stack for this host (the default; options below)",
-    "mirror": "fill a directory with every pinned source and build-tool wheel, for --mirror "
-              "on an air-gapped host",
-    "verify": "re-run the verification levels (built, loaded, moved) of an install on this host",
-}
-COMMANDS = tuple(VERBS)
-
-
-def _verbs_epilog() -> str:
-    width = max(map(len, VERBS))
-    lines = [f"  {name:{width}}  {text}" for name, text in VERBS.items()]
-    return ("commands (python -m installer COMMAND --help for each):\n" + "\n".join(lines) +
-            "\n\nexit codes: 2 usage, 3 recipe, 4 download, 5 offline, 6 checksum, 7 system "
-            "packages, 8 build, 9 verification, 10 prefix, 11 host, 130 interrupted")
+DEFAULT_VERB = "install"  # `python -m installer --prefix P` (no verb) installs, as it always did
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,10 +38,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log every detail")
 
 
-def build_parser() -> dict[str, argparse.ArgumentParser]:
-    inst = _Parser(prog="python -m installer [COMMAND]", description="Build UCX + NIXL for this host from pinned "
-                   "sources, into an atomic prefix, and prove the result moves KV bytes.",
-                   epilog=_verbs_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+def _install_parser() -> argparse.ArgumentParser:
+    inst = _Parser(prog="python -m installer", formatter_class=argparse.RawDescriptionHelpFormatter,
+                   usage="python -m installer [VERB] [options]",
+                   description="Build UCX + NIXL for this host from pinned sources, into an atomic prefix, and prove "
+                               "the result moves KV bytes.\n\n" + verbs_help()
+                               + "\n\nWith no verb: install. `python -m installer VERB --help` shows a verb's options; "
+                                 "install's follow.")
     inst.add_argument("--platform", choices=recipemod.PLATFORMS, help="default: detected (NVIDIA driver: cuda; Intel GPU: xpu; else cpu)")
     inst.add_argument("--prefix", type=Path, default=None, help="install location, a symlink to the current build (default: ~/.local/kvstack or $KVSTACK_PREFIX)")
     inst.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default: CPUs available)")
@@ -64,10 +55,15 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
     inst.add_argument("--system-packages", choices=("install", "check", "ignore"), default="install",
                       help="install: apt-get what the recipe lists and is missing (as root); check: fail if any is "
                            "missing; ignore: only warn (hosts whose tools come from elsewhere)")
+    inst.add_argument("--binary-cache", metavar="DIR|URL", help="take this build id's verified build from this cache "
+                      "(directory or file:// URL; see `publish`) instead of building; verified again here")
     inst.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     inst.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON; otherwise the manifest")
     _common(inst)
+    return inst
 
+
+def _mirror_parser() -> argparse.ArgumentParser:
     mir = _Parser(prog="python -m installer mirror", description="Fill DIR with every pinned source, for --mirror on an air-gapped host.")
     mir.add_argument("dir", type=Path)
     mir.add_argument("--platform", action="append", choices=recipemod.PLATFORMS, help="repeatable (default: all platforms)")
@@ -77,12 +73,40 @@ def build_parser() -> dict[str, argparse.ArgumentParser]:
                      help="lay this TOML over each platform recipe (repeatable)")
     mir.add_argument("--no-wheels", action="store_true", help="sources only, no build-tool wheels")
     _common(mir)
+    return mir
 
+
+def _verify_parser() -> argparse.ArgumentParser:
     ver = _Parser(prog="python -m installer verify", description="Re-run the verification levels on this host.")
     ver.add_argument("--prefix", type=Path, default=None)
     ver.add_argument("--json", action="store_true")
     _common(ver)
-    return {"install": inst, "mirror": mir, "verify": ver}
+    return ver
+
+
+def _publish_parser() -> argparse.ArgumentParser:
+    pub = _Parser(prog="python -m installer publish", description="Store the verified build --prefix points to in a "
+                  "binary cache under its build id (archive + sha256 + manifest), for `install --binary-cache`.")
+    pub.add_argument("cache", metavar="DIR|URL", help="a directory or file:// URL")
+    pub.add_argument("--prefix", type=Path, default=None)
+    _common(pub)
+    return pub
+
+
+@dataclass(frozen=True)
+class Verb:
+    summary: str  # the one line `python -m installer --help` shows
+    parser: Callable[[], argparse.ArgumentParser]
+    handler: Callable[[argparse.Namespace], int]
+
+
+def verbs_help() -> str:
+    width = max(len(n) for n in VERBS)
+    return "verbs:\n" + "\n".join(f"  {name:{width}}  {verb.summary}" for name, verb in VERBS.items())
+
+
+def build_parser() -> dict[str, argparse.ArgumentParser]:
+    return {name: verb.parser() for name, verb in VERBS.items()}
 
 
 def _terminate(signum, frame):
@@ -92,11 +116,15 @@ def _terminate(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = argv.pop(0) if argv and argv[0] in COMMANDS else "install"
     try:
-        args = build_parser()[command].parse_args(argv)
+        if argv and not argv[0].startswith("-") and argv[0] not in VERBS:
+            # install takes no positional argument, so a bare word can only be a mistyped verb
+            raise UsageError(f"unknown verb {argv[0]!r}", fix=f"use one of: {', '.join(VERBS)} (python -m installer --help)")
+        command = argv.pop(0) if argv and argv[0] in VERBS else DEFAULT_VERB
+        verb = VERBS[command]
+        args = verb.parser().parse_args(argv)
         _setup_logging(args.verbose)
-        return {"install": _install, "mirror": _mirror, "verify": _verify}[command](args)
+        return verb.handler(args)
     except InstallerError as e:
         if e.detail:
             print(e.detail, file=sys.stderr)
@@ -134,7 +162,7 @@ def _install(args) -> int:
     if args.dry_run:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
         return 0
-    manifest = install.run(plan, mirror=args.mirror, system_packages=args.system_packages)
+    manifest = install.run(plan, mirror=args.mirror, system_packages=args.system_packages, binary_cache=args.binary_cache)
     if args.json:
         print(json.dumps(manifest, indent=2))
     else:
@@ -161,3 +189,22 @@ def _verify(args) -> int:
     report = verify.verify_prefix(prefix)
     print(json.dumps(report, indent=2) if args.json else verify.render_verification(report))
     return 0 if report["ok"] else 9
+
+
+def _publish(args) -> int:
+    out = binarycache.publish(args.prefix or planmod.default_prefix(), args.cache)
+    print(f"build {out['build_id']} {'already in' if out['existed'] else 'published to'} {out['entry']} (sha256 {out['sha256']})")
+    return 0
+
+
+# The verbs, in the order --help lists them. A new verb is one entry here.
+VERBS: dict[str, Verb] = {
+    "install": Verb("build the stack for this host into --prefix and verify it (the default verb)",
+                    _install_parser, _install),
+    "mirror": Verb("fill a directory with every pinned source and build-tool wheel, for air-gapped installs",
+                   _mirror_parser, _mirror),
+    "verify": Verb("re-run the verification levels (built, loaded, moved) on an installed prefix",
+                   _verify_parser, _verify),
+    "publish": Verb("store the verified build of --prefix in a binary cache under its build id, for install --binary-cache",
+                    _publish_parser, _publish),
+}

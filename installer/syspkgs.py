@@ -1,5 +1,9 @@
 """System build dependencies from the recipe's per-distro table. As root the installer installs
-what is missing (apt); otherwise it stops and prints the exact command."""
+what is missing (apt); otherwise it stops and prints the exact command.
+
+A package counts by what it provides: a tool package is there when dpkg has it installed OR a
+usable tool of its name is on PATH (a cmake from pip, a compiler from a module system), so hosts
+whose tools come from elsewhere are not told to apt-get what they already have."""
 from __future__ import annotations
 
 import logging
@@ -12,29 +16,29 @@ from .errors import SystemPackagesError
 
 log = logging.getLogger("kvstack.installer")
 DEBIAN_LIKE = {"debian", "ubuntu"}
-# Packages that exist to put a tool on PATH: any usable one counts, wherever it came from (a
-# cmake or ninja from pip, a compiler from a devtoolset). Header/library packages are asked of
-# dpkg only.
-TOOLS = {
-    "autoconf": ("autoconf",), "automake": ("automake",), "libtool": ("libtoolize",),
-    "make": ("make",), "gcc": ("gcc", "cc"), "g++": ("g++", "c++"),
-    "pkg-config": ("pkg-config", "pkgconf"), "pkgconf": ("pkgconf", "pkg-config"),
-    "cmake": ("cmake",), "ninja-build": ("ninja",), "git": ("git",),
+# package -> the executables any one of which does its job here (libraries and headers: dpkg only)
+PROVIDES: dict[str, tuple[str, ...]] = {
+    "autoconf": ("autoconf",), "automake": ("automake",), "libtool": ("libtoolize",), "make": ("make",),
+    "gcc": ("gcc",), "g++": ("g++",), "pkg-config": ("pkg-config", "pkgconf"), "pkgconf": ("pkgconf", "pkg-config"),
+    "cmake": ("cmake",), "git": ("git",), "ninja-build": ("ninja",), "patchelf": ("patchelf",),
 }
 
 
-def _tool_on_path(package: str) -> str | None:
-    """The first usable tool that stands for ``package`` (answers --version), or None."""
-    for name in TOOLS.get(package, ()):
-        path = shutil.which(name)
-        if path and subprocess.run([path, "--version"], capture_output=True).returncode == 0:
-            return path
-    return None
+def provided_on_path(packages: list[str], path: str | None = None,
+                     provides: dict[str, tuple[str, ...]] = PROVIDES) -> dict[str, str]:
+    """{package: the executable on PATH that provides it} for the packages that have one."""
+    found = {}
+    for pkg in packages:
+        for tool in provides.get(pkg, ()):
+            where = shutil.which(tool, path=path)
+            if where:
+                found[pkg] = where
+                break
+    return found
 
 
-def looked_for(package: str) -> str:
-    tools = TOOLS.get(package)
-    return (f"{package} (dpkg, or {' / '.join(tools)} on PATH)" if tools else f"{package} (dpkg)")
+def looked_for(packages: list[str], provides: dict[str, tuple[str, ...]] = PROVIDES) -> str:
+    return ", ".join(f"{p} (dpkg" + (f" or {'/'.join(provides[p])} on PATH)" if p in provides else ")") for p in packages)
 
 
 def distro_family(os_release: Path = Path("/etc/os-release")) -> str | None:
@@ -47,12 +51,11 @@ def distro_family(os_release: Path = Path("/etc/os-release")) -> str | None:
 
 
 def missing_debian(packages: list[str]) -> list[str]:
-    """Packages neither installed (dpkg) nor, for tool packages, present as a usable tool."""
     res = subprocess.run(["dpkg-query", "-W", "-f=${Package} ${db:Status-Abbrev}\n", *packages],
                          capture_output=True, text=True)
     installed = {line.split()[0] for line in res.stdout.splitlines()
                  if len(line.split()) >= 2 and line.split()[1] == "ii"}
-    return [p for p in packages if p not in installed and _tool_on_path(p) is None]
+    return [p for p in packages if p not in installed]
 
 
 def apt_command(packages: list[str]) -> list[str]:
@@ -60,19 +63,19 @@ def apt_command(packages: list[str]) -> list[str]:
 
 
 def ensure(table: dict[str, dict[str, str]], *, mode: str, log_path: Path,
-           family: str | None = None, is_root: bool | None = None) -> dict:
+           family: str | None = None, is_root: bool | None = None, path: str | None = None,
+           provides: dict[str, tuple[str, ...]] = PROVIDES) -> dict:
     """Make sure the recipe's packages for this distro are there; return the manifest record."""
     family = family if family is not None else distro_family()
     if family is None or family not in table:
-        wanted = sorted(next(iter(table.values()), {}))
-        absent = [p for p in wanted if p in TOOLS and _tool_on_path(p) is None]
-        log.warning("system packages: no list for this distribution; tools not found on PATH: %s; "
-                    "also needed (not checked): %s", ", ".join(absent) or "none",
-                    ", ".join(p for p in wanted if p not in TOOLS))
-        return {"family": family, "checked": False, "tools_missing": absent}
+        log.warning("system packages: no list for this distribution; make sure these tools exist: %s",
+                    ", ".join(sorted(next(iter(table.values()), {}))))
+        return {"family": family, "checked": False}
     wanted = list(table[family])
-    missing = missing_debian(wanted)
-    record = {"family": family, "wanted": wanted, "missing": missing, "installed": []}
+    not_in_dpkg = missing_debian(wanted)
+    on_path = provided_on_path(not_in_dpkg, path, provides)
+    missing = [p for p in not_in_dpkg if p not in on_path]
+    record = {"family": family, "wanted": wanted, "missing": missing, "installed": [], "provided_by_path": on_path}
     if not missing:
         return record
     is_root = os.geteuid() == 0 if is_root is None else is_root
@@ -83,8 +86,8 @@ def ensure(table: dict[str, dict[str, str]], *, mode: str, log_path: Path,
         return record
     if mode == "check" or not is_root:
         why = "--system-packages check was given" if mode == "check" else "not running as root"
-        raise SystemPackagesError(f"missing system packages: {' '.join(missing)} ({why}; looked for "
-                                  f"{', '.join(looked_for(p) for p in missing)})",
+        raise SystemPackagesError(f"missing system packages: {' '.join(missing)} ({why}); looked for: "
+                                  f"{looked_for(missing, provides)}",
                                   fix=f"run: {'' if is_root else 'sudo '}apt-get update && {' '.join(command)}")
     log.info("installing system packages: %s", " ".join(missing))
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")

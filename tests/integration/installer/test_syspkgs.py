@@ -20,7 +20,7 @@ def test_missing_package_as_non_root_prints_the_exact_command(tmp_path):
     with pytest.raises(SystemPackagesError) as e:
         syspkgs.ensure(table, mode="install", log_path=tmp_path / "l", is_root=False)
     line = e.value.line()
-    assert "missing system packages: kvstack-no-such-package (not running as root; looked for" in line
+    assert "missing system packages: kvstack-no-such-package (not running as root)" in line
     assert "sudo apt-get update && apt-get install -y --no-install-recommends kvstack-no-such-package" in line
     assert e.value.exit_code == 7
 
@@ -45,25 +45,27 @@ def test_os_release_families(tmp_path):
     assert syspkgs.distro_family(tmp_path / "f") is None
 
 
-def test_a_usable_tool_on_path_counts_without_its_package(tmp_path, monkeypatch):
-    """A cmake from pip (the GPU image has one) is a cmake: check must not call it missing.
-    The tool is a real executable on PATH that answers --version; its Debian package name is
-    one dpkg has never heard of."""
-    tool = tmp_path / "bin" / "kvstack-fake-cmake"
-    tool.parent.mkdir()
-    tool.write_text("#!/bin/sh\necho 'cmake version 3.31.0'\n")
-    tool.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tool.parent}:{__import__('os').environ['PATH']}")
-    monkeypatch.setitem(syspkgs.TOOLS, "kvstack-cmake-from-pip", ("kvstack-fake-cmake",))
-    rec = syspkgs.ensure({"debian": {"kvstack-cmake-from-pip": "x"}}, mode="check",
-                         log_path=tmp_path / "l", is_root=False)
-    assert rec["missing"] == []
+def _tool_dir(tmp_path, name):
+    """A real executable named `name` in its own directory (a copy of /bin/true), standing for a
+    tool installed outside dpkg, as pip's cmake is on the GPU image."""
+    import shutil
+    d = tmp_path / "bin"
+    d.mkdir(exist_ok=True)
+    shutil.copy("/bin/true", d / name)
+    return str(d)
 
 
-def test_the_message_says_what_was_looked_for(tmp_path, monkeypatch):
-    monkeypatch.setitem(syspkgs.TOOLS, "kvstack-no-such-tool-pkg", ("kvstack-no-such-tool",))
+def test_a_tool_on_path_counts_though_dpkg_lacks_its_package(tmp_path):
+    provides = {"kvstack-no-such-package": ("kvstack-tool",)}
+    path = _tool_dir(tmp_path, "kvstack-tool")
+    rec = syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="check", log_path=tmp_path / "l",
+                         path=path, provides=provides)
+    assert rec["missing"] == [] and rec["provided_by_path"] == {"kvstack-no-such-package": f"{path}/kvstack-tool"}
+
+
+def test_missing_tool_message_lists_what_was_looked_for(tmp_path):
+    provides = {"kvstack-no-such-package": ("kvstack-tool", "kvstack-tool2")}
     with pytest.raises(SystemPackagesError) as e:
-        syspkgs.ensure({"debian": {"kvstack-no-such-tool-pkg": "x"}}, mode="check",
-                       log_path=tmp_path / "l", is_root=True)
-    assert "looked for kvstack-no-such-tool-pkg (dpkg, or kvstack-no-such-tool on PATH)" in \
-        e.value.line()
+        syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="check", log_path=tmp_path / "l",
+                       path=str(tmp_path), provides=provides)
+    assert "looked for: kvstack-no-such-package (dpkg or kvstack-tool/kvstack-tool2 on PATH)" in e.value.line()
