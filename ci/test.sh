@@ -4,7 +4,6 @@
 # last, in a step of its own, the long real builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 
 step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 
@@ -33,7 +32,9 @@ if [ "$(id -u)" = 0 ] && ! grep -rqs '^Types:.*deb-src\|^deb-src ' /etc/apt/sour
   apt-get update -qq
 fi
 
-step "python packages"
+step "python packages (into .venv: a distribution's python3 refuses pip installs, PEP 668)"
+. ci/venv.sh
+kvstack_venv
 # torch first (2.13.0 from PyPI is a CPU build; a bare `torch` pulls a multi-GB CUDA build), then
 # NIXL's wheel with its bundled UCX, without letting it pull anything else.
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
