@@ -74,6 +74,9 @@ def _terminate(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["image"]:  # container images: a verb of its own, see installer/image_cli.py
+        from . import image_cli
+        return image_cli.main(argv[1:])
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "install"
     try:
         args = build_parser()[command].parse_args(argv)
