@@ -32,12 +32,9 @@ if [ "$(id -u)" = 0 ] && ! grep -rqs '^Types:.*deb-src\|^deb-src ' /etc/apt/sour
   apt-get update -qq
 fi
 
-step "python packages (into the virtual environment .venv)"
-# Stock Debian/Ubuntu python3 refuses pip installs (PEP 668): everything goes into .venv, made
-# from $PYTHON or python3 (see ci/venv.sh).
+step "python packages (into .venv: a distribution's python3 refuses pip installs, PEP 668)"
 . ci/venv.sh
 kvstack_venv
-PY=$VENV_PY
 # torch first (2.13.0 from PyPI is a CPU build; a bare `torch` pulls a multi-GB CUDA build), then
 # NIXL's wheel with its bundled UCX, without letting it pull anything else.
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"

@@ -116,6 +116,9 @@ def _terminate(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["image"]:  # container images: a verb of its own, see installer/image_cli.py
+        from . import image_cli
+        return image_cli.main(argv[1:])
     try:
         if argv and not argv[0].startswith("-") and argv[0] not in VERBS:
             # install takes no positional argument, so a bare word can only be a mistyped verb

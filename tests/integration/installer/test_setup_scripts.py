@@ -1,5 +1,5 @@
 """README's set-up command on a stock Debian/Ubuntu Python: the distribution's python3 refuses
-pip installs (PEP 668), so ci/install.sh makes a virtual environment and runs the installer
+pip installs (PEP 668), so ci/setup.sh makes a virtual environment and runs the installer
 from it. Uses this Debian host's own /usr/bin/python3 (skipped where there is none)."""
 
 import os
@@ -27,7 +27,7 @@ def test_install_command_works_with_the_distributions_python(tmp_path):
                                  capture_output=True, text=True)
         assert refused.returncode != 0 and "externally-managed" in refused.stderr
     env = {**os.environ, "PYTHON": str(STOCK), "KVSTACK_VENV": str(tmp_path / "venv")}
-    run = subprocess.run(["bash", "ci/install.sh", "--platform", "cpu", "--dry-run"], cwd=ROOT,
+    run = subprocess.run(["bash", "ci/setup.sh", "--platform", "cpu", "--dry-run"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "--without-cuda" in run.stdout and "verification must prove" in run.stdout
