@@ -182,7 +182,7 @@ def serve_handshake(
     transcript = _Transcript()
     try:
         hello = frames.expect(frames.read_frame(sock, timeout), "hello")
-        client_nonce = _nonce(hello)
+        _nonce(hello)  # checked; the transcript carries it into every proof
         try:
             their_layout = KVLayout.from_dict(hello.get("layout"))
         except LayoutError as exc:

@@ -313,8 +313,7 @@ class PrefillServer:
             self._release(peer.agent, frames.field(message, "request", str))
         elif kind == "digests":
             blocks = frames.field(message, "blocks", list)
-            plan = make_plan(layout, blocks)  # validates the ids
-            del plan
+            make_plan(layout, blocks)  # validates the ids
             peer.send({"type": "digests", "request": message.get("request"),
                        "digests": self.cache.block_digests(blocks)}, self.timeout)
         else:

@@ -128,8 +128,9 @@ def prove_same_node(offer: dict) -> tuple[int, None] | tuple[None, str]:
 
 
 # -- jobs: what a TransferHandle polls ------------------------------------------------------------
-class _Job:
-    """A same-node copy in flight, with PostedTransfer's polling surface."""
+class CopyJob:
+    """A copy this process drives, with PostedTransfer's polling surface (state, seconds,
+    finish, abort, result); the same-node jobs and staging's StagedPull build on it."""
 
     engine = "samenode"
 
@@ -160,7 +161,7 @@ class _Job:
                               self.plan.descriptor_count, None, engine=self.engine)
 
 
-class _HostJob(_Job):
+class _HostJob(CopyJob):
     engine = "samenode:process_vm_readv"
 
     def __init__(self, op, plan, future: Future):
@@ -175,7 +176,7 @@ class _HostJob(_Job):
         return self.state
 
 
-class _CudaJob(_Job):
+class _CudaJob(CopyJob):
     engine = "samenode:cuda-ipc"
 
     def __init__(self, op, plan, event):
@@ -193,7 +194,7 @@ class SharedJob:
     """One request's view of a gather that moves a whole batch: polled, finished and aborted
     through the batch's job; its result counts its own bytes."""
 
-    def __init__(self, job: _Job, plan: TransferPlan):
+    def __init__(self, job: CopyJob, plan: TransferPlan):
         self.job = job
         self.plan = plan
         self.engine = job.engine
@@ -233,7 +234,6 @@ class HostEngine:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvr-samenode")
 
     def start(self, op: str, plan: TransferPlan) -> _HostJob:
-        chunk = self.layout.chunk_bytes
         pieces = [(self.local[d.dst_region] + d.dst_offset, self.remote[d.src_region] + d.src_offset,
                    d.length) for d in plan.descriptors()]
         return _HostJob(op, plan, self._pool.submit(read_remote, self.pid, pieces))

@@ -29,6 +29,7 @@ import time
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
 from .plan import TransferPlan, make_plan
+from .samenode import CopyJob
 
 log = logging.getLogger("kvruntime")
 
@@ -257,25 +258,21 @@ def pool_plan(src_layout: KVLayout, src_start: int, dst_layout: KVLayout, dst_st
                      list(range(dst_start, dst_start + n)))
 
 
-class StagedPull:
+class StagedPull(CopyJob):
     """Decode side of one staged request, polled like a PostedTransfer (see module doc)."""
 
     engine = "host_staged"
     releases_itself = True  # it sends "unstage"; the handle sends no "release"
 
     def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float):
+        super().__init__("READ", plan)
         self.peer = peer
         tp = peer.head_slice  # which of the prefill's heads, to which of ours
         self._src_heads = tp.src if tp else None
         self._dst_heads = tp.dst if tp else None
         self._units = plan.num_blocks * (tp.count if tp else
                                          peer.client.cache.layout.num_kv_heads)
-        self.plan = plan
         self.request_id = request_id
-        self.state = "PROC"
-        self.error: str | None = None
-        self.start = time.perf_counter()
-        self.end: float | None = None
         self._remote: tuple[int, int] | None = None
         self._local: int | None = None
         self._xfer = None
@@ -352,13 +349,6 @@ class StagedPull:
                 self.peer._send({"type": "unstage", "request": self.request_id})
             except KVRuntimeError:
                 pass  # the connection is gone: the prefill frees everything of ours
-
-    @property
-    def seconds(self) -> float:
-        return (self.end or time.perf_counter()) - self.start
-
-    def finish(self) -> None:
-        pass
 
     def abort(self) -> bool:
         if self.state != "PROC":
