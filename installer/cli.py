@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import binarycache, detect, install, mirror, plan as planmod, recipe as recipemod, verify
+from . import binarycache, detect, image_cli, install, mirror, plan as planmod, recipe as recipemod, verify
 from .cache import Cache
 from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher
@@ -116,9 +116,6 @@ def _terminate(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["image"]:  # container images: a verb of its own, see installer/image_cli.py
-        from . import image_cli
-        return image_cli.main(argv[1:])
     try:
         if argv and not argv[0].startswith("-") and argv[0] not in VERBS:
             # install takes no positional argument, so a bare word can only be a mistyped verb
@@ -210,4 +207,6 @@ VERBS: dict[str, Verb] = {
                    _verify_parser, _verify),
     "publish": Verb("store the verified build of --prefix in a binary cache under its build id, for install --binary-cache",
                     _publish_parser, _publish),
+    "image": Verb("build the container image of a platform through the Docker SDK (DOCKER_HOST)",
+                  image_cli.parser, image_cli.run),
 }

@@ -1,15 +1,14 @@
-"""`python -m installer image`: the printing side of installer/image.py."""
+"""`python -m installer image`: the verb's parser and the printing side of installer/image.py."""
 from __future__ import annotations
 
 import argparse
-import sys
+import json
 from pathlib import Path
 
 from . import image
-from .errors import InstallerError
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m installer image",
                                 description="Build the kvstack container image for a platform.")
     p.add_argument("--platform", required=True, choices=image.PLATFORMS)
@@ -17,24 +16,22 @@ def main(argv: list[str]) -> int:
     p.add_argument("--base-image", help="default: " + ", ".join(f"{k}={v}" for k, v in image.BASE_IMAGES.items()))
     p.add_argument("--mirror", help="a mirror made by `python -m installer mirror`, for offline builds")
     p.add_argument("--ca-bundle", help="extra CA certificates (PEM) for hosts behind an intercepting proxy")
-    args = p.parse_args(argv)
-    try:
-        req = image.request(args.platform, args.tag, args.base_image, args.mirror, args.ca_bundle)
-        client = image.connect()
-        n = 0
+    p.add_argument("-v", "--verbose", action="store_true", help="log every detail")
+    return p
 
-        def log(line: str) -> None:
-            nonlocal n
-            n += 1
-            print(f"[{n:5d}] {line}", flush=True)
 
-        res = image.build(client, req, Path(__file__).resolve().parent.parent, log)
-    except InstallerError as e:
-        if e.detail:
-            print(e.detail, file=sys.stderr)
-        print(e.line(), file=sys.stderr)
-        return e.exit_code
-    import json
+def run(args: argparse.Namespace) -> int:
+    """Build the image (errors are InstallerErrors: the CLI prints their one line)."""
+    req = image.request(args.platform, args.tag, args.base_image, args.mirror, args.ca_bundle)
+    client = image.connect()
+    n = 0
+
+    def log(line: str) -> None:
+        nonlocal n
+        n += 1
+        print(f"[{n:5d}] {line}", flush=True)
+
+    res = image.build(client, req, Path(__file__).resolve().parent.parent, log)
     print(f"image {res['tag']}: id {res['id']}, size {res['size'] / 2**20:.0f} MiB")
     print(json.dumps(res["manifest"], indent=2))
     return 0
