@@ -14,8 +14,9 @@ import threading
 import uuid
 
 from .binding import NixlBinding, as_str, load_nixl
-from .errors import NixlError
-from .transports import apply_ucx_settings
+from .errors import NixlError, TransportError
+from . import ucxlog
+from .transports import apply_ucx_settings, forced_by_user
 
 log = logging.getLogger("kvruntime")
 
@@ -35,6 +36,7 @@ class Agent:
     ):
         self.binding = binding or load_nixl()
         self.ucx_env = apply_ucx_settings(device_kind)
+        self.ucx_log = ucxlog.this_process()
         self.name = name
         self.lock = threading.RLock()
         self._closed = False
@@ -100,6 +102,34 @@ class Agent:
                 return int(self.nixl.get_xfer_telemetry(handle).descCount)
         except Exception:  # telemetry off or absent in this NIXL build
             return None
+
+    def lanes(self) -> list[ucxlog.Lane] | None:
+        """The protocols UCX selected for this agent so far, with their transports (None when
+        the user routes UCX's log elsewhere)."""
+        if self.ucx_log is None:
+            return None
+        self.ucx_log.read()
+        return [lane for lane in self.ucx_log.lanes if lane.context == self.name]
+
+    def transports(self) -> dict[str, list[str]] | None:
+        """The transports UCX selected for this agent's peers, by kind of operation."""
+        lanes = self.lanes()
+        return None if lanes is None else ucxlog.summary(lanes)
+
+    def check_device_lanes(self, what: str) -> list[ucxlog.Lane]:
+        """Device-memory transfers UCX put on TCP are an error (a loud warning when the user
+        forced UCX_TLS): never silent. Returns the offending lanes."""
+        bad = ucxlog.device_lanes_on_tcp(self.lanes() or [])
+        if not bad:
+            return []
+        text = (f"{what}: UCX moves device memory over TCP ({'; '.join(map(str, bad))}); "
+                f"expect ~1 GB/s instead of the device's speed")
+        if forced_by_user("UCX_TLS", self.ucx_env):
+            log.warning("%s, as UCX_TLS=%s (set by you) asks", text, os.environ["UCX_TLS"])
+            return bad
+        raise TransportError(text + ": check that UCX was built with the device's transports "
+                             "(ucx_info -d lists cuda_ipc / ze_ipc) and that UCX_TLS, if set, "
+                             "admits them; CUDA reads also need UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on")
 
     def close(self) -> None:
         # nixl_agent has no explicit destroy; dropping the last reference tears it down.

@@ -29,6 +29,8 @@ import select
 import threading
 import time
 
+import numpy as np
+
 from . import frames
 from .agent import Agent, unique_name
 from .binding import NixlBinding
@@ -37,11 +39,12 @@ from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, TransferHandle
 from .memory import KVCache
 from .plan import make_plan, merge_plans
-from .registration import Registration
+from .registration import Registration, Scratch
 from .samenode import ENGINES, SameNodeUnavailable, SharedJob, open_engine
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
-from .transfer import PostedTransfer, TransferResult, free_notification, parse_notification
+from .tp import head_rows
+from .transfer import PostedTransfer, Rows, TransferResult, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
 _request_ids = itertools.count()
@@ -68,7 +71,8 @@ class PrefillPeer:
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
         self._engine = None  # a same-node engine (samenode.py) when one serves this peer
-        self.head_slice = None  # host-staged: which of its heads go to which of ours (tp.py)
+        self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
+        self.lanes = None  # UCX's protocols of our agent after the connect-time probe (ucxlog)
         self.engine_reason = "not asked"  # why the engine in use was chosen
 
     @property
@@ -129,9 +133,16 @@ class PrefillPeer:
 
     def _post_read(self, handle: TransferHandle, split: int) -> TransferHandle:
         reg = self.client.registration
+        rows = None
+        if self.head_slice is not None:  # mixed TP, direct: our heads of each token row
+            s, src, dst = self.head_slice, *handle.plan.block_ids()
+            rows = Rows(head_rows(self.client.cache.layout, reg.region_triples(), dst, s.dst),
+                        head_rows(self.info.layout, self.info.regions, src, s.src), self.agent,
+                        self.client.cache.mem_type, self.info.mem_type)
+            handle.nbytes = rows.nbytes
         handle._xfer = PostedTransfer(self.client.agent, "READ", handle.plan, reg.local_dlist,
                                       reg.peer_dlist(self.agent), True,
-                                      free_notification(handle.request_id), split)
+                                      free_notification(handle.request_id), split, rows)
         self.client._track(handle)
         return handle
 
@@ -146,6 +157,9 @@ class PrefillPeer:
         handle = TransferHandle(self, "push", request_id, plan, timeout, t0)
         if self.client.staging is not None:
             return self._start_staged(handle)
+        if self.head_slice is not None:  # the prefill writes its head rows (same slice)
+            s = self.head_slice
+            handle.nbytes = plan.nbytes * s.count // self.client.cache.layout.num_kv_heads
         if self._engine is not None:
             # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
             # here, the prefill told it may free them) is the push's, at the pull's speed.
@@ -213,8 +227,9 @@ class PrefillPeer:
         self._check_usable()
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if self.client.staging is not None:
-            # staged: the caches may differ in kind and heads (TP); source ids are the peer's
+        if self.client.staging is not None or self.head_slice is not None:
+            # staged or mixed TP: the caches may differ in heads (and kind, staged); source ids
+            # are the peer's
             src_layout = replace(self.client.cache.layout,
                                  num_blocks=self.info.cache_layout.num_blocks)
         else:
@@ -404,6 +419,7 @@ class DecodeClient:
         self._lock = threading.Lock()
         self._notif_lock = threading.Lock()
         self.staging: StagingPool | None = None
+        self._scratch: Scratch | None = None  # the lane probe's destination (registration.py)
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
         nixl_memory = "cpu" if kv_buffer == "host_staged" else device_kind
         self.agent = Agent(name or unique_name("decode"), binding, nixl_memory, ucx_threads)
@@ -447,26 +463,25 @@ class DecodeClient:
             sock.close()
             raise
         peer = PrefillPeer(self, address, sock, info, name, 0.0)
-        if self.staging is not None:
-            from .tp import slice_from
-
-            try:
-                peer.head_slice = slice_from(info.cache_layout, info.tp_rank, self.cache.layout,
-                                             self.info.tp_rank)
-            except KVRuntimeError:
-                sock.close()
-                self._remove_agent(name)
-                raise
-        elif info.cache_layout.tp_size != self.cache.layout.tp_size:
+        try:
+            peer.head_slice = self._head_slice(info)
+        except KVRuntimeError:
             sock.close()
             self._remove_agent(name)
-            raise IncompatiblePeerError(
-                f"prefill TP {info.cache_layout.tp_size} and decode TP "
-                f"{self.cache.layout.tp_size} differ: mixed TP needs kv_buffer='host_staged' on "
-                f"both sides", ["tp_size"])
+            raise
         self._peers[address] = peer
         if self.staging is not None:
             peer.engine_reason = "host-staged: NIXL moves staging pool blocks (kv_buffer)"
+        elif peer.head_slice is not None:
+            if self.engine == "samenode":
+                peer.close()
+                raise SameNodeUnavailable(
+                    f"{peer.name}: same-node engine unavailable: it copies whole blocks, and "
+                    f"prefill TP {info.cache_layout.tp_size} / decode TP "
+                    f"{self.cache.layout.tp_size} moves head slices (use engine='nixl' or "
+                    f"kv_buffer='host_staged')")
+            peer.engine_reason = ("NIXL: mixed TP direct, one descriptor per token row of each "
+                                  "block's head slice")
         elif self.engine == "nixl":
             peer.engine_reason = "NIXL: forced (engine='nixl')"
         else:
@@ -475,8 +490,57 @@ class DecodeClient:
             except BaseException:
                 peer.close()
                 raise
+        if peer.engine == "nixl" and "VRAM" in (self.cache.mem_type, info.mem_type):
+            try:
+                self._check_lanes(peer)
+            except BaseException:
+                peer.close()
+                raise
         peer.handshake_seconds = time.perf_counter() - start
         return peer
+
+    def _check_lanes(self, peer: PrefillPeer) -> None:
+        """Device memory over NIXL: READ a few bytes of the peer's cache into our scratch, so
+        that UCX selects (and logs, ucxlog.py) the protocol this pair's memory takes, then
+        refuse a device-memory lane on TCP — before any KV moves, never silently."""
+        if self._scratch is None:
+            self._scratch = Scratch(self.agent, self.cache)
+        address, _length, device = peer.info.regions[0]
+        n = Scratch.NBYTES
+        rows = Rows(self._scratch.descriptor(n),
+                    np.array([[address, n, device]], dtype=np.uint64), peer.agent,
+                    self._scratch.mem_type, peer.info.mem_type)
+        plan = make_plan(peer.info.layout, [0])
+        probe = PostedTransfer(self.agent, "READ", plan, None, None, True, b"", 1, rows)
+        until = time.monotonic() + self.timeout
+        try:
+            while probe.poll() == "PROC":
+                if time.monotonic() > until:
+                    raise TransferError(f"{peer.name}: the connect-time probe READ did not "
+                                        f"finish in {self.timeout:.1f}s")
+                time.sleep(0.0002)
+            if probe.state != "DONE":
+                raise TransferError(f"{peer.name}: the connect-time probe READ failed")
+        finally:
+            if probe.state == "PROC":
+                probe.abort()
+            else:
+                probe.finish()
+        peer.lanes = self.agent.lanes()
+        self.agent.check_device_lanes(peer.name)
+
+    def _head_slice(self, info: PeerInfo):
+        """Which of the peer's heads land in which of ours (tp.py): None when whole blocks
+        move (same TP and ranks, direct)."""
+        from .tp import slice_from
+
+        theirs, ours = info.cache_layout, self.cache.layout
+        s = slice_from(theirs, info.tp_rank, ours, self.info.tp_rank)
+        if self.staging is not None:
+            return s
+        if s.src == (0, theirs.num_kv_heads) and s.dst == (0, ours.num_kv_heads):
+            return None  # whole blocks: the prepared per-block lists serve it
+        return s  # a row range of each block: the handshake made sure the kinds agree
 
     # -- requests in flight ------------------------------------------------------------------
     def get_finished(self) -> list[TransferHandle]:
@@ -577,6 +641,8 @@ class DecodeClient:
         self._closed = True
         for peer in list(self._peers.values()):
             peer.close()
+        if self._scratch is not None:
+            self._scratch.close()
         self.registration.close()
         if self.staging is not None:
             self.staging.close()

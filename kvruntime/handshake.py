@@ -157,12 +157,21 @@ def check_buffers(ours: "PeerInfo", theirs: "PeerInfo") -> None:
 
 
 def check_compat(ours: KVLayout, theirs: KVLayout) -> None:
-    diffs = layout_differences(ours, theirs)
+    """Every compatibility field alike, except heads per rank and TP size: those may differ
+    when the model's heads agree (mixed TP; which heads a rank takes is checked at connect)."""
+    from .tp import TP_ONLY, tp_differences
+
+    diffs = [d for d in layout_differences(ours, theirs) if d.split(":", 1)[0] not in TP_ONLY]
+    fields = [d.split(":", 1)[0] for d in diffs]
+    heads = [d for d in tp_differences(ours, theirs) if d.startswith("num_kv_heads x tp_size")]
+    if heads:
+        diffs += heads
+        fields += [f for f in TP_ONLY if getattr(ours, f) != getattr(theirs, f)]
+    hint = (" (direct transfers need one block kind on both sides; kv_buffer='host_staged' "
+            "pairs any)" if ours.kind != theirs.kind else "")
     if diffs:
-        raise IncompatiblePeerError(
-            "peer KV layout is incompatible: " + "; ".join(diffs),
-            [d.split(":", 1)[0] for d in diffs],
-        )
+        raise IncompatiblePeerError("peer KV layout is incompatible: " + "; ".join(diffs) + hint,
+                                    fields)
 
 
 def _nonce(message: dict) -> bytes:

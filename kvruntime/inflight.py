@@ -38,6 +38,9 @@ class TransferHandle:
         self.op = op
         self.request_id = request_id
         self.plan = plan
+        # bytes that land here: the plan's blocks, or the head slice of them one prefill rank
+        # holds (mixed TP, set by the peer)
+        self.nbytes = plan.nbytes
         self.timeout = timeout
         self.started = time.perf_counter() if started is None else started  # before planning
         self.deadline = time.monotonic() + timeout
@@ -52,10 +55,6 @@ class TransferHandle:
         self.reported = False
 
     # -- the caller's side -----------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        return self.plan.nbytes
-
     def done(self) -> bool:
         """Poll once; True when the request has finished (either way)."""
         return self.poll() != PENDING
@@ -130,14 +129,14 @@ class TransferHandle:
             why = ("the prefill is gone or refused the memory access" if nixl
                    else getattr(xfer, "error", None))
             self._fail(TransferError(
-                f"{xfer.engine if not nixl else 'NIXL READ'} of {self.plan.nbytes} bytes for "
+                f"{xfer.engine if not nixl else 'NIXL READ'} of {self.nbytes} bytes for "
                 f"request {self.request_id} failed: {why}"))
         elif time.monotonic() > self.deadline:
             aborted = xfer.abort()
             why = ("it was aborted" if aborted else
                    "it could not be aborted and may still land" +
                    (": the peer is marked unusable until it is reconnected" if nixl else ""))
-            self._fail(TransferTimeout(f"{self.op} of {self.plan.nbytes} bytes for request "
+            self._fail(TransferTimeout(f"{self.op} of {self.nbytes} bytes for request "
                                        f"{self.request_id} missed its {self.timeout:.3f}s "
                                        f"deadline (peer dead or stalled); {why}"),
                        settled=aborted)
@@ -148,7 +147,7 @@ class TransferHandle:
         if self._reply is not None and self._noted:
             r = self._reply
             self._finish(TransferResult(
-                "WRITE", self.plan.nbytes, time.perf_counter() - self.started,
+                "WRITE", self.nbytes, time.perf_counter() - self.started,
                 self.plan.num_runs, int(r.get("descriptors") or self.plan.descriptor_count),
                 _int_or_none(r.get("nixl_descriptors")), _seconds(r.get("seconds"))))
             self.peer._settled(self)
@@ -157,7 +156,7 @@ class TransferHandle:
             # a stalled prefill that wakes up later never writes. Settled once it answers.
             self.peer._cancel(self)
             self._fail(TransferTimeout(
-                f"push of request {self.request_id} ({self.plan.nbytes} bytes) missed its "
+                f"push of request {self.request_id} ({self.nbytes} bytes) missed its "
                 f"{self.timeout:.3f}s deadline; cancel sent (the prefill refuses the request "
                 f"once its deadline has passed)"), settled=False)
 

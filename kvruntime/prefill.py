@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import frames
 from .agent import Agent, unique_name
@@ -33,7 +33,8 @@ from .registration import Registration
 from .samenode import NodeToken, serve_offer
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
-from .transfer import PostedTransfer, free_notification, parse_notification
+from .tp import HeadSlice, head_rows, slice_from
+from .transfer import PostedTransfer, Rows, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
 
@@ -50,6 +51,8 @@ class _Peer:
     agent: str
     sock: socket.socket
     send_lock: threading.Lock = field(default_factory=threading.Lock)
+    head_slice: HeadSlice | None = None  # mixed TP, direct: our heads -> its heads (tp.py)
+    lanes_checked: bool = False  # UCX's lanes for its device memory looked at (ucxlog.py)
 
     def send(self, message: dict, timeout: float) -> None:
         """Frames to one decode go out whole: the connection thread and the progress loop
@@ -271,9 +274,23 @@ class PrefillServer:
             except Exception:
                 self.agent.remove_remote(name)
                 raise
-            peer = _Peer(info, name, sock)
+            peer = _Peer(info, name, sock, head_slice=self._head_slice(info))
             self._peers[name] = peer
             return peer
+
+    def _head_slice(self, info: PeerInfo) -> HeadSlice | None:
+        """The heads a direct mixed-TP decode rank takes from us (its pushes write just those
+        rows); None for whole blocks, and for pairs the decode itself refuses at connect."""
+        if self.staging is not None or info.kv_buffer == "host_staged":
+            return None
+        ours, theirs = self.cache.layout, info.cache_layout
+        try:
+            s = slice_from(ours, self.info.tp_rank, theirs, info.tp_rank)
+        except KVRuntimeError:
+            return None
+        if s.src == (0, ours.num_kv_heads) and s.dst == (0, theirs.num_kv_heads):
+            return None
+        return s
 
     def _drop_peer(self, peer: _Peer) -> None:
         """Release ``peer``'s list and agent, once; a no-op when a newer connection of the same
@@ -342,13 +359,23 @@ class PrefillServer:
                                 f"nothing was written"}, self.timeout)
             return
         try:
-            plan = make_plan(self.cache.layout, src, peer.info.layout, dst)
+            s, rows = peer.head_slice, None
+            if s is None:
+                plan = make_plan(self.cache.layout, src, peer.info.layout, dst)
+            else:  # mixed TP, direct: the decode rank's heads of each token row, nothing else
+                plan = make_plan(replace(peer.info.layout, num_blocks=self.cache.layout.num_blocks),
+                                 src, peer.info.layout, dst)
+                src_ids, dst_ids = plan.block_ids()
+                rows = Rows(head_rows(self.cache.layout, self.registration.region_triples(),
+                                      src_ids, s.src),
+                            head_rows(peer.info.layout, peer.info.regions, dst_ids, s.dst),
+                            peer.agent, self.cache.mem_type, peer.info.mem_type)
             with self._writes_lock:
                 if key in self._writes:
                     raise KVRuntimeError(f"request {request!r} is already in flight")
                 xfer = PostedTransfer(self.agent, "WRITE", plan, self.registration.local_dlist,
                                       self.registration.peer_dlist(peer.agent), False,
-                                      free_notification(request), split)
+                                      free_notification(request), split, rows)
                 self._writes[key] = _Write(peer, request, xfer,
                                            time.monotonic() + min(left, timeout))
         except KVRuntimeError as exc:
@@ -470,11 +497,23 @@ class PrefillServer:
                 state = write.xfer.poll()
                 if state == "DONE":
                     write.xfer.finish()
+                    self._check_lanes(write.peer)
                     self._end_write(write, None)
                 elif state == "ERR":
                     write.xfer.finish()
                     self._end_write(write, "the WRITE failed in NIXL (decode gone?)")
             return bool(self._writes)
+
+    def _check_lanes(self, peer: _Peer) -> None:
+        """After a peer's first WRITE of device memory: a lane on TCP is logged as an error
+        (the decode's connect-time probe covers its READs; ucxlog.py)."""
+        if peer.lanes_checked or "VRAM" not in (self.cache.mem_type, peer.info.mem_type):
+            return
+        peer.lanes_checked = True
+        try:
+            self.agent.check_device_lanes(f"push to {peer.agent}")
+        except KVRuntimeError as exc:
+            log.error("%s", exc)
 
     def _end_write(self, write: "_Write", error: str | None) -> None:
         """Answer a WRITE that finished (error None) or must stop; called under _writes_lock."""

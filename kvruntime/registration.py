@@ -105,3 +105,45 @@ class Registration:
             except NixlError as exc:
                 log.warning("%s", exc)
             self._reg = None
+
+
+class Scratch:
+    """A few bytes of the cache's own memory kind (same device), registered with NIXL: the
+    destination of a connect-time probe READ, so that UCX selects, and prints, the protocol a
+    peer's memory takes before any KV moves (decode.py: the lane check)."""
+
+    NBYTES = 256
+
+    def __init__(self, agent: Agent, cache: KVCache):
+        from .memory import HostBuffer
+
+        self.agent = agent
+        tensors = cache.tensors
+        if tensors and tensors[0].device.type != "cpu":
+            import torch
+
+            self._owner = torch.empty(self.NBYTES, dtype=torch.uint8, device=tensors[0].device)
+            self.address, self.device_id = self._owner.data_ptr(), cache.regions[0].device_id
+        else:
+            self._owner = HostBuffer(self.NBYTES, huge_pages=False)
+            self.address, self.device_id = self._owner.address, 0
+        self.mem_type = cache.mem_type
+        self._reg = agent.call("register_memory (probe)", agent.nixl.register_memory,
+                               [(self.address, self.NBYTES, self.device_id, "")], self.mem_type)
+
+    def descriptor(self, nbytes: int):
+        import numpy as np
+
+        return np.array([[self.address, min(nbytes, self.NBYTES), self.device_id]],
+                        dtype=np.uint64)
+
+    def close(self) -> None:
+        if self._reg is not None:
+            try:
+                self.agent.call("deregister_memory (probe)", self.agent.nixl.deregister_memory,
+                                self._reg)
+            except NixlError as exc:
+                log.warning("%s", exc)
+            self._reg = None
+            if hasattr(self._owner, "close"):
+                self._owner.close()

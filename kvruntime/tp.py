@@ -16,6 +16,8 @@ from .layout import KVLayout
 
 # Fields two peers must agree on when their TP sizes may differ (heads are compared in total).
 TP_FIELDS = ("dtype", "tokens_per_block", "head_dim", "num_layers")
+# Layout fields that may differ between two ranks of different TP sizes.
+TP_ONLY = ("num_kv_heads", "tp_size")
 
 
 @dataclass(frozen=True)
@@ -79,3 +81,35 @@ def check_tp_pair(a: KVLayout, b: KVLayout) -> None:
     if diffs:
         raise IncompatiblePeerError("TP layouts cannot pair: " + "; ".join(diffs),
                                     [d.split(":", 1)[0] for d in diffs])
+
+
+def rows_per_chunk(layout: KVLayout) -> int:
+    """Token rows (all heads of one token of one layer's K or V) in one block of one region."""
+    return layout.chunk_bytes // row_bytes(layout)
+
+
+def row_bytes(layout: KVLayout) -> int:
+    return layout.num_kv_heads * layout.head_dim * layout.element_bytes
+
+
+def head_rows(layout: KVLayout, regions, blocks, heads: tuple[int, int]):
+    """Nx3 (address, length, device id) of heads ``heads`` of every token row of ``blocks``,
+    ordered (region, block, row): the descriptors of a direct mixed-TP transfer.
+
+    A block's heads are innermost but one (``[token][head][head_dim]`` per layer's K or V), so
+    a head slice of a block is one short range per token row: two sides built with the same
+    block order pair row by row. ``regions``: (address, length, device id) per region."""
+    import numpy as np
+
+    blocks = np.asarray(blocks, dtype=np.uint64)
+    rows = rows_per_chunk(layout)
+    head = layout.head_dim * layout.element_bytes
+    within = (np.arange(rows, dtype=np.uint64) * np.uint64(row_bytes(layout))
+              + np.uint64(heads[0] * head))
+    per_block = (blocks * np.uint64(layout.chunk_bytes))[:, None] + within[None, :]
+    out = np.empty((len(regions), blocks.size * rows, 3), dtype=np.uint64)
+    for i, (address, _length, device) in enumerate(regions):
+        out[i, :, 0] = np.uint64(address) + per_block.reshape(-1)
+        out[i, :, 1] = (heads[1] - heads[0]) * head
+        out[i, :, 2] = device
+    return out.reshape(-1, 3)

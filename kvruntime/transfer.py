@@ -52,34 +52,57 @@ def parse_notification(message: bytes) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class Rows:
+    """A transfer's own descriptor lists (Nx3 address, length, device id), paired row by row,
+    for what prepared per-block lists cannot express: a head slice of each block (mixed TP)."""
+
+    local: object
+    remote: object
+    remote_agent: str
+    local_mem: str
+    remote_mem: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.local[:, 1].sum())
+
+
 class PostedTransfer:
     """READ (remote is the source) or WRITE (remote is the destination) of ``plan``, posted at
     construction. ``poll`` returns "PROC", "DONE" or "ERR"; the NIXL handle is released exactly
     once, by ``finish`` (after DONE/ERR) or ``abort`` (before)."""
 
     def __init__(self, agent: Agent, op: str, plan: TransferPlan, local_dlist, remote_dlist,
-                 remote_is_src: bool, notif: bytes, split: int = 1):
+                 remote_is_src: bool, notif: bytes, split: int = 1, rows: "Rows | None" = None):
         self.agent = agent
         self.op = op
         self.plan = plan
         self.split = split
+        self.rows = rows
         self.state = "PROC"
         self.released = False
         self.descriptors_posted: int | None = None
-        src_idx, dst_idx = plan.nixl_indices(split)
-        local_idx, remote_idx = (dst_idx, src_idx) if remote_is_src else (src_idx, dst_idx)
         nixl = agent.nixl
         self.start = time.perf_counter()
         try:
-            self._handle = agent.call("make_prepped_xfer", nixl.make_prepped_xfer, op,
-                                      local_dlist, local_idx, remote_dlist, remote_idx, notif)
+            if rows is not None:  # descriptors of this request only (mixed TP: head rows)
+                self._handle = agent.call(
+                    "initialize_xfer", nixl.initialize_xfer, op,
+                    nixl.get_xfer_descs(rows.local, rows.local_mem),
+                    nixl.get_xfer_descs(rows.remote, rows.remote_mem), rows.remote_agent, notif)
+            else:
+                src_idx, dst_idx = plan.nixl_indices(split)
+                local_idx, remote_idx = (dst_idx, src_idx) if remote_is_src else (src_idx, dst_idx)
+                self._handle = agent.call("make_prepped_xfer", nixl.make_prepped_xfer, op,
+                                          local_dlist, local_idx, remote_dlist, remote_idx, notif)
         except NixlError as exc:
             raise TransferError(f"{op} could not be prepared: {exc}") from exc
         try:
             self.state = _state(agent.call("transfer", nixl.transfer, self._handle))
         except NixlError as exc:
             self.abort()
-            raise TransferError(f"{op} of {plan.nbytes} bytes could not be posted: {exc}"
+            raise TransferError(f"{op} of {self.nbytes} bytes could not be posted: {exc}"
                                 ) from exc
         self.end = time.perf_counter() if self.state != "PROC" else None
 
@@ -126,9 +149,14 @@ class PostedTransfer:
         self.released = True
         return True
 
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes if self.rows is not None else self.plan.nbytes
+
     def result(self) -> TransferResult:
-        return TransferResult(self.op, self.plan.nbytes, self.seconds, self.plan.num_runs,
-                              self.plan.piece_count(self.split), self.descriptors_posted)
+        pieces = len(self.rows.local) if self.rows is not None else self.plan.piece_count(self.split)
+        return TransferResult(self.op, self.nbytes, self.seconds, self.plan.num_runs, pieces,
+                              self.descriptors_posted)
 
 
 def _state(value) -> str:

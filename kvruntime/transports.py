@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 from typing import Mapping, MutableMapping
 
+from . import ucxlog
 from .errors import TransportError
 
 # AM-capable transports that handle peer failure whatever their settings.
@@ -101,6 +102,10 @@ REASONS = {
                                      "(0.4 GB/s -> 838 GB/s measured)",
     "UCX_TLS": "single-node Intel GPUs without InfiniBand: ze_ipc between processes, ze_copy, "
                "and tcp for NIXL's active messages (seed 001)",
+    "UCX_LOG_FILE": "UCX's messages reach Python logging (kvruntime.ucx) at their own level, "
+                    "not raw stderr (ucxlog.py)",
+    "UCX_PROTO_INFO": "the transports UCX selects are read back: device memory on TCP is an "
+                      "error, never silent (ucxlog.py)",
 }
 IB_TRANSPORTS = {"rc", "rc_x", "rc_v", "rc_mlx5", "ud", "ud_x", "ud_v", "ud_mlx5", "dc", "dc_x",
                  "dc_mlx5"}
@@ -171,7 +176,15 @@ def apply_ucx_settings(device_kind: str, env: MutableMapping[str, str] | None = 
         offered = offered_transports()
     added = ucx_settings(device_kind, env, offered)
     env.update(added)
+    added.update(ucxlog.install(env))  # UCX's log into a file we read (ucxlog.py)
     return added
+
+
+def forced_by_user(name: str, added: Mapping[str, str], env: Mapping[str, str] | None = None
+                   ) -> bool:
+    """The user set ``name`` themselves (kvruntime did not choose it)."""
+    env = os.environ if env is None else env
+    return name in env and name not in added
 
 
 def ucx_environment(env: Mapping[str, str] | None = None) -> dict[str, str]:

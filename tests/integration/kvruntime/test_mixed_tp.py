@@ -35,10 +35,18 @@ def logical(cache):
                      for r in regions], axis=1)
 
 
+@pytest.mark.parametrize("mode", ["host_staged", "direct"])
+@pytest.mark.parametrize("op", ["pull", "push"])
 @pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 4), (4, 2)])
-def test_each_decode_rank_gets_exactly_its_heads(prefill, p, d):
+def test_each_decode_rank_gets_exactly_its_heads(prefill, p, d, op, mode):
+    """Staged: prefill per_layer, decode cross_layer (kinds may differ through the pools).
+    Direct: both per_layer for pulls and both cross_layer for pushes (a head slice is a row
+    range inside each block, so the kinds must agree); NIXL moves one descriptor per token row."""
     seed = 40 + p * 10 + d
-    prefill_layouts = [rank_layout(PER_LAYER, p) for _ in range(p)]
+    staged = mode == "host_staged"
+    pkind = PER_LAYER if staged or op == "pull" else CROSS_LAYER
+    dkind = CROSS_LAYER if staged or op == "push" else PER_LAYER
+    prefill_layouts = [rank_layout(pkind, p) for _ in range(p)]
     src = [3, 7, 8, 9, 30]
     dst = [0, 5, 6, 7, 31]
     # the reference: the full-head blocks, from the prefill ranks' own seeds
@@ -49,19 +57,19 @@ def test_each_decode_rank_gets_exactly_its_heads(prefill, p, d):
         full.append(logical(c))
         c.close()
     full = np.concatenate(full, axis=3)  # [block][regions][token][all heads][bytes]
-    with prefill(prefill_layouts, seed=seed, kv_buffer="host_staged", staging_blocks=16,
-                 tp_ranks=list(range(p))) as (_proc, ports):
+    kw = dict(kv_buffer="host_staged", staging_blocks=16) if staged else {}
+    with prefill(prefill_layouts, seed=seed, tp_ranks=list(range(p)), **kw) as (_proc, ports):
         for j in range(d):
-            cache = KVCache.allocate_host(rank_layout(CROSS_LAYER, d))
+            cache = KVCache.allocate_host(rank_layout(dkind, d))
             cache.fill_value(0)
-            with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=16,
-                              tp_rank=j) as client:
+            with DecodeClient(cache, tp_rank=j, **kw) as client:
                 slices = head_slices(prefill_layouts[0], cache.layout, j)
                 assert len(slices) == max(1, p // d)
                 for s in slices:
                     peer = client.connect("127.0.0.1", ports[s.prefill_rank])
                     assert peer.head_slice == s
-                    res = peer.pull(src, dst, timeout=20)
+                    assert peer.engine == ("host_staged" if staged else "nixl")
+                    res = getattr(peer, op)(src, dst, timeout=20)
                     assert res.nbytes == len(src) * cache.layout.block_bytes * s.count \
                         // cache.layout.num_kv_heads
                 got = logical(cache)
@@ -88,4 +96,22 @@ def test_layouts_that_cannot_pair_are_named(prefill):
         with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=8, tp_rank=3) as client:
             with pytest.raises(IncompatiblePeerError, match="holds none of the heads"):
                 client.connect("127.0.0.1", ports[0])  # prefill rank 0 holds heads 0-1
+        cache.close()
+
+
+def test_direct_mixed_tp_refuses_what_it_cannot_do_by_name(prefill):
+    """Direct mixed TP needs one block kind on both sides, and the same-node engine (whole
+    blocks) cannot serve it: both refused at connect with the way out named."""
+    from kvruntime.samenode import SameNodeUnavailable
+
+    with prefill([rank_layout(PER_LAYER, 2)], seed=3, tp_ranks=[0]) as (_proc, ports):
+        cache = KVCache.allocate_host(rank_layout(CROSS_LAYER, 1))
+        with DecodeClient(cache) as client:
+            with pytest.raises(IncompatiblePeerError, match="kind: .*one block kind.*host_staged"):
+                client.connect("127.0.0.1", ports[0])
+        cache.close()
+        cache = KVCache.allocate_host(rank_layout(PER_LAYER, 1))
+        with DecodeClient(cache, engine="samenode") as client:
+            with pytest.raises(SameNodeUnavailable, match="head slices"):
+                client.connect("127.0.0.1", ports[0])
         cache.close()

@@ -120,11 +120,15 @@ def test_user_choices_are_kept():
 
 def test_apply_and_report():
     env = {"UCX_TLS": "tcp,posix,cma", "PATH": "/bin"}
-    assert apply_ucx_settings("cpu", env) == {"UCX_POSIX_ERROR_HANDLING": "y",
-                                              "UCX_CMA_SEG_SIZE": "4M"}
+    added = apply_ucx_settings("cpu", env)
+    log_file = env["UCX_LOG_FILE"]  # UCX's log goes where kvruntime reads it (ucxlog.py)
+    assert added == {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M",
+                     "UCX_LOG_FILE": log_file, "UCX_PROTO_INFO": "y",
+                     "KVRUNTIME_UCX_LOG": env["KVRUNTIME_UCX_LOG"]}
     assert apply_ucx_settings("cpu", env) == {}  # already there: nothing added twice
     assert ucx_environment(env) == {"UCX_CMA_SEG_SIZE": "4M", "UCX_POSIX_ERROR_HANDLING": "y",
-                                    "UCX_TLS": "tcp,posix,cma"}
+                                    "UCX_TLS": "tcp,posix,cma", "UCX_LOG_FILE": log_file,
+                                    "UCX_PROTO_INFO": "y"}
 
 
 @pytest.mark.parametrize("device, env, offered, want", [

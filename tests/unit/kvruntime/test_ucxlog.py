@@ -1,0 +1,108 @@
+"""UCX's log as kvruntime reads it: protocol tables -> lanes, messages -> log records.
+
+The host-memory table below is copied from a real run here (UCX of nixl-cu12, UCX_PROTO_INFO=y);
+the cuda one has the same shape with the operation and Config a CUDA host prints (no GPU here:
+the device run in BENCHMARKS.md checks the real one)."""
+
+import logging
+
+import pytest
+
+from kvruntime import ucxlog
+from kvruntime.ucxlog import UcxLog, device_lanes_on_tcp
+
+P = "[1795428300.092621] [vm:16521:0]   "
+HOST_TABLE = f"""{P}+--------+-------------+-------------------------------------------+
+{P}| kvr-decode-1-aa intra-node cfg#1                                   |
+{P}| remote memory read by ucp_get*(multi) into host memory from host |
+{P}+--------+-------------+-------------------------------------------+
+{P}| Range  | Description |                  Config                   |
+{P}+--------+-------------+-------------------------------------------+
+{P}| 0..inf | zero-copy   | cma/memory                                |
+{P}+--------+-------------+-------------------------------------------+
+"""
+CUDA_TCP_TABLE = f"""{P}+---------+-------------+------------------------------------+
+{P}| kvr-decode-1-aa intra-node cfg#2                                 |
+{P}| remote memory read by ucp_get* into cuda/GPU0 memory from cuda/GPU0 |
+{P}+---------+-------------+------------------------------------+
+{P}| Range   | Description | Config                             |
+{P}+---------+-------------+------------------------------------+
+{P}|  0..8K  | copy-out    | tcp/lo                             |
+{P}| 8K..inf | zero-copy   | 50% on tcp/lo and 50% on tcp/eth0  |
+{P}+---------+-------------+------------------------------------+
+"""
+
+
+def read(tmp_path, text):
+    path = tmp_path / "ucx.log"
+    path.write_text(text)
+    return UcxLog(str(path))  # no private directory: the file stays
+
+
+def test_tables_become_lanes_and_only_device_memory_on_tcp_is_flagged(tmp_path):
+    log = read(tmp_path, HOST_TABLE + CUDA_TCP_TABLE)
+    lanes = log.read()
+    assert [(lane.context, lane.scope, lane.transports) for lane in lanes] == [
+        ("kvr-decode-1-aa", "intra-node", ("cma",)), ("kvr-decode-1-aa", "intra-node", ("tcp",))]
+    assert not lanes[0].device_memory and lanes[1].device_memory
+    assert device_lanes_on_tcp(lanes) == [lanes[1]]
+
+
+def test_a_table_written_in_two_pieces_is_read_once_whole(tmp_path):
+    path = tmp_path / "ucx.log"
+    half = len(HOST_TABLE) // 2
+    path.write_text(HOST_TABLE[:half])
+    log = UcxLog(str(path))
+    assert log.read() == []
+    with open(path, "a") as f:
+        f.write(HOST_TABLE[half:])
+    assert [lane.transports for lane in log.read()] == [("cma",)]
+    assert log.read() == []  # nothing new
+
+
+def test_messages_keep_their_level_and_known_harmless_ones_are_info(tmp_path, caplog):
+    text = (f"{P}ucp_worker.c:1234 UCX  ERROR   no active messages transport to <no debug data>: "
+            f"self/memory - Destination is unreachable, tcp/lo - not available\n"
+            f"{P}ucp_ep.c:77 UCX  ERROR   failed to connect to peer: Connection refused\n"
+            f"{P}ucs_sys.c:5 UCX  WARN  something to look at\n")
+    with caplog.at_level(logging.DEBUG, logger="kvruntime.ucx"):
+        read(tmp_path, text).read()
+    levels = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert levels[0][0] == logging.INFO and "harmless" in levels[0][1]
+    assert levels[1] == (logging.ERROR, "UCX ERROR: failed to connect to peer: Connection refused")
+    assert levels[2] == (logging.WARNING, "UCX WARN: something to look at")
+
+
+def test_install_keeps_the_users_settings_and_gives_a_child_its_own_directory(tmp_path):
+    env = {}
+    added = ucxlog.install(env)
+    assert added["UCX_PROTO_INFO"] == "y" and added["UCX_LOG_FILE"].endswith("ucx.%p.log")
+    assert ucxlog.lanes_unknown_reason(env) is None
+    assert ucxlog.install(env) == {}  # this process's already
+    inherited = {**env, "KVRUNTIME_UCX_LOG": "1:" + env["KVRUNTIME_UCX_LOG"].split(":", 1)[1]}
+    again = ucxlog.install(inherited)  # a child of the process that set it up: its own
+    assert again["UCX_LOG_FILE"] != added["UCX_LOG_FILE"]
+    user = {"UCX_LOG_FILE": str(tmp_path / "mine.log")}
+    assert ucxlog.install(user) == {}
+    assert "set by the user" in ucxlog.lanes_unknown_reason(user)
+
+
+def test_the_file_leaves_the_disk_once_open_and_is_still_read(tmp_path):
+    private = tmp_path / "kvr-ucx-x"
+    private.mkdir()
+    path = private / "ucx.1.log"
+    path.write_text(HOST_TABLE[:100])
+    log = UcxLog(str(path), str(private))
+    assert log.read() == [] and not private.exists()  # UCX keeps writing the open file
+    with open(f"/proc/self/fd/{log._file.fileno()}", "a") as f:
+        f.write(HOST_TABLE[100:])
+    assert [lane.transports for lane in log.read()] == [("cma",)]
+
+
+@pytest.mark.parametrize("operation,device", [
+    ("remote memory write by ucp_put* from cuda/GPU1 memory to cuda", True),
+    ("remote memory read by ucp_get* into host memory from host", False),
+    ("remote memory write by ucp_put* from ze/GPU0 memory to host", True),
+])
+def test_device_memory_is_read_from_the_operation(operation, device):
+    assert ucxlog.Lane("a", "intra-node", operation, ("tcp",)).device_memory is device
