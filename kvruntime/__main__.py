@@ -45,7 +45,8 @@ def _selftest(args, out) -> int:
     from .selftest import run_selftest
 
     report = run_selftest(nixl_module=args.nixl_module, timeout=args.timeout,
-                          secret=_secret(args), device_ids=tuple(args.device_ids))
+                          secret=_secret(args), device_ids=tuple(args.device_ids),
+                          tp_pairs=args.tp_pairs)
     if args.json:
         report.pop("trace", None) if report.get("ok") else None
         say(json.dumps(report, indent=None if args.compact else 2))
@@ -53,9 +54,14 @@ def _selftest(args, out) -> int:
         for m in report.get("modes", []):
             if m["status"] == "skipped":
                 say(f"SKIP {m['mode']:28} {m['reason']}")
+            elif m["status"] == "passed" and "tp" in m:
+                say(f"PASS {m['mode']:28} {m['bytes'] / 2**20:8.1f} MiB from prefill ranks "
+                    f"{m['prefill_ranks']}, {m['descriptors']} descriptors, heads bit-exact"
+                    f"{_transports(m)}")
             elif m["status"] == "passed":
                 say(f"PASS {m['mode']:28} {m['bytes'] / 2**20:8.1f} MiB {m['gbps']:7.2f} GB/s "
-                      f"{m['descriptors']:4} descriptors, {m['digests_checked']} digests ok")
+                      f"{m['descriptors']:4} descriptors, {m['digests_checked']} digests ok"
+                    f"{_transports(m)}")
             else:
                 say(f"FAIL {m['mode']:28} {m.get('reason')}")
         if report.get("error"):
@@ -65,6 +71,30 @@ def _selftest(args, out) -> int:
     if report.get("ok"):
         return 0
     return 1 if report.get("modes") else 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, and exit 64 as the module's docstring says
+        self.exit(64, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _transports(mode: dict) -> str:
+    t = mode.get("transports")
+    return f" [rma {','.join(t['rma']) or '-'}, am {','.join(t['am']) or '-'}]" if t else ""
+
+
+def _tp_pairs(text: str):
+    """'1x2,2x1' -> ((1, 2), (2, 1)); 'none' -> ()."""
+    if text == "none":
+        return ()
+    try:
+        pairs = tuple(tuple(int(n) for n in item.split("x")) for item in text.split(","))
+    except ValueError:
+        pairs = ((),)
+    if any(len(pair) != 2 or min(pair) < 1 for pair in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 1x2,2x1 (prefill TP x "
+                                         f"decode TP) or none")
+    return pairs
 
 
 def _bench(args, out) -> int:
@@ -117,7 +147,7 @@ def _bench(args, out) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvruntime")
+    parser = _Parser(prog="python -m kvruntime")
     parser.add_argument("--nixl-module", help="NIXL module to import (default: search "
                         "nixl_cpu, nixl_xpu, nixl_cu13, nixl_cu12, nixl; env "
                         "KVRUNTIME_NIXL_MODULE)")
@@ -133,6 +163,9 @@ def main(argv=None) -> int:
                     help=ids_help)
     st.add_argument("--secret", help="shared secret for the handshake (env KVRUNTIME_SECRET; "
                     "default: a random one)")
+    st.add_argument("--tp-pairs", type=_tp_pairs, default="1x2,2x1,2x4,4x2", metavar="PxD,...",
+                    help="mixed tensor-parallel pairs to prove on host memory, direct and staged "
+                         "(default: 1x2,2x1,2x4,4x2; none: skip)")
     b = sub.add_parser("bench", help="GB/s and descriptors per request vs memcpy")
     b.add_argument("--json", action="store_true")
     b.add_argument("--compact", action="store_true")

@@ -204,6 +204,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                                 report["results"].append(_measure(
                                     cfg, peer, cache, layout, reference, rnd, op, pattern,
                                     size, split))
+                # what UCX really used for this client's transfers (ucxlog.py)
+                report["engines"][f"{layout.kind}/{engine}"]["transports"] = \
+                    client.agent.transports()
                 if cfg.inflight and engine == cfg.engines[-1]:
                     report.setdefault("inflight", []).append(_inflight(
                         cfg, binding, layout, port, decode_options, engine, rnd))

@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 from .errors import KVRuntimeError, LayoutError
-from .layout import KVLayout
+from .layout import CROSS_LAYER, KVLayout
 
 HUGE_PAGE = 2 * 1024 * 1024
 
@@ -165,6 +165,27 @@ class KVCache:
             rnd = random.Random(seed)
             for r in self.regions:
                 ctypes.memmove(r.address, rnd.randbytes(total), total)
+
+    def head_view(self):
+        """A copy of the cache as numpy ``[block][2 x layers][token][head][bytes of a head]``,
+        whatever the layout kind and memory: what mixed-TP checks compare head by head."""
+        import numpy as np
+
+        lay = self.layout
+        if self.mem_type == "VRAM":
+            self.synchronize()
+            regions = [t.cpu().numpy() for t in self._byte_views()]
+        else:
+            regions = [np.ctypeslib.as_array((ctypes.c_uint8 * lay.region_bytes)
+                                             .from_address(r.address)).copy()
+                       for r in self.regions]
+        de = lay.head_dim * lay.element_bytes
+        if lay.kind == CROSS_LAYER:
+            return regions[0][:lay.region_bytes].reshape(
+                lay.num_blocks, 2 * lay.num_layers, lay.tokens_per_block, lay.num_kv_heads, de)
+        return np.stack([r[:lay.region_bytes].reshape(lay.num_blocks, lay.tokens_per_block,
+                                                      lay.num_kv_heads, de) for r in regions],
+                        axis=1)
 
     def fill_value(self, value: int) -> None:
         if self.mem_type == "VRAM":

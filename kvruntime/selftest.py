@@ -121,6 +121,7 @@ def _run_mode(peer, cache, layout, device, op, engine, seed, options) -> dict:
             "descriptors": res.descriptors, "nixl_descriptors": res.nixl_descriptors,
             "seconds": round(res.seconds, 6), "gbps": round(res.gbps, 3),
             "digest_ok": not bad, "digests_checked": len(src),
+            "transports": peer.client.agent.transports(),
         })
         if bad:
             entry["reason"] = f"{len(bad)} block(s) differ, e.g. source block {bad[0]}"
@@ -128,6 +129,83 @@ def _run_mode(peer, cache, layout, device, op, engine, seed, options) -> dict:
         entry.update({"status": "failed", "digest_ok": False,
                       "reason": f"{type(exc).__name__}: {exc}"})
     return entry
+
+
+# Mixed tensor-parallel pairs (prefill TP, decode TP) the selftest proves, on host memory: every
+# rank a cache of its own, served and read as in a deployment (tp.py).
+TP_PAIRS = ((1, 2), (2, 1), (2, 4), (4, 2))
+TP_SHAPE = dict(num_layers=2, num_blocks=64, tokens_per_block=16, head_dim=64, dtype="float16")
+TP_HEADS = 4  # the model's KV heads
+
+
+def tp_layout(kind: str, tp: int) -> KVLayout:
+    return KVLayout(kind=kind, num_kv_heads=TP_HEADS // tp, tp_size=tp, **TP_SHAPE)
+
+
+def decode_tp_main(result_queue, ports: list[int], p: int, d: int, seed: int,
+                   options: dict) -> None:
+    """Decode ranks 0..d-1 of TP d, one after the other, each pulling and pushing its heads
+    from the prefill ranks that hold them; compared head by head with the prefill ranks'
+    content rebuilt here from their seeds (the prefill fills rank i with seed + i)."""
+    modes, caches = [], []
+    try:
+        prepare_process(options)
+        import numpy as np
+
+        from .binding import load_nixl
+        from .decode import DecodeClient
+        from .memory import KVCache
+        from .tp import head_slices
+
+        staged = options.get("kv_buffer") == "host_staged"
+        binding = load_nixl(options.get("nixl_module"))
+        kind = CROSS_LAYER
+        reference = []
+        for i in range(p):
+            c = KVCache.allocate_host(tp_layout(kind, p))
+            caches.append(c)
+            c.fill_random(seed + i)
+            reference.append(c.head_view())
+        full = np.concatenate(reference, axis=3)  # [block][2L][token][all heads][bytes]
+        for n, op in enumerate(OPS):
+            src, dst = request_blocks(TP_SHAPE["num_blocks"], seed + n)
+            for j in range(d):
+                cache = allocate_cache(tp_layout(kind, d), options)
+                caches.append(cache)
+                cache.fill_value(0)
+                entry = {"mode": f"tp {p}->{d}/rank {j}/{op}/{'staged' if staged else 'direct'}",
+                         "op": op, "tp": [p, d], "rank": j, "memory": cache.mem_type}
+                try:
+                    with DecodeClient(cache, binding=binding, secret=options.get("secret"),
+                                      kv_buffer="host_staged" if staged else "device",
+                                      staging_blocks=options.get("staging_blocks", 0),
+                                      tp_rank=j, device_kind=device_of(options)) as client:
+                        slices = head_slices(tp_layout(kind, p), cache.layout, j)
+                        nbytes = 0
+                        for s in slices:
+                            peer = client.connect("127.0.0.1", ports[s.prefill_rank])
+                            res = getattr(peer, op)(src, dst, timeout=options.get("timeout", 30.0))
+                            nbytes += res.nbytes
+                            entry.update(engine=peer.engine, descriptors=res.descriptors)
+                        entry["transports"] = client.agent.transports()
+                    hd = TP_HEADS // d
+                    got = cache.head_view()
+                    ok = (np.array_equal(got[dst], full[src][:, :, :, j * hd:(j + 1) * hd])
+                          and not np.delete(got, dst, axis=0).any())
+                    entry.update(status="passed" if ok else "failed", bytes=nbytes,
+                                 prefill_ranks=[s.prefill_rank for s in slices], digest_ok=ok)
+                    if not ok:
+                        entry["reason"] = "heads differ from the prefill ranks' (or spilled)"
+                except Exception as exc:
+                    entry.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
+                modes.append(entry)
+        result_queue.put({"ok": True, "modes": modes, "module": binding.module_name})
+    except BaseException as exc:
+        result_queue.put({"ok": False, "modes": modes, "error": f"{type(exc).__name__}: {exc}",
+                          "trace": traceback.format_exc()})
+    finally:
+        for cache in caches:
+            cache.close()
 
 
 def _get(q, timeout: float, what: str, procs) -> dict:
@@ -143,9 +221,10 @@ def _get(q, timeout: float, what: str, procs) -> dict:
                 return {"ok": False, "error": f"{what}: {why}"}
 
 
-def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout: float
-              ) -> dict:
-    """One prefill and one decode process over loopback; the decode's result (plus module)."""
+def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout: float,
+              decode=None) -> dict:
+    """One prefill and one decode process over loopback; the decode's result (plus module).
+    ``decode``: (target, args before the options) instead of the every-mode decode."""
     ctx = mp.get_context("spawn")
     pq, control, dq = ctx.Queue(), ctx.Queue(), ctx.Queue()
     prefill = ctx.Process(target=prefill_main, name="prefill", daemon=True,
@@ -157,8 +236,9 @@ def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout
         ready = _get(pq, timeout, "prefill process", procs)
         if not ready.get("ok"):
             return ready
-        decode = ctx.Process(target=decode_main, name="decode", daemon=True,
-                             args=(dq, ready["ports"], layouts, seed,
+        target, args = decode or (decode_main, (layouts, seed))
+        decode = ctx.Process(target=target, name="decode", daemon=True,
+                             args=(dq, ready["ports"], *args,
                                    {**options, "device_id": device_ids[1]}))
         procs.append(decode)
         decode.start()
@@ -171,7 +251,7 @@ def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout
 
 def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
                  secret: bytes | None = None, seed: int = 1234,
-                 device_ids: tuple[int, int] = (0, 0)) -> dict:
+                 device_ids: tuple[int, int] = (0, 0), tp_pairs=TP_PAIRS) -> dict:
     """Run every mode this host offers, each memory kind in two fresh processes (host DRAM;
     cuda/xpu VRAM on ``device_ids`` = (prefill's, decode's) where torch sees the device);
     return the JSON-able report. Device modes that cannot run are skipped with the reason."""
@@ -198,6 +278,14 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
         modes += staged.get("modes", [])
         if not staged.get("ok"):
             errors.append(staged)
+        for p, d in tp_pairs:  # mixed TP on host memory, direct and staged
+            tp_layouts = [tp_layout(CROSS_LAYER, p).to_dict()] * p
+            for extra in ({}, {"kv_buffer": "host_staged", "staging_blocks": 32}):
+                ran = _run_pair(tp_layouts, seed, {**options, **extra, "tp_ranks": list(range(p))},
+                                (0, 0), timeout, (decode_tp_main, (p, d, seed)))
+                modes += ran.get("modes", [])
+                if not ran.get("ok"):
+                    errors.append(ran)
         for device in DEVICES:
             reason = device_unavailable(device)
             if reason is not None:

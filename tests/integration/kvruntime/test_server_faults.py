@@ -122,7 +122,7 @@ def _cli(*args, env=None):
 
 
 def test_selftest_cli_json():
-    proc = _cli("selftest", "--json")
+    proc = _cli("selftest", "--json", "--tp-pairs", "none")  # TP pairs: test_selftest_cli.py
     report = json.loads(proc.stdout)  # stdout holds the report and nothing else
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert report["ok"] is True

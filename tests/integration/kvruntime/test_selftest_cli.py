@@ -1,0 +1,36 @@
+"""`python -m kvruntime selftest` as a user runs it, in real processes: every host mode, a mixed
+TP pair direct and staged, the transports UCX selected printed per mode, and no UCX ERROR line
+on stderr in normal operation (UCX's log is read by kvruntime: ucxlog.py)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_selftest_reports_tp_pairs_and_transports_and_no_ucx_errors():
+    r = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--json", "--compact",
+                        "--tp-pairs", "2x1,1x2"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    ran = [m for m in report["modes"] if m["status"] != "skipped"]
+    assert ran and all(m["status"] == "passed" for m in ran)
+    tp = [m for m in ran if "tp" in m]
+    assert {(tuple(m["tp"]), m["mode"].rsplit("/", 1)[1]) for m in tp} == {
+        ((2, 1), "direct"), ((2, 1), "staged"), ((1, 2), "direct"), ((1, 2), "staged")}
+    assert {tuple(m["prefill_ranks"]) for m in tp if m["tp"] == [2, 1]} == {(0, 1)}
+    for m in ran:  # host memory between two processes of one host: cma (process_vm_readv)
+        assert "cma" in m["transports"]["rma"], m
+        assert m["transports"]["am"], m
+    assert "UCX  ERROR" not in r.stderr and "UCX ERROR" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("bad", ["2", "0x1", "ax2", "1x2,"])
+def test_bad_tp_pairs_are_one_line(bad):
+    r = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--tp-pairs", bad],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 64
+    assert "PxD" in r.stderr or "1x2,2x1" in r.stderr
