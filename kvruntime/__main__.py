@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "bench" and args.inflight == [0, 0]:
         args.inflight = None
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.ERROR,
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:
         with _report_stream() as out:

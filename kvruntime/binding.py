@@ -57,6 +57,7 @@ def load_nixl(module: str | None = None) -> NixlBinding:
         if api is None or not hasattr(api, "nixl_agent"):
             tried.append(f"{name} (imported, but it has no nixl_agent)")
             continue
+        _quiet_nixl_info()
         return NixlBinding(name, api)
     how = f"{ENV_OVERRIDE}/argument" if chosen else "the default search"
     raise NixlNotFoundError(
@@ -64,6 +65,18 @@ def load_nixl(module: str | None = None) -> NixlBinding:
         f"Install one (e.g. `pip install nixl-cu12` or build NIXL with the installer) "
         f"or set {ENV_OVERRIDE} to the module name."
     )
+
+
+def _quiet_nixl_info() -> None:
+    """NIXL's Python logger prints INFO lines (every agent, every backend) to stdout, where
+    a tool's report goes: keep its warnings and errors, and its INFO only when kvruntime logs
+    at INFO or below (KVRUNTIME_LOG_LEVEL, or the library user's own 'nixl' level)."""
+    import logging
+
+    nixl_log = logging.getLogger("nixl")
+    wanted = os.environ.get("KVRUNTIME_LOG_LEVEL", "").upper()
+    if nixl_log.level in (logging.NOTSET, logging.INFO) and wanted not in ("DEBUG", "INFO"):
+        nixl_log.setLevel(logging.WARNING)
 
 
 def as_str(name: str | bytes) -> str:

@@ -158,3 +158,73 @@ def test_mixed_tp_staged_in_vram(prefill, p, d):
                 others = [b for b in range(32) if b not in dst]
                 assert not got[others].any()
             cache.close()
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("p,d", [(1, 2), (2, 1)])
+def test_mixed_tp_direct_in_vram(prefill, p, d, op):
+    """Direct mixed TP with CUDA caches (ranks share cuda:0): NIXL moves each decode rank's
+    head slice row by row between VRAM caches; compared with the ranks rebuilt on the device."""
+    import torch
+
+    from kvruntime.tp import head_slices
+
+    heads, seed = 4, 90 + p * 10 + d
+
+    def lay(tp):
+        return KVLayout(PER_LAYER, 2, 32, 8, heads // tp, 16, "float16", tp)
+
+    full = []
+    for i in range(p):
+        c = KVCache.allocate_device(lay(p), "cuda", DEVICE_ID)
+        c.fill_random(seed + i)
+        full.append(_logical(c).clone())
+        c.close()
+    full = torch.cat(full, dim=3)
+    src, dst = [2, 3, 4, 20], [10, 0, 1, 31]
+    with prefill([lay(p)] * p, seed=seed, device="cuda", device_id=DEVICE_ID,
+                 tp_ranks=list(range(p))) as (_proc, ports):
+        for j in range(d):
+            cache = KVCache.allocate_device(lay(d), "cuda", DEVICE_ID)
+            cache.fill_value(0)
+            with DecodeClient(cache, device_kind="cuda", tp_rank=j) as client:
+                for s in head_slices(lay(p), cache.layout, j):
+                    peer = client.connect("127.0.0.1", ports[s.prefill_rank])
+                    assert peer.engine == "nixl" and peer.head_slice == s
+                    getattr(peer, op)(src, dst, timeout=30)
+                hd = heads // d
+                got = _logical(cache)
+                assert torch.equal(got[dst], full[src][:, :, :, j * hd:(j + 1) * hd, :])
+                others = [b for b in range(32) if b not in dst]
+                assert not got[others].any()
+            cache.close()
+
+
+def test_connect_reads_back_the_lanes_ucx_chose_for_vram(prefill):
+    """The connect-time probe makes UCX select the protocol for VRAM before any KV moves; the
+    lanes it logged are read back, and device memory is not on TCP (else connect refuses)."""
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=5, device="cuda", device_id=DEVICE_ID) as (_proc, ports):
+        cache = KVCache.allocate_device(layout, "cuda", DEVICE_ID)
+        with DecodeClient(cache, device_kind="cuda", engine="nixl") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            rma = [lane for lane in peer.lanes if lane.rma and lane.device_memory]
+            assert rma, peer.lanes
+            assert all("tcp" not in lane.transports for lane in rma), rma
+            print("VRAM lanes:", *map(str, rma), sep="\n  ")
+        cache.close()
+
+
+def test_a_user_forcing_tcp_for_vram_gets_a_loud_warning():
+    """UCX_TLS set by the user to tcp only: the transfers still run (the user asked) and the
+    warning names the lane; never silent."""
+    proc = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--json",
+                           "--tp-pairs", "none"], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "UCX_TLS": "tcp"})
+    report = json.loads(proc.stdout)
+    cuda = [m for m in report["modes"] if m["mode"].startswith("cuda/")
+            and m["mode"].endswith("/nixl") and m["status"] != "skipped"]
+    assert cuda, report
+    assert "UCX moves device memory over TCP" in proc.stderr, proc.stderr[-3000:]
+    print(*(f"{m['mode']} {m['status']} {m.get('gbps')} GB/s {m.get('transports')}"
+            for m in cuda), sep="\n")
