@@ -116,10 +116,12 @@ class Agent:
         lanes = self.lanes()
         return None if lanes is None else ucxlog.summary(lanes)
 
-    def check_device_lanes(self, what: str) -> list[ucxlog.Lane]:
-        """Device-memory transfers UCX put on TCP are an error (a loud warning when the user
-        forced UCX_TLS): never silent. Returns the offending lanes."""
-        bad = ucxlog.device_lanes_on_tcp(self.lanes() or [])
+    def check_device_lanes(self, what: str, local_device: bool, remote_device: bool
+                           ) -> list[ucxlog.Lane]:
+        """Transfers of these memory kinds (ours, the peer's: device memory or not) that UCX
+        put on TCP are an error (a loud warning when the user forced UCX_TLS): never silent.
+        Returns the offending lanes."""
+        bad = ucxlog.device_lanes_on_tcp(self.lanes() or [], local_device, remote_device)
         if not bad:
             return []
         text = (f"{what}: UCX moves device memory over TCP ({'; '.join(map(str, bad))}); "

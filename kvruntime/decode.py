@@ -527,7 +527,8 @@ class DecodeClient:
             else:
                 probe.finish()
         peer.lanes = self.agent.lanes()
-        self.agent.check_device_lanes(peer.name)
+        self.agent.check_device_lanes(peer.name, self._scratch.mem_type == "VRAM",
+                                      peer.info.mem_type == "VRAM")
 
     def _head_slice(self, info: PeerInfo):
         """Which of the peer's heads land in which of ours (tp.py): None when whole blocks

@@ -511,7 +511,8 @@ class PrefillServer:
             return
         peer.lanes_checked = True
         try:
-            self.agent.check_device_lanes(f"push to {peer.agent}")
+            self.agent.check_device_lanes(f"push to {peer.agent}", self.cache.mem_type == "VRAM",
+                                          peer.info.mem_type == "VRAM")
         except KVRuntimeError as exc:
             log.error("%s", exc)
 

@@ -121,7 +121,9 @@ def _run_mode(peer, cache, layout, device, op, engine, seed, options) -> dict:
             "descriptors": res.descriptors, "nixl_descriptors": res.nixl_descriptors,
             "seconds": round(res.seconds, 6), "gbps": round(res.gbps, 3),
             "digest_ok": not bad, "digests_checked": len(src),
-            "transports": peer.client.agent.transports(),
+            # UCX's lanes; a same-node engine's copies take none
+            "transports": (peer.client.agent.transports()
+                           if peer.engine in ("nixl", "host_staged") else None),
         })
         if bad:
             entry["reason"] = f"{len(bad)} block(s) differ, e.g. source block {bad[0]}"

@@ -153,7 +153,7 @@ def ucx_settings(device_kind: str, env: Mapping[str, str],
         want[CMA_SEG_SETTING] = CMA_SEG_SIZE
     if device_kind == "xpu":
         want["UCX_MEMTYPE_CACHE"] = "n"
-    if device_kind == "cuda":
+    if device_kind == "cuda" and admitted(env, {"cuda_ipc"}):  # else UCX warns it is unused
         want["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] = "on"
     added = {k: v for k, v in want.items()
              if k not in env and not (k == SHM_AM_SETTING and "UCX_MM_ERROR_HANDLING" in env)}

@@ -47,6 +47,9 @@ _MESSAGE = re.compile(r"\]\s+\S+:\d+\s+UCX\s+([A-Z]+)\s+(.*)$")
 _ROW = re.compile(r"\]\s+\|(.*)\|\s*$")
 _TRANSPORT = re.compile(r"\b([a-z][a-z0-9_]*)/[\w.:\-]+")
 HOST_MEMORY = "host"
+_READ = re.compile(r"\binto (\S+)(?: memory)? from (\S+)")
+_WRITE = re.compile(r"\bfrom (\S+)(?: memory)? to (\S+)")
+_TITLE = re.compile(r"\scfg#\d+\s*$")
 
 
 @dataclass(frozen=True)
@@ -60,9 +63,19 @@ class Lane:
     transports: tuple[str, ...]
 
     @property
+    def memories(self) -> tuple[str, str] | None:
+        """(local, remote) memory kinds of a remote read or write: "host", "cuda", "ze"...
+        UCX writes "read ... into <local> memory from <remote>" and "write ... from <local>
+        memory to <remote>" (e.g. "cuda/dev[1]", "host")."""
+        m = _READ.search(self.operation) or _WRITE.search(self.operation)
+        if not m:
+            return None
+        return m.group(1).split("/")[0], m.group(2).split("/")[0]
+
+    @property
     def device_memory(self) -> bool:
-        """The operation moves device memory (UCX names it cuda/..., ze/..., rocm/...)."""
-        return bool(re.search(r"\b(cuda|rocm|ze)[\w-]*(/|\s|$)", self.operation))
+        """Either side of the operation is device memory."""
+        return any(kind != HOST_MEMORY for kind in self.memories or ())
 
     @property
     def rma(self) -> bool:
@@ -124,12 +137,14 @@ class UcxLog:
         self._private_dir = private_dir  # removed with the file once UCX has it open
         self._partial = ""
         self._rows: list[str] = []
-        self._groups: list[list[str]] = []
+        self._head: list[str] | None = None  # title and operation rows of the table being read
+        self._header = False  # its Range/Description/Config row was read
         self._lock = threading.Lock()
 
     def read(self) -> list[Lane]:
         """Take in what UCX wrote since the last read; return the lanes that appeared."""
         with self._lock:
+            _flush_stdio()  # UCX's FILE* is buffered: what it printed may still sit in it
             if self._file is None and not self._open():
                 return []
             text = self._file.read()
@@ -158,28 +173,36 @@ class UcxLog:
         return True
 
     def _line(self, line: str) -> None:
-        # A protocol table: +--+ / title, operation / +--+ / header / +--+ / data rows / +--+.
-        # Borders close groups of rows; three groups make one table.
+        # A protocol table: +--+ / title, operation / +--+ / header / +--+ / data rows / +--+;
+        # a table may have no data rows (its next table's border follows the header's).
         row = _ROW.search(line)
         if row:
             self._rows.append(row.group(1))
             return
         if "+--" in line:
             if self._rows:
-                self._groups.append(self._rows)
+                self._group(self._rows)
                 self._rows = []
-            if len(self._groups) == 3:
-                self._table(*self._groups)
-                self._groups = []
             return
-        self._groups, self._rows = [], []  # anything else ends a table
+        self._head, self._header = None, False  # anything else ends a table
         message = _MESSAGE.search(line)
         if message:
             emit(message.group(1), message.group(2))
 
-    def _table(self, head: list[str], header: list[str], data: list[str]) -> None:
+    def _group(self, rows: list[str]) -> None:
+        if _TITLE.search(rows[0]):  # a table starts (a previous one without data ends)
+            if self._head is not None and self._header:
+                self._table(self._head, [])
+            self._head, self._header = rows, False
+        elif self._head is not None and not self._header and "Config" in rows[0]:
+            self._header = True
+        elif self._head is not None and self._header:
+            self._table(self._head, rows)
+            self._head, self._header = None, False
+
+    def _table(self, head: list[str], data: list[str]) -> None:
         title = head[0].split()
-        if len(head) != 2 or len(title) < 2 or "Config" not in header[0]:
+        if len(head) < 2 or len(title) < 2:
             return
         transports: list[str] = []
         for row in data:
@@ -187,6 +210,19 @@ class UcxLog:
                 if name not in transports:
                     transports.append(name)
         self.lanes.append(Lane(title[0], title[1], head[1].strip(), tuple(transports)))
+
+
+def _flush_stdio() -> None:
+    """fflush(NULL): every stdio output stream of this process, UCX's log file among them."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None)
+    _libc.fflush(None)
+
+
+_libc = None
 
 
 def emit(level: str, text: str) -> None:
@@ -197,10 +233,21 @@ def emit(level: str, text: str) -> None:
     log.log(_LEVELS.get(level, logging.WARNING), "UCX %s: %s", level, text)
 
 
-def device_lanes_on_tcp(lanes) -> list[Lane]:
-    """Device-memory remote reads/writes UCX put on TCP: each moves a GPU's memory through
-    host sockets, orders of magnitude below the device's copy speed."""
-    return [lane for lane in lanes if lane.rma and lane.device_memory and "tcp" in lane.transports]
+def device_lanes_on_tcp(lanes, local_device: bool, remote_device: bool) -> list[Lane]:
+    """Remote reads/writes between peers (not an agent's loopback to itself) of the memory
+    kinds a KV transfer moves — local and remote device memory or not, one of them device —
+    that UCX put on TCP: each moves a GPU's memory through host sockets, orders of magnitude
+    below the device's copy speed. (UCX also prints selections it only considered, such as a
+    put from host memory into a peer's registered cuda memory: those are not KV's lanes.)"""
+    out = []
+    for lane in lanes:
+        kinds = lane.memories
+        if lane.scope == "self" or kinds is None or "tcp" not in lane.transports:
+            continue
+        if ((kinds[0] != HOST_MEMORY, kinds[1] != HOST_MEMORY) == (local_device, remote_device)
+                and (local_device or remote_device)):
+            out.append(lane)
+    return out
 
 
 def summary(lanes) -> dict[str, list[str]]:

@@ -208,7 +208,9 @@ def test_connect_reads_back_the_lanes_ucx_chose_for_vram(prefill):
         cache = KVCache.allocate_device(layout, "cuda", DEVICE_ID)
         with DecodeClient(cache, device_kind="cuda", engine="nixl") as client:
             peer = client.connect("127.0.0.1", ports[0])
-            rma = [lane for lane in peer.lanes if lane.rma and lane.device_memory]
+            print("all lanes:", *map(str, peer.lanes), sep="\n  ")
+            rma = [lane for lane in peer.lanes if lane.scope != "self" and lane.memories
+                   and lane.memories == ("cuda", "cuda")]
             assert rma, peer.lanes
             assert all("tcp" not in lane.transports for lane in rma), rma
             print("VRAM lanes:", *map(str, rma), sep="\n  ")
@@ -220,11 +222,11 @@ def test_a_user_forcing_tcp_for_vram_gets_a_loud_warning():
     warning names the lane; never silent."""
     proc = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--json",
                            "--tp-pairs", "none"], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "UCX_TLS": "tcp"})
+                          env={**os.environ, "UCX_TLS": "tcp,cuda_copy"})
     report = json.loads(proc.stdout)
     cuda = [m for m in report["modes"] if m["mode"].startswith("cuda/")
             and m["mode"].endswith("/nixl") and m["status"] != "skipped"]
-    assert cuda, report
+    assert cuda, (report, proc.stderr[-3000:])
     assert "UCX moves device memory over TCP" in proc.stderr, proc.stderr[-3000:]
     print(*(f"{m['mode']} {m['status']} {m.get('gbps')} GB/s {m.get('transports')}"
             for m in cuda), sep="\n")

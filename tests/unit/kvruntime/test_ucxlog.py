@@ -1,8 +1,8 @@
 """UCX's log as kvruntime reads it: protocol tables -> lanes, messages -> log records.
 
 The host-memory table below is copied from a real run here (UCX of nixl-cu12, UCX_PROTO_INFO=y);
-the cuda one has the same shape with the operation and Config a CUDA host prints (no GPU here:
-the device run in BENCHMARKS.md checks the real one)."""
+the cuda ones are as UCX printed them on an H100 (nixl-cu13's UCX), where a table may also come
+with no data rows at all."""
 
 import logging
 
@@ -23,7 +23,7 @@ HOST_TABLE = f"""{P}+--------+-------------+------------------------------------
 """
 CUDA_TCP_TABLE = f"""{P}+---------+-------------+------------------------------------+
 {P}| kvr-decode-1-aa intra-node cfg#2                                 |
-{P}| remote memory read by ucp_get* into cuda/GPU0 memory from cuda/GPU0 |
+{P}| remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1] |
 {P}+---------+-------------+------------------------------------+
 {P}| Range   | Description | Config                             |
 {P}+---------+-------------+------------------------------------+
@@ -45,7 +45,34 @@ def test_tables_become_lanes_and_only_device_memory_on_tcp_is_flagged(tmp_path):
     assert [(lane.context, lane.scope, lane.transports) for lane in lanes] == [
         ("kvr-decode-1-aa", "intra-node", ("cma",)), ("kvr-decode-1-aa", "intra-node", ("tcp",))]
     assert not lanes[0].device_memory and lanes[1].device_memory
-    assert device_lanes_on_tcp(lanes) == [lanes[1]]
+    assert lanes[1].memories == ("cuda", "cuda")
+    assert device_lanes_on_tcp(lanes, True, True) == [lanes[1]]
+    assert device_lanes_on_tcp(lanes, False, False) == []  # host memory may take tcp
+
+
+def test_selections_ucx_only_considered_are_not_kv_lanes():
+    """Seen on an H100: UCX printed these for the decode's agent (its loopback, and a put from
+    host memory into the peer's registered cuda memory) while KV moved cuda to cuda."""
+    lanes = [ucxlog.Lane("d", scope, "remote memory write by ucp_put* from host memory to "
+                         "cuda/dev[1]", ("tcp",)) for scope in ("self", "intra-node")]
+    assert lanes[1].memories == ("host", "cuda")
+    assert device_lanes_on_tcp(lanes, True, True) == []
+    assert device_lanes_on_tcp(lanes, False, True) == [lanes[1]]  # a host->VRAM pair would
+
+
+EMPTY_TABLE = f"""{P}+-------+-------------+---------------------------+
+{P}| kvr-decode-1-aa self cfg#0                      |
+{P}| active message by ucp_am_send* from host memory |
+{P}+-------+-------------+---------------------------+
+{P}| Range | Description |          Config           |
+{P}+-------+-------------+---------------------------+
+"""
+
+
+def test_a_table_without_data_rows_does_not_derail_the_next(tmp_path):
+    lanes = read(tmp_path, EMPTY_TABLE + EMPTY_TABLE + CUDA_TCP_TABLE + HOST_TABLE).read()
+    assert [(lane.scope, lane.transports) for lane in lanes] == [
+        ("self", ()), ("self", ()), ("intra-node", ("tcp",)), ("intra-node", ("cma",))]
 
 
 def test_a_table_written_in_two_pieces_is_read_once_whole(tmp_path):
@@ -101,6 +128,7 @@ def test_the_file_leaves_the_disk_once_open_and_is_still_read(tmp_path):
 
 @pytest.mark.parametrize("operation,device", [
     ("remote memory write by ucp_put* from cuda/GPU1 memory to cuda", True),
+    ("remote memory write by ucp_put* from host memory to cuda/dev[1]", True),
     ("remote memory read by ucp_get* into host memory from host", False),
     ("remote memory write by ucp_put* from ze/GPU0 memory to host", True),
 ])
