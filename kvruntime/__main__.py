@@ -107,7 +107,7 @@ def _bench(args, out) -> int:
         iters=args.iters, block_kib=args.block_kib, nixl_module=args.nixl_module,
         handshakes=args.handshakes, device=args.device, device_ids=args.device_ids,
         engines=args.engines, bare=not args.no_bare, inflight=args.inflight or [],
-        kv_buffer=args.kv_buffer)
+        kv_buffer=args.kv_buffer, tp_pairs=[list(pair) for pair in args.tp_pairs])
     report = run_bench(cfg)
     if args.json:
         say(json.dumps(report, indent=None if args.compact else 2))
@@ -132,6 +132,15 @@ def _bench(args, out) -> int:
                 f"{c['gather_gbps']:.1f} GB/s vs pinned D2H {c['d2h_pinned_gbps']:.1f} "
                 f"({c['gather_ratio']:.2f}); scatter {c['scatter_gbps']:.1f} vs pinned H2D "
                 f"{c['h2d_pinned_gbps']:.1f} ({c['scatter_ratio']:.2f})")
+        for t in report.get("tp", []):
+            p, d = t["tp"]
+            if "error" in t:
+                say(f"tp {p}->{d} {t['kv_buffer']}: {t['error']}")
+                continue
+            staged = f", {t['vs_direct']:.2f} of direct" if "vs_direct" in t else ""
+            say(f"tp {p}->{d} {t['kv_buffer']:11} rank 0 from prefill ranks {t['prefill_ranks']}: "
+                f"{t['bytes'] / 2**20:.0f} MiB {t['gbps']:.2f} GB/s, ref {t['ref_gbps']:.2f} "
+                f"({t['ratio']:.2f}), {t['descriptors']} descriptors{staged}")
         for s in report.get("skipped", []):
             say(f"skipped {s['layout']}/{s['engine']}: {s['reason']}")
         for kind, hs in (report.get("handshake_ms") or {}).items():
@@ -194,6 +203,9 @@ def main(argv=None) -> int:
                    help="host_staged: caches stay unregistered, NIXL moves staging-pool blocks")
     b.add_argument("--no-bare", action="store_true",
                    help="skip timing a bare NIXL READ of the same descriptors beside each pull")
+    b.add_argument("--tp-pairs", type=_tp_pairs, default="none", metavar="PxD,...",
+                   help="also pull as decode rank 0 of TP D from P prefill ranks, direct and "
+                        "host-staged (e.g. 1x2,2x1,2x4,4x2; default: none)")
     b.add_argument("--inflight", type=int, nargs=2, metavar=("PEERS", "REQUESTS"),
                    default=[4, 32], help="decode peers and requests kept in flight on one "
                    "prefill, beside one request of the same bytes (0 0: skip)")

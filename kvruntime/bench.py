@@ -42,6 +42,7 @@ class BenchConfig:
     bare: bool = True  # also time a bare NIXL transfer of the same descriptors (overhead)
     inflight: list = field(default_factory=lambda: [4, 32])  # decode peers, requests; [] off
     kv_buffer: str = "device"  # "host_staged": both sides through their staging pools
+    tp_pairs: list = field(default_factory=list)  # [[p, d], ...]: mixed TP rows (bench_tp.py)
 
 
 def bench_layout(kind: str, block_kib: int, max_mib: int) -> KVLayout:
@@ -210,6 +211,10 @@ def run_bench(cfg: BenchConfig) -> dict:
                 if cfg.inflight and engine == cfg.engines[-1]:
                     report.setdefault("inflight", []).append(_inflight(
                         cfg, binding, layout, port, decode_options, engine, rnd))
+        if cfg.tp_pairs:
+            from .bench_tp import run_tp
+
+            report["tp"] = run_tp(cfg, cfg.tp_pairs, binding)
         report["ok"] = True
         return report
     except Exception as exc:
