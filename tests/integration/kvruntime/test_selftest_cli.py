@@ -34,3 +34,20 @@ def test_bad_tp_pairs_are_one_line(bad):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 64
     assert "PxD" in r.stderr or "1x2,2x1" in r.stderr
+
+
+def test_bench_tp_pairs_rows_direct_and_staged():
+    r = subprocess.run([sys.executable, "-m", "kvruntime", "bench", "--json", "--compact",
+                        "--sizes", "4", "--layouts", "cross_layer", "--ops", "pull",
+                        "--patterns", "contiguous", "--engines", "nixl", "--inflight", "0", "0",
+                        "--iters", "1", "--handshakes", "1", "--no-bare", "--tp-pairs", "2x1"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["kv_buffer"]: row for row in json.loads(r.stdout)["tp"]}
+    assert set(rows) == {"direct", "host_staged"}
+    for row in rows.values():
+        assert "error" not in row, row
+        assert row["prefill_ranks"] == [0, 1] and row["gbps"] > 0 and row["ref_gbps"] > 0
+    # one descriptor per token row of each block's head slice, against one run per rank
+    assert rows["direct"]["descriptors"] > 100 * rows["host_staged"]["descriptors"]
+    assert "vs_direct" in rows["host_staged"]
