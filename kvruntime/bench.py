@@ -282,7 +282,8 @@ def _staging_copies(pool, layout, rnd, cfg) -> dict:
     scatter vs one pinned -> device copy."""
     import torch
 
-    count = min(pool.blocks, max(1, (max(cfg.sizes_mib) << 20) // layout.block_bytes))
+    fits = pool.units // layout.num_kv_heads  # the pool counts in heads of blocks
+    count = min(fits, max(1, (max(cfg.sizes_mib) << 20) // layout.block_bytes))
     blocks = rnd.sample(range(layout.num_blocks), count)
     nbytes = count * layout.block_bytes
     dev = pool._device[0].device

@@ -11,11 +11,15 @@ DRAM. A pull of blocks ``src`` into ``dst``:
                         holds one KV block, regions in order), answers
     prefill -> decode   staged   {request, start, count}       or stage_failed {request, error}
     decode              takes its own pool blocks, READs the prefill's run into them with NIXL
-                        (one descriptor), scatters them into ``dst``, frees its blocks
+                        in CHUNKS pieces of whole regions posted at once, scatters each piece
+                        into ``dst`` as it lands (overlapping the READs still running), frees
+                        its blocks when the last scatter has passed
     decode  -> prefill  unstage  {request}     the prefill frees its pool blocks and the request
 
-Gather and scatter are torch index ops (cuda, xpu and cpu tensors alike); a CUDA pool is pinned
-(cudaHostRegister) so the copies to and from it run at PCIe speed. Pools never block forever:
+Gather and scatter are torch index ops (cuda, xpu and cpu tensors alike) queued on a stream of
+the pool's own, after the caller's stream, and followed by events: nothing waits for the whole
+device, and the decode's poll never blocks on a copy. A CUDA pool is pinned (cudaHostRegister)
+so the copies to and from it run at PCIe speed. Pools never block forever:
 a request waits for pool blocks only until its deadline, then fails with the numbers.
 """
 
@@ -25,6 +29,7 @@ import ctypes
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
@@ -106,6 +111,13 @@ class StagingPool:
             self._pin()
         self._pool = _byte_regions(self.cache)[0]
         self._device = _byte_regions(device_cache)
+        self._stream = self._mod = None
+        dev = self._device[0].device
+        if dev.type != "cpu":  # the copies run on a stream of their own, ordered by events
+            import torch
+
+            self._mod = getattr(torch, dev.type)
+            self._stream = self._mod.Stream(device=dev)
 
     def _pin(self) -> None:
         """Page-lock the pool for CUDA copies (without it a copy to pageable memory is staged
@@ -201,44 +213,74 @@ class StagingPool:
             return [self._device[0][:lay.region_bytes].view(nb, 2 * lay.num_layers, t, h, de)]
         return [r[:lay.region_bytes].view(nb, 1, t, h, de) for r in self._device]
 
+    def _on_stream(self):
+        """Where the copies are queued: the pool's stream, after everything the caller's stream
+        had queued so far (the engine's writes into the cache); no-op on a CPU cache."""
+        import contextlib
+
+        if self._stream is None:
+            return contextlib.nullcontext()
+        dev = self._device[0].device
+        self._stream.wait_stream(self._mod.current_stream(dev))
+        return self._mod.stream(self._stream)
+
+    def _event(self):
+        """An event after what was just queued on the pool's stream (None on a CPU cache: the
+        copies are done)."""
+        if self._stream is None:
+            return None
+        event = self._mod.Event()
+        event.record(self._stream)
+        return event
+
     def gather(self, blocks, start: int, heads: tuple[int, int] | None = None) -> int:
         """Heads ``heads`` (all by default) of device cache ``blocks`` -> the run at ``start``;
-        finished when this returns. Returns the units used."""
+        finished when this returns (waiting for the pool's own stream, never the device).
+        Returns the units used."""
         h0, h1 = heads or (0, self.device_layout.num_kv_heads)
-        ids = self._ids(blocks)
-        out = self._run(start, len(blocks), h1 - h0)
-        r = 0
-        for view in self._views():
-            rows = view.index_select(0, ids)[:, :, :, h0:h1, :]  # [n, regions, t, hs, de]
-            k = rows.shape[1]
-            out[r:r + k].copy_(rows.permute(1, 0, 2, 3, 4), non_blocking=self._pinned)
-            r += k
-        self._sync()
+        with self._on_stream():
+            ids = self._ids(blocks)
+            out = self._run(start, len(blocks), h1 - h0)
+            r = 0
+            for view in self._views():
+                rows = view.index_select(0, ids)[:, :, :, h0:h1, :]  # [n, regions, t, hs, de]
+                k = rows.shape[1]
+                out[r:r + k].copy_(rows.permute(1, 0, 2, 3, 4), non_blocking=self._pinned)
+                r += k
+            event = self._event()
+        wait(event)
         return len(blocks) * (h1 - h0)
 
     def scatter(self, start: int, blocks, heads: tuple[int, int] | None = None) -> None:
-        """The run at ``start`` -> heads ``heads`` of device cache ``blocks``."""
+        """The run at ``start`` -> heads ``heads`` of device cache ``blocks``, finished when
+        this returns."""
+        wait(self.scatter_async(start, blocks, heads))
+
+    def scatter_async(self, start: int, blocks, heads: tuple[int, int] | None = None,
+                      regions: tuple[int, int] | None = None):
+        """Queue regions ``regions`` (all by default: a run is region-major, so a range of them
+        is one contiguous piece of it) of the run at ``start`` into heads ``heads`` of device
+        cache ``blocks``. Returns an event to poll (None: already done, a CPU cache). The run
+        must stay untouched until then."""
         g0, g1 = heads or (0, self.device_layout.num_kv_heads)
-        ids = self._ids(blocks)
-        src = self._run(start, len(blocks), g1 - g0)
-        r = 0
-        for view in self._views():
-            k = view.shape[1]
-            part = src[r:r + k].permute(1, 0, 2, 3, 4)  # [n, regions, t, hs, de]
-            if view.device.type == "cpu":
-                # numpy copies whole rows; torch's CPU index_put goes element by element
-                view.numpy()[ids.numpy(), :, :, g0:g1, :] = part.numpy()
-            else:
-                view[ids, :, :, g0:g1, :] = part.to(view.device, non_blocking=self._pinned)
-            r += k
-        self._sync()
-
-    def _sync(self) -> None:
-        dev = self._device[0].device
-        if dev.type != "cpu":
-            import torch
-
-            getattr(torch, dev.type).synchronize(dev)
+        r0, r1 = regions or (0, 2 * self.device_layout.num_layers)
+        with self._on_stream():
+            ids = self._ids(blocks)
+            src = self._run(start, len(blocks), g1 - g0)
+            r = 0
+            for view in self._views():
+                k = view.shape[1]
+                a, b = max(r0, r), min(r1, r + k)  # this view's regions within the range
+                if a < b:
+                    part = src[a:b].permute(1, 0, 2, 3, 4)  # [n, regions, t, hs, de]
+                    if view.device.type == "cpu":
+                        # numpy copies whole rows; torch's CPU index_put goes element by element
+                        view.numpy()[ids.numpy(), a - r:b - r, :, g0:g1, :] = part.numpy()
+                    else:
+                        view[ids, a - r:b - r, :, g0:g1, :] = part.to(
+                            view.device, non_blocking=self._pinned)
+                r += k
+            return self._event()
 
     def close(self) -> None:
         if self._pinned:
@@ -251,11 +293,35 @@ class StagingPool:
         self.cache.close()
 
 
+def wait(event) -> None:
+    """Until an event of the pool's stream has passed (this stream's work only, never a
+    device-wide synchronize)."""
+    if event is not None:
+        event.synchronize()
+
+
+def done(event) -> bool:
+    return event is None or event.query()
+
+
 def pool_plan(src_layout: KVLayout, src_start: int, dst_layout: KVLayout, dst_start: int,
               n: int) -> TransferPlan:
     """The one-run plan moving pool blocks ``src_start..`` to ``dst_start..``."""
     return make_plan(src_layout, list(range(src_start, src_start + n)), dst_layout,
                      list(range(dst_start, dst_start + n)))
+
+
+# A staged run is READ in this many pieces (whole regions each), so that the scatter of one
+# overlaps the READ of the next.
+CHUNKS = 4
+
+
+@dataclass
+class _Chunk:
+    regions: tuple[int, int]
+    xfer: object  # PostedTransfer
+    event: object = None  # its scatter's, on the pool's stream
+    scattered: bool = False
 
 
 class StagedPull(CopyJob):
@@ -275,7 +341,7 @@ class StagedPull(CopyJob):
         self.request_id = request_id
         self._remote: tuple[int, int] | None = None
         self._local: int | None = None
-        self._xfer = None
+        self._chunks: list[_Chunk] = []
         self._unstaged = False
         src, self._dst = (ids.tolist() for ids in plan.block_ids())
         self._message = {"type": "stage", "request": request_id, "src": src,
@@ -303,32 +369,58 @@ class StagedPull(CopyJob):
         if self.state != "PROC":
             return self.state
         pool = self.peer.client.staging
-        if self._remote is not None and self._xfer is None:
+        if self._remote is not None and not self._chunks:
             self._local = pool.try_acquire(self._remote[1])
             if self._local is None:
                 return self.state  # waits for pool blocks until the handle's deadline
-            from .transfer import PostedTransfer
-
-            reg = self.peer.client.registration
-            plan = pool_plan(self.peer.info.layout, self._remote[0], pool.layout, self._local,
-                             self._remote[1])
             try:
-                self._xfer = PostedTransfer(self.peer.client.agent, "READ", plan,
-                                            reg.local_dlist, reg.peer_dlist(self.peer.agent),
-                                            True, b"")
+                self._post_chunks(pool)
             except KVRuntimeError as exc:
                 self._fail(str(exc))
                 return self.state
-        if self._xfer is not None:
-            st = self._xfer.poll()
-            if st == "DONE":
-                self._xfer.finish()
-                pool.scatter(self._local, self._dst, self._dst_heads)
-                self._done("DONE")
+        for chunk in self._chunks:
+            if chunk.scattered:
+                continue
+            st = chunk.xfer.poll()
+            if st == "DONE":  # its regions land while the next chunks are still read
+                chunk.xfer.finish()
+                chunk.event = pool.scatter_async(self._local, self._dst, self._dst_heads,
+                                                 chunk.regions)
+                chunk.scattered = True
             elif st == "ERR":
-                self._xfer.finish()
+                chunk.xfer.finish()
                 self._fail("the NIXL READ of the staged blocks failed (prefill gone?)")
+                return self.state
+        if self._chunks and all(c.scattered and done(c.event) for c in self._chunks):
+            self._done("DONE")
         return self.state
+
+    def _post_chunks(self, pool) -> None:
+        """READ the prefill's run into ours as CHUNKS pieces of whole regions (a run is
+        region-major, so each is one descriptor), all posted at once: the scatter of a piece
+        that has landed overlaps the READs of the next ones."""
+        import numpy as np
+
+        from .transfer import PostedTransfer, Rows
+
+        regions = 2 * pool.device_layout.num_layers
+        unit, units = pool.layout.block_bytes, self._remote[1]
+        per_region = units * unit // regions
+        local = pool.cache.regions[0]
+        remote = self.peer.info.regions[0]
+        local_base = local.address + self._local * unit
+        remote_base = remote[0] + self._remote[0] * unit
+        plan = pool_plan(self.peer.info.layout, self._remote[0], pool.layout, self._local, units)
+        k = min(CHUNKS, regions)
+        bounds = [i * regions // k for i in range(k + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            off, length = a * per_region, (b - a) * per_region
+            rows = Rows(np.array([[local_base + off, length, local.device_id]], dtype=np.uint64),
+                        np.array([[remote_base + off, length, remote[2]]], dtype=np.uint64),
+                        self.peer.agent, local.mem_type, self.peer.info.mem_type)
+            xfer = PostedTransfer(self.peer.client.agent, "READ", plan, None, None, True, b"", 1,
+                                  rows)
+            self._chunks.append(_Chunk((a, b), xfer))
 
     def _fail(self, why: str) -> None:
         self.error = why
@@ -339,29 +431,37 @@ class StagedPull(CopyJob):
         self.end = time.perf_counter()
         self._cleanup()
 
-    def _cleanup(self) -> None:
-        if self._local is not None:
+    def _cleanup(self) -> bool:
+        """Stop what is in flight, then free our pool blocks and tell the prefill to free its
+        own. False when a READ could not be aborted: our blocks then stay taken (it may still
+        write into them)."""
+        reading = [c.xfer for c in self._chunks if not c.scattered and not c.xfer.released]
+        stopped = all([xfer.abort() for xfer in reading])
+        for chunk in self._chunks:
+            wait(chunk.event)  # a scatter still reading our blocks (the pool's stream only)
+        if self._local is not None and stopped:
             self.peer.client.staging.release(self._local, self._remote[1])
             self._local = None
+        elif not stopped:
+            log.error("%s: a staged READ could not be aborted; %d staging units stay taken",
+                      self.peer.name, self._remote[1])
         if not self._unstaged:
             self._unstaged = True
             try:
                 self.peer._send({"type": "unstage", "request": self.request_id})
             except KVRuntimeError:
                 pass  # the connection is gone: the prefill frees everything of ours
+        return stopped
 
     def abort(self) -> bool:
         if self.state != "PROC":
             return True
-        aborted = self._xfer.abort() if self._xfer is not None else True
-        if aborted:
-            self._cleanup()
         self.state = "ERR"
-        return aborted
+        return self._cleanup()
 
     def result(self):
         from .transfer import TransferResult
 
         nbytes = self._units * self.peer.client.staging.layout.block_bytes  # our heads only
-        return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs, 1, None,
-                              engine=self.engine)
+        return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,
+                              len(self._chunks), None, engine=self.engine)
