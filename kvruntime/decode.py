@@ -97,6 +97,24 @@ class PrefillPeer:
             self.engine_reason = f"NIXL: same-node engine unavailable: {exc}"
             log.info("%s: %s", self.name, self.engine_reason)
 
+    def _check_engine_heads(self, info: PeerInfo, required: bool) -> None:
+        """Mixed TP: keep the same-node engine only if it copies head slices (CUDA IPC on one
+        GPU); otherwise NIXL, one descriptor per token row of each block's head slice."""
+        engine = self._engine
+        if engine is not None and engine.moves_head_slices:
+            self.engine_reason += "; mixed TP: one strided copy per region of the head slice"
+            return
+        why = (f"prefill TP {info.cache_layout.tp_size} / decode TP "
+               f"{self.client.cache.layout.tp_size} moves head slices, which the same-node "
+               f"engine here does not copy" + (f" ({engine.name})" if engine else ""))
+        if engine is not None:
+            engine.close()
+            self._engine = None
+        if required:
+            raise SameNodeUnavailable(f"{self.name}: same-node engine unavailable: {why} (use "
+                                      f"engine='nixl' or kv_buffer='host_staged')")
+        self.engine_reason = f"NIXL: {why}; one descriptor per token row of each head slice"
+
     @property
     def name(self) -> str:
         return f"prefill {self.address[0]}:{self.address[1]}"
@@ -111,7 +129,7 @@ class PrefillPeer:
         notification tells the prefill side it may free the request's blocks."""
         t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
-        handle = TransferHandle(self, "pull", request_id, plan, timeout, t0)
+        handle = self._handle("pull", request_id, plan, timeout, t0)
         if self._engine is not None:
             return self._start_local(handle)
         if self.client.staging is not None:
@@ -154,12 +172,9 @@ class PrefillPeer:
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
         if request_id in self._pending:
             raise KVRuntimeError(f"request id {request_id!r} is already in flight on {self.name}")
-        handle = TransferHandle(self, "push", request_id, plan, timeout, t0)
+        handle = self._handle("push", request_id, plan, timeout, t0)
         if self.client.staging is not None:
             return self._start_staged(handle)
-        if self.head_slice is not None:  # the prefill writes its head rows (same slice)
-            s = self.head_slice
-            handle.nbytes = plan.nbytes * s.count // self.client.cache.layout.num_kv_heads
         if self._engine is not None:
             # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
             # here, the prefill told it may free them) is the push's, at the pull's speed.
@@ -192,19 +207,26 @@ class PrefillPeer:
             raise KVRuntimeError("a request id appears twice in one batch")
         merged = merge_plans([plan for plan, _rid in admitted])  # refuses shared destinations
         if self._engine is None:
-            return [self._post_read(TransferHandle(self, "pull", rid, plan, timeout, t0), 1)
+            return [self._post_read(self._handle("pull", rid, plan, timeout, t0), 1)
                     for plan, rid in admitted]
-        job = self._engine.start("READ", merged)
+        job = self._engine.start("READ", merged, self.head_slice)
         handles = []
         for plan, rid in admitted:
-            handle = TransferHandle(self, "pull", rid, plan, timeout, t0)
+            handle = self._handle("pull", rid, plan, timeout, t0)
             handle._xfer = SharedJob(job, plan)
             self.client._track(handle)
             handles.append(handle)
         return handles
 
+    def _handle(self, op, request_id, plan, timeout, t0) -> TransferHandle:
+        handle = TransferHandle(self, op, request_id, plan, timeout, t0)
+        if self.head_slice is not None:  # mixed TP: what lands is this peer's share of our heads
+            handle.nbytes = (plan.nbytes * self.head_slice.count
+                             // self.client.cache.layout.num_kv_heads)
+        return handle
+
     def _start_local(self, handle: TransferHandle) -> TransferHandle:
-        handle._xfer = self._engine.start("READ", handle.plan)
+        handle._xfer = self._engine.start("READ", handle.plan, self.head_slice)
         self.client._track(handle)
         return handle
 
@@ -472,21 +494,13 @@ class DecodeClient:
         self._peers[address] = peer
         if self.staging is not None:
             peer.engine_reason = "host-staged: NIXL moves staging pool blocks (kv_buffer)"
-        elif peer.head_slice is not None:
-            if self.engine == "samenode":
-                peer.close()
-                raise SameNodeUnavailable(
-                    f"{peer.name}: same-node engine unavailable: it copies whole blocks, and "
-                    f"prefill TP {info.cache_layout.tp_size} / decode TP "
-                    f"{self.cache.layout.tp_size} moves head slices (use engine='nixl' or "
-                    f"kv_buffer='host_staged')")
-            peer.engine_reason = ("NIXL: mixed TP direct, one descriptor per token row of each "
-                                  "block's head slice")
         elif self.engine == "nixl":
             peer.engine_reason = "NIXL: forced (engine='nixl')"
         else:
             try:
                 peer._open_samenode(required=self.engine == "samenode")
+                if peer.head_slice is not None:
+                    peer._check_engine_heads(info, required=self.engine == "samenode")
             except BaseException:
                 peer.close()
                 raise

@@ -14,6 +14,8 @@ is not trusted with new requests until it settles or is reconnected.
 
 from __future__ import annotations
 
+import dataclasses
+
 import threading
 import time
 from dataclasses import replace
@@ -197,6 +199,8 @@ class TransferHandle:
                 self.settled = True
 
     def _finish(self, result: TransferResult) -> None:
+        if result.nbytes != self.nbytes:  # a copy job counts whole blocks; we got a head slice
+            result = dataclasses.replace(result, nbytes=self.nbytes)
         self._result = result
         self.state = DONE
 

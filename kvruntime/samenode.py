@@ -233,7 +233,11 @@ class HostEngine:
         self.layout = remote_layout
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvr-samenode")
 
-    def start(self, op: str, plan: TransferPlan) -> _HostJob:
+    moves_head_slices = False  # whole blocks only (mixed TP goes through NIXL)
+
+    def start(self, op: str, plan: TransferPlan, heads=None) -> _HostJob:
+        if heads is not None:
+            raise SameNodeUnavailable("the host-memory engine copies whole blocks only")
         pieces = [(self.local[d.dst_region] + d.dst_offset, self.remote[d.src_region] + d.src_offset,
                    d.length) for d in plan.descriptors()]
         return _HostJob(op, plan, self._pool.submit(read_remote, self.pid, pieces))
@@ -259,22 +263,48 @@ class CudaEngine:
             raise SameNodeUnavailable("the decode cache is not in CUDA memory")
         self.device = local[0].device
         self.stream = torch.cuda.Stream(device=self.device)
-        self.gather = BlockGather(self.remote, [t.reshape(-1).view(torch.uint8) for t in local],
-                                  remote_layout.chunk_bytes, remote_layout.num_blocks,
-                                  local_cache.layout.num_blocks)
+        self.local = [t.reshape(-1).view(torch.uint8) for t in local]
+        self.local_layout = local_cache.layout
+        self.gather = BlockGather(self.remote, self.local, remote_layout.chunk_bytes,
+                                  remote_layout.num_blocks, local_cache.layout.num_blocks)
         self._lock = threading.Lock()
 
-    def start(self, op: str, plan: TransferPlan) -> _CudaJob:
+    @property
+    def moves_head_slices(self) -> bool:
+        """Mixed TP (a head slice of each block) is copied here when the peer's memory is on
+        our GPU: one strided gather per region, at the device's speed."""
+        return all(r.device == self.device for r in self.remote)
+
+    def start(self, op: str, plan: TransferPlan, heads=None) -> _CudaJob:
         import torch
 
         with self._lock, torch.cuda.device(self.device):
             # our stream sees what the caller's stream did to the cache before this request
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
-                self.gather.copy(plan)
+                if heads is None:
+                    self.gather.copy(plan)
+                else:
+                    self._copy_heads(plan, heads)
                 event = torch.cuda.Event()
                 event.record(self.stream)
         return _CudaJob(op, plan, event)
+
+    def _copy_heads(self, plan: TransferPlan, heads) -> None:
+        """Heads ``heads.src`` of the peer's blocks -> heads ``heads.dst`` of ours: each region
+        seen as [block][token row][head][bytes of a head], one index_select and one index_put
+        per region (both caches have one block kind: the handshake checked it)."""
+        import torch
+
+        src_ids, dst_ids = (torch.as_tensor(ids, device=self.device) for ids in plan.block_ids())
+        theirs, ours = self.layout, self.local_layout
+        de = theirs.head_dim * theirs.element_bytes
+        rows = theirs.chunk_bytes // (theirs.num_kv_heads * de)
+        (s0, s1), (d0, d1) = heads.src, heads.dst
+        for src, dst in zip(self.remote, self.local):
+            s = src[:theirs.region_bytes].view(theirs.num_blocks, rows, theirs.num_kv_heads, de)
+            d = dst[:ours.region_bytes].view(ours.num_blocks, rows, ours.num_kv_heads, de)
+            d[dst_ids, :, d0:d1] = s.index_select(0, src_ids)[:, :, s0:s1]
 
     def close(self) -> None:
         import torch

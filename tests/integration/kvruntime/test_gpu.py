@@ -160,11 +160,13 @@ def test_mixed_tp_staged_in_vram(prefill, p, d):
             cache.close()
 
 
+@pytest.mark.parametrize("engine", ["nixl", "samenode"])
 @pytest.mark.parametrize("op", ["pull", "push"])
 @pytest.mark.parametrize("p,d", [(1, 2), (2, 1)])
-def test_mixed_tp_direct_in_vram(prefill, p, d, op):
+def test_mixed_tp_direct_in_vram(prefill, p, d, op, engine):
     """Direct mixed TP with CUDA caches (ranks share cuda:0): NIXL moves each decode rank's
-    head slice row by row between VRAM caches; compared with the ranks rebuilt on the device."""
+    head slice row by row, or the same-node engine copies it with one strided gather per
+    region; compared with the ranks rebuilt on the device."""
     import torch
 
     from kvruntime.tp import head_slices
@@ -187,11 +189,13 @@ def test_mixed_tp_direct_in_vram(prefill, p, d, op):
         for j in range(d):
             cache = KVCache.allocate_device(lay(d), "cuda", DEVICE_ID)
             cache.fill_value(0)
-            with DecodeClient(cache, device_kind="cuda", tp_rank=j) as client:
+            with DecodeClient(cache, device_kind="cuda", tp_rank=j, engine=engine) as client:
                 for s in head_slices(lay(p), cache.layout, j):
                     peer = client.connect("127.0.0.1", ports[s.prefill_rank])
-                    assert peer.engine == "nixl" and peer.head_slice == s
-                    getattr(peer, op)(src, dst, timeout=30)
+                    assert peer.engine.startswith(engine) and peer.head_slice == s
+                    res = getattr(peer, op)(src, dst, timeout=30)
+                    assert res.nbytes == len(src) * cache.layout.block_bytes * s.count // (
+                        heads // d)
                 hd = heads // d
                 got = _logical(cache)
                 assert torch.equal(got[dst], full[src][:, :, :, j * hd:(j + 1) * hd, :])
