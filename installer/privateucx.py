@@ -9,7 +9,9 @@ libucs-kvstack-<hash>.so.0, modules must be named lib<framework>_<name>.so.0 the
 from __future__ import annotations
 
 import hashlib
+import os
 import re
+import shutil
 from pathlib import Path
 
 from .elf import Patchelf
@@ -53,6 +55,28 @@ def privatize(files: list[Path], mapping: dict[str, str], own_soname: dict[Path,
         needed = patchelf.dynamic(f).needed
         patchelf.rewrite(f, soname=own_soname.get(f), replace_needed={n: mapping[n] for n in needed if n in mapping},
                          rpath=rpaths.get(f))
+
+
+def bundle(libraries: list[Path], modules: list[Path], into: Path, patchelf: Patchelf) -> dict[str, str]:
+    """Copy UCX's libraries into `into` under private SONAMEs and its modules into `into`/ucx,
+    each NEEDED entry rewritten to the private names and every RUNPATH $ORIGIN-relative.
+    Returns {public soname: private soname} for the files that link against this UCX."""
+    sonames = {patchelf.dynamic(p).soname or p.name: p for p in libraries}
+    mapping = soname_map({s: file_digest(p) for s, p in sonames.items()})
+    libucs = next((mapping[s] for s in mapping if s.startswith("libucs.")), None)
+    if libucs is None:
+        raise ValueError(f"no libucs among {sorted(sonames)}")
+    ending = module_ending(libucs)
+    sources = {**{into / mapping[s]: p for s, p in sonames.items()},
+               **{into / "ucx" / module_filename(p.name, ending): p for p in modules}}
+    for dst, src in sources.items():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+        os.chmod(dst, 0o755)
+    own = {into / private: private for private in mapping.values()}
+    rpaths = {dst: "$ORIGIN" if dst.parent == into else "$ORIGIN/.." for dst in sources}
+    privatize(sorted(sources), mapping, own, rpaths, patchelf)
+    return mapping
 
 
 def leaks(dyn_needed: tuple[str, ...], mapping: dict[str, str]) -> list[str]:

@@ -137,34 +137,24 @@ def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str,
     with tempfile.TemporaryDirectory(prefix=".kvstack-wheel-", dir=out) as tmp:
         root = Path(tmp)
         # the private UCX: SONAMEs from each library's content, its modules named to match libucs
-        sonames = {patchelf.dynamic(p).soname or p.name: p for p in build.ucx_libs}
-        mapping = privateucx.soname_map({s: privateucx.file_digest(p) for s, p in sonames.items()})
-        libucs = next((mapping[s] for s in mapping if s.startswith("libucs.")), None)
-        if libucs is None:
-            raise PrefixError(f"{build.build_dir / 'ucx/lib'} has no libucs", fix="install again")
-        ending = privateucx.module_ending(libucs)
-
-        placed: dict[Path, Path] = {}  # source -> file in the tree
-        own: dict[Path, str] = {}
+        try:
+            mapping = privateucx.bundle(build.ucx_libs, build.ucx_modules, root / libs, patchelf)
+        except ValueError as e:
+            raise PrefixError(f"{build.build_dir / 'ucx/lib'}: {e}", fix="install again") from None
         shutil.copytree(build.package, root / m, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), symlinks=False)
-        for soname, src in sonames.items():
-            placed[src] = root / libs / mapping[soname]
-            own[placed[src]] = mapping[soname]
+        placed: dict[Path, Path] = {}  # NIXL's files: source -> file in the tree
         for src in build.nixl_libs:
             placed[src] = root / libs / src.name
         for src in build.plugins:
             placed[src] = root / libs / "plugins" / src.name
-        for src in build.ucx_modules:
-            placed[src] = root / libs / "ucx" / privateucx.module_filename(src.name, ending)
         for src, dst in placed.items():
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
             os.chmod(dst, 0o755)
-
-        elves = sorted([*placed.values(), *(p for p in (root / m).rglob("*.so") if elf.is_elf(p))])
-        rpaths = {f: _rpath_to(str(root / libs), str(f.parent)) for f in elves}
-        privateucx.privatize(elves, mapping, own, rpaths, patchelf)
-        _check(elves, mapping, root, build, patchelf)
+        nixl_elves = sorted([*placed.values(), *(p for p in (root / m).rglob("*.so") if elf.is_elf(p))])
+        privateucx.privatize(nixl_elves, mapping, {}, {f: _rpath_to(str(root / libs), str(f.parent)) for f in nixl_elves},
+                             patchelf)
+        _check(sorted(p for p in root.rglob("*") if elf.is_elf(p)), mapping, root, build, patchelf)
 
         config = {"ucp_soname": next((mapping[s] for s in mapping if s.startswith("libucp.")), None), "env": build.env}
         _write_preload(root / m, config)
