@@ -209,9 +209,9 @@ def _publish(args) -> int:
 
 def _wheel(args) -> int:
     out = wheel.make(args.prefix or planmod.default_prefix(), args.output)
-    private = ", ".join(f"{k} -> {v}" for k, v in out["ucx"].items())
-    print(f"{out['wheel']} ({out['size'] / 1e6:.1f} MB, {len(out['files'])} files, module {out['module']}, "
-          f"tag {out['tag']})\n  private UCX: {private}")
+    print(f"{out['wheel']} ({out['size'] / 1e6:.1f} MB, {len(out['files'])} files, module {out['module']}, tag {out['tag']})")
+    for what in ("ucx", "nixl"):
+        print(f"  private {what.upper()}: " + ", ".join(f"{k} -> {v}" for k, v in out[what].items()))
     return 0
 
 

@@ -5,7 +5,10 @@ wheel's) loads this copy beside it instead of taking the one it has by SONAME.
 
 UCX finds its transport modules in `<directory of libucs as loaded>/ucx` and takes their file
 ending from libucs' own file name from its first dot on (src/ucs/sys/module.c): with libucs named
-libucs-kvstack-<hash>.so.0, modules must be named lib<framework>_<name>.so.0 there."""
+libucs-kvstack-<hash>.so.0, modules must be named lib<framework>_<name>.so.0 there.
+
+The naming (private_soname, soname_map, privatize) is not UCX's own: the wheel gives NIXL's
+libraries private SONAMEs the same way."""
 from __future__ import annotations
 
 import hashlib

@@ -2,7 +2,8 @@
 verified build, with UCX (private SONAMEs), UCX's transport modules and NIXL's plugins inside.
 
     <module>/                 NIXL's package (nixl_cpu, nixl_cu13, ...) + _kvstack_preload.py
-    <module>.libs/            NIXL's libraries and the private UCX (libucp-kvstack-<hash>.so.0 ...)
+    <module>.libs/            NIXL's libraries and UCX's, under private SONAMEs (libucp-kvstack-<hash>.so.0,
+                              libnixl-kvstack-<hash>.so, ...)
     <module>.libs/ucx/        UCX's modules: UCX looks in <directory of libucs>/ucx
     <module>.libs/plugins/    NIXL's plugins: NIXL looks in <directory of libnixl>/plugins
     <dist-info>/kvstack-manifest.json   the build's manifest
@@ -109,19 +110,30 @@ def _rpath_to(target: str, file_dir: str) -> str:
     return "$ORIGIN" if rel == "." else f"$ORIGIN/{rel}"
 
 
-def _writable_dir(out: Path) -> None:
+def check_output(out: Path) -> None:
+    """-o must be, or be creatable as, a directory this user may write to; nothing is created."""
+    probe = out
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise HostError(f"output directory {out}: {probe} is not a directory", fix="give -o a directory you may write to")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise HostError(f"output directory {out} is not writable ({probe})", fix="give -o a directory you may write to")
+
+
+def _make_output(out: Path) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise HostError.from_oserror(e, f"output directory {out}") from None
-    if not os.access(out, os.W_OK | os.X_OK):
-        raise HostError(f"output directory {out} is not writable", fix="give -o a directory you may write to")
 
 
 def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str, Any]:
     """Write the wheel into out; returns {wheel, files, ucx: {soname: private}, tag, seconds...}."""
+    check_output(out)
     build = read_build(prefix)
-    _writable_dir(out)
     exe = elf.find_patchelf(patchelf_path)
     if exe is None:
         raise SystemPackagesError("making a wheel needs patchelf, and none is on PATH",
@@ -133,6 +145,7 @@ def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str,
     name = f"kvstack-{m.replace('_', '-')}"
     ver = version(build.manifest)
     dist_info = f"{wheelformat.distribution_filename(name)}-{ver}.dist-info"
+    _make_output(out)
 
     with tempfile.TemporaryDirectory(prefix=".kvstack-wheel-", dir=out) as tmp:
         root = Path(tmp)
@@ -142,9 +155,15 @@ def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str,
         except ValueError as e:
             raise PrefixError(f"{build.build_dir / 'ucx/lib'}: {e}", fix="install again") from None
         shutil.copytree(build.package, root / m, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), symlinks=False)
+        # NIXL's libraries get private SONAMEs too: another NIXL in the process (an upstream
+        # nixl-cu12 wheel holds a libnixl.so as well) would otherwise satisfy our NEEDED entries
+        nixl_sonames = {patchelf.dynamic(p).soname or p.name: p for p in build.nixl_libs}
+        nixl_map = privateucx.soname_map({s: privateucx.file_digest(p) for s, p in nixl_sonames.items()})
         placed: dict[Path, Path] = {}  # NIXL's files: source -> file in the tree
-        for src in build.nixl_libs:
-            placed[src] = root / libs / src.name
+        own: dict[Path, str] = {}
+        for soname, src in nixl_sonames.items():
+            placed[src] = root / libs / nixl_map[soname]
+            own[placed[src]] = nixl_map[soname]
         for src in build.plugins:
             placed[src] = root / libs / "plugins" / src.name
         for src, dst in placed.items():
@@ -152,9 +171,10 @@ def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str,
             shutil.copyfile(src, dst)
             os.chmod(dst, 0o755)
         nixl_elves = sorted([*placed.values(), *(p for p in (root / m).rglob("*.so") if elf.is_elf(p))])
-        privateucx.privatize(nixl_elves, mapping, {}, {f: _rpath_to(str(root / libs), str(f.parent)) for f in nixl_elves},
+        private = {**mapping, **nixl_map}
+        privateucx.privatize(nixl_elves, private, own, {f: _rpath_to(str(root / libs), str(f.parent)) for f in nixl_elves},
                              patchelf)
-        _check(sorted(p for p in root.rglob("*") if elf.is_elf(p)), mapping, root, build, patchelf)
+        _check(sorted(p for p in root.rglob("*") if elf.is_elf(p)), private, root, build, patchelf)
 
         config = {"ucp_soname": next((mapping[s] for s in mapping if s.startswith("libucp.")), None), "env": build.env}
         _write_preload(root / m, config)
@@ -178,7 +198,7 @@ def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str,
         except OSError as e:
             part.unlink(missing_ok=True)
             raise HostError.from_oserror(e, f"writing {dest}") from None
-    return {"wheel": str(dest), "tag": str(tag), "module": m, "version": ver, "ucx": mapping,
+    return {"wheel": str(dest), "tag": str(tag), "module": m, "version": ver, "ucx": mapping, "nixl": nixl_map,
             "files": [e.path for e in entries] + [f"{dist_info}/RECORD"], "size": dest.stat().st_size}
 
 
