@@ -100,7 +100,7 @@ def version(manifest: dict[str, Any]) -> str:
     recipe = manifest.get("recipe", {})
     source = recipe.get("components", {}).get("nixl", {}).get("source", "nixl")
     tag = str(recipe.get("sources", {}).get(source, {}).get("tag", "0"))
-    release = tag[1:] if tag[:1] in "vV" and tag[1:2].isdigit() else tag
+    release = (tag[1:] if tag[:1] in ("v", "V") and tag[1:2].isdigit() else tag) or "0"
     local = ".".join(p for p in str(manifest["build_id"]).replace("_", "-").split("-") if p)
     return f"{release}+{local}"
 

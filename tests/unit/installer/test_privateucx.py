@@ -43,6 +43,7 @@ def test_leaks_names_public_ucx_still_needed():
     ("v1.4.0", "cpu-9cd985e552e4", "1.4.0+cpu.9cd985e552e4"),
     ("1.4.0", "cuda-673d0b4c6f66", "1.4.0+cuda.673d0b4c6f66"),
     (None, "xpu-1", "0+xpu.1"),
+    ("", "tpu-2", "0+tpu.2"),
 ])
 def test_wheel_version_is_nixl_release_plus_build_id(tag, build_id, want):
     src = {"url": "x"} if tag is None else {"tag": tag}
