@@ -144,11 +144,21 @@ def tp_layout(kind: str, tp: int) -> KVLayout:
     return KVLayout(kind=kind, num_kv_heads=TP_HEADS // tp, tp_size=tp, **TP_SHAPE)
 
 
-def decode_tp_main(result_queue, ports: list[int], p: int, d: int, seed: int,
-                   options: dict) -> None:
-    """Decode ranks 0..d-1 of TP d, one after the other, each pulling and pushing its heads
-    from the prefill ranks that hold them; compared head by head with the prefill ranks'
-    content rebuilt here from their seeds (the prefill fills rank i with seed + i)."""
+def tp_servers(pairs) -> tuple[list[dict], list[int], list[int]]:
+    """One prefill process serves every pair's ranks: their layouts, TP ranks, and where each
+    pair's rank 0 is among the servers (the prefill fills server i with seed + i)."""
+    layouts, ranks, offsets = [], [], []
+    for p, _d in pairs:
+        offsets.append(len(layouts))
+        layouts += [tp_layout(CROSS_LAYER, p).to_dict()] * p
+        ranks += list(range(p))
+    return layouts, ranks, offsets
+
+
+def decode_tp_main(result_queue, ports: list[int], pairs, seed: int, options: dict) -> None:
+    """For each pair, decode ranks 0..d-1 of TP d, one after the other, each pulling and
+    pushing its heads from the prefill ranks that hold them; compared head by head with the
+    prefill ranks' content rebuilt here from their seeds."""
     modes, caches = [], []
     try:
         prepare_process(options)
@@ -162,45 +172,22 @@ def decode_tp_main(result_queue, ports: list[int], p: int, d: int, seed: int,
         staged = options.get("kv_buffer") == "host_staged"
         binding = load_nixl(options.get("nixl_module"))
         kind = CROSS_LAYER
-        reference = []
-        for i in range(p):
-            c = KVCache.allocate_host(tp_layout(kind, p))
-            caches.append(c)
-            c.fill_random(seed + i)
-            reference.append(c.head_view())
-        full = np.concatenate(reference, axis=3)  # [block][2L][token][all heads][bytes]
-        for n, op in enumerate(OPS):
-            src, dst = request_blocks(TP_SHAPE["num_blocks"], seed + n)
-            for j in range(d):
-                cache = allocate_cache(tp_layout(kind, d), options)
-                caches.append(cache)
-                cache.fill_value(0)
-                entry = {"mode": f"tp {p}->{d}/rank {j}/{op}/{'staged' if staged else 'direct'}",
-                         "op": op, "tp": [p, d], "rank": j, "memory": cache.mem_type}
-                try:
-                    with DecodeClient(cache, binding=binding, secret=options.get("secret"),
-                                      kv_buffer="host_staged" if staged else "device",
-                                      staging_blocks=options.get("staging_blocks", 0),
-                                      tp_rank=j, device_kind=device_of(options)) as client:
-                        slices = head_slices(tp_layout(kind, p), cache.layout, j)
-                        nbytes = 0
-                        for s in slices:
-                            peer = client.connect("127.0.0.1", ports[s.prefill_rank])
-                            res = getattr(peer, op)(src, dst, timeout=options.get("timeout", 30.0))
-                            nbytes += res.nbytes
-                            entry.update(engine=peer.engine, descriptors=res.descriptors)
-                        entry["transports"] = client.agent.transports()
-                    hd = TP_HEADS // d
-                    got = cache.head_view()
-                    ok = (np.array_equal(got[dst], full[src][:, :, :, j * hd:(j + 1) * hd])
-                          and not np.delete(got, dst, axis=0).any())
-                    entry.update(status="passed" if ok else "failed", bytes=nbytes,
-                                 prefill_ranks=[s.prefill_rank for s in slices], digest_ok=ok)
-                    if not ok:
-                        entry["reason"] = "heads differ from the prefill ranks' (or spilled)"
-                except Exception as exc:
-                    entry.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
-                modes.append(entry)
+        for (p, d), first in zip(pairs, tp_servers(pairs)[2]):
+            reference = []
+            for i in range(p):
+                c = KVCache.allocate_host(tp_layout(kind, p))
+                c.fill_random(seed + first + i)
+                reference.append(c.head_view())
+                c.close()
+            full = np.concatenate(reference, axis=3)  # [block][2L][token][all heads][bytes]
+            for n, op in enumerate(OPS):
+                src, dst = request_blocks(TP_SHAPE["num_blocks"], seed + n)
+                for j in range(d):
+                    cache = allocate_cache(tp_layout(kind, d), options)
+                    caches.append(cache)
+                    modes.append(_run_tp_rank(cache, binding, options, staged, p, d, j, op, src,
+                                              dst, full, ports[first:first + p],
+                                              DecodeClient, head_slices))
         result_queue.put({"ok": True, "modes": modes, "module": binding.module_name})
     except BaseException as exc:
         result_queue.put({"ok": False, "modes": modes, "error": f"{type(exc).__name__}: {exc}",
@@ -208,6 +195,39 @@ def decode_tp_main(result_queue, ports: list[int], p: int, d: int, seed: int,
     finally:
         for cache in caches:
             cache.close()
+
+
+def _run_tp_rank(cache, binding, options, staged, p, d, j, op, src, dst, full, ports,
+                 DecodeClient, head_slices) -> dict:
+    import numpy as np
+
+    cache.fill_value(0)
+    entry = {"mode": f"tp {p}->{d}/rank {j}/{op}/{'staged' if staged else 'direct'}",
+             "op": op, "tp": [p, d], "rank": j, "memory": cache.mem_type}
+    try:
+        with DecodeClient(cache, binding=binding, secret=options.get("secret"),
+                          kv_buffer="host_staged" if staged else "device",
+                          staging_blocks=options.get("staging_blocks", 0),
+                          tp_rank=j, device_kind=device_of(options)) as client:
+            slices = head_slices(tp_layout(CROSS_LAYER, p), cache.layout, j)
+            nbytes = 0
+            for s in slices:
+                peer = client.connect("127.0.0.1", ports[s.prefill_rank])
+                res = getattr(peer, op)(src, dst, timeout=options.get("timeout", 30.0))
+                nbytes += res.nbytes
+                entry.update(engine=peer.engine, descriptors=res.descriptors)
+            entry["transports"] = client.agent.transports()
+        hd = TP_HEADS // d
+        got = cache.head_view()
+        ok = (np.array_equal(got[dst], full[src][:, :, :, j * hd:(j + 1) * hd])
+              and not np.delete(got, dst, axis=0).any())
+        entry.update(status="passed" if ok else "failed", bytes=nbytes,
+                     prefill_ranks=[s.prefill_rank for s in slices], digest_ok=ok)
+        if not ok:
+            entry["reason"] = "heads differ from the prefill ranks' (or spilled)"
+    except Exception as exc:
+        entry.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
+    return entry
 
 
 def _get(q, timeout: float, what: str, procs) -> dict:
@@ -280,11 +300,11 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
         modes += staged.get("modes", [])
         if not staged.get("ok"):
             errors.append(staged)
-        for p, d in tp_pairs:  # mixed TP on host memory, direct and staged
-            tp_layouts = [tp_layout(CROSS_LAYER, p).to_dict()] * p
+        if tp_pairs:  # mixed TP on host memory, direct and staged: one process pair each
+            tp_layouts, ranks, _offsets = tp_servers(tp_pairs)
             for extra in ({}, {"kv_buffer": "host_staged", "staging_blocks": 32}):
-                ran = _run_pair(tp_layouts, seed, {**options, **extra, "tp_ranks": list(range(p))},
-                                (0, 0), timeout, (decode_tp_main, (p, d, seed)))
+                ran = _run_pair(tp_layouts, seed, {**options, **extra, "tp_ranks": ranks},
+                                (0, 0), timeout, (decode_tp_main, (list(tp_pairs), seed)))
                 modes += ran.get("modes", [])
                 if not ran.get("ok"):
                     errors.append(ran)
