@@ -200,18 +200,29 @@ class StagingPool:
     def _run(self, start: int, n: int, hs: int):
         lay = self.device_layout
         u = self.layout.block_bytes
-        de = lay.head_dim * lay.element_bytes
-        return self._pool[start * u:(start + n * hs) * u].view(
-            2 * lay.num_layers, n, lay.tokens_per_block, hs, de)
+        return self._words(self._pool[start * u:(start + n * hs) * u]).view(
+            2 * lay.num_layers, n, lay.tokens_per_block, hs, -1)
 
     def _views(self) -> list:
-        """The device cache as [block][region-in-block][token][head][bytes of a head] views."""
+        """The device cache as [block][region-in-block][token][head][words of a head] views."""
         lay = self.device_layout
         nb, t, h = lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads
-        de = lay.head_dim * lay.element_bytes
         if lay.kind == CROSS_LAYER:
-            return [self._device[0][:lay.region_bytes].view(nb, 2 * lay.num_layers, t, h, de)]
-        return [r[:lay.region_bytes].view(nb, 1, t, h, de) for r in self._device]
+            return [self._words(self._device[0][:lay.region_bytes]).view(
+                nb, 2 * lay.num_layers, t, h, -1)]
+        return [self._words(r[:lay.region_bytes]).view(nb, 1, t, h, -1) for r in self._device]
+
+    def _words(self, flat):
+        """A byte range as the widest integers that divide a head's bytes: index ops then move
+        8 bytes an element instead of 1 (H100: index_select + pinned copy 0.92 of a pinned copy
+        as int64, 0.82 as bytes)."""
+        import torch
+
+        de = self.device_layout.head_dim * self.device_layout.element_bytes
+        for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+            if de % size == 0 and all(t.data_ptr() % size == 0 for t in (self._pool, *self._device)):
+                return flat.view(dtype)
+        return flat
 
     def _on_stream(self):
         """Where the copies are queued: the pool's stream, after everything the caller's stream
@@ -276,6 +287,10 @@ class StagingPool:
                     if view.device.type == "cpu":
                         # numpy copies whole rows; torch's CPU index_put goes element by element
                         view.numpy()[ids.numpy(), a - r:b - r, :, g0:g1, :] = part.numpy()
+                    elif (g0, g1) == (0, view.shape[3]):  # whole heads: index_copy_ (H100:
+                        # 0.93 of a pinned copy, where advanced-index assignment made 0.79)
+                        view.narrow(1, a - r, b - a).index_copy_(
+                            0, ids, part.to(view.device, non_blocking=self._pinned))
                     else:
                         view[ids, a - r:b - r, :, g0:g1, :] = part.to(
                             view.device, non_blocking=self._pinned)
