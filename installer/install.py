@@ -71,7 +71,7 @@ def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, 
         report = verify.verify_build(plan, renv, None, None, log_dir)
         if not report["ok"]:
             failed = [f"{lvl}: {c['check']} ({c['detail']})" for lvl, v in report["levels"].items()
-                      for c in v["checks"] if not c["ok"]]
+                      for c in v["checks"] if c["ok"] is False]
             raise BinaryCacheError(f"build {plan.build_id} from the binary cache failed verification on this host: "
                                    f"{failed[0] if failed else 'see the levels'}", fix="it was not used")
     except BaseException:
@@ -144,7 +144,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             manifest["verification"] = report
             if not report["ok"]:
                 failed = [f"{lvl}: {c['check']} ({c['detail']})" for lvl, v in report["levels"].items()
-                          for c in v["checks"] if not c["ok"]]
+                          for c in v["checks"] if c["ok"] is False]
                 raise VerifyError(f"the new build did not prove itself: {failed[0] if failed else 'see manifest'}",
                                   fix=f"nothing was switched; {plan.prefix} still points to "
                                       f"{previous or 'nothing'}; details in {plan.work_dir / 'manifest.failed.json'}")

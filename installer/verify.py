@@ -18,7 +18,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import envfile, prefix as prefixmod
+from . import envfile, hostcaps, prefix as prefixmod
 from .buildsys.step import Step
 from .detect import detect_platform
 from .errors import PrefixError
@@ -45,10 +45,16 @@ def _check(name: str, ok: bool, detail: str) -> dict[str, Any]:
     return {"check": name, "ok": bool(ok), "detail": detail}
 
 
+def _not_here(name: str, reason: str) -> dict[str, Any]:
+    """A check this host cannot run: neither passed nor failed (ok None), with the reason."""
+    return {"check": name, "ok": None, "detail": "not checked here: " + reason}
+
+
 def _level(checks: list[dict], skipped: str | None = None) -> dict[str, Any]:
     if skipped:
         return {"status": "skipped", "reason": skipped, "checks": checks}
-    return {"status": "passed" if checks and all(c["ok"] for c in checks) else "failed", "checks": checks}
+    ran = [c for c in checks if c["ok"] is not None]
+    return {"status": "passed" if ran and all(c["ok"] for c in ran) else "failed", "checks": checks}
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -163,9 +169,18 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
     dev = parse_devices(res.stdout)
     if res.returncode:
         checks.append(_check("ucx_info -d", False, (res.stderr or res.stdout)[-300:]))
+    # UCX offers cma only where process_vm_writev works (a container without CAP_SYS_PTRACE):
+    # whether it was built is the built level's check (uct_MODULES); here it cannot be seen
+    no_cma = hostcaps.cross_memory_denied() if "cma" in want_transports + want_domains else None
     for t in want_transports:
+        if t == "cma" and no_cma and t not in dev["transports"]:
+            checks.append(_not_here(f"transport {t}", no_cma))
+            continue
         checks.append(_check(f"transport {t}", t in dev["transports"], f"listed: {', '.join(sorted(set(dev['transports'])))}"))
     for m in want_domains:
+        if m == "cma" and no_cma and m not in dev["memory_domains"]:
+            checks.append(_not_here(f"memory domain {m}", no_cma))
+            continue
         checks.append(_check(f"memory domain {m}", m in dev["memory_domains"], f"listed: {', '.join(dev['memory_domains'])}"))
     if lz:
         text = dev["sections"].get("ze_cpy", "")
@@ -200,9 +215,12 @@ def moved(build_dir: Path, env: dict[str, str], python: str, kv_buffer: str, pla
     if kv_buffer == "device" and not has_device:
         return _level([], skipped=f"no {platform} device on this host: KV for this platform lives in device memory, "
                                   f"so moving it needs one (run `python -m installer verify` there)")
-    if not (REPO_ROOT / "kvruntime" / "__main__.py").exists():
-        return _level([], skipped=f"kvruntime is not in this checkout ({REPO_ROOT})")
-    renv = envfile.apply({"PYTHONPATH": str(REPO_ROOT)}, env)
+    if (REPO_ROOT / "kvruntime" / "__main__.py").exists():
+        renv = envfile.apply({"PYTHONPATH": str(REPO_ROOT)}, env)
+    elif _run([python, "-c", "import kvruntime"], env, timeout=60).returncode == 0:
+        renv = env  # an installed kvstack (the container image's runtime stage carries no checkout)
+    else:
+        return _level([], skipped=f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by {python}")
     # every memory kind and engine this host offers, over this build; the mixed-TP pairs test
     # kvruntime's head arithmetic, not the stack (`python -m kvruntime selftest` runs them)
     cmd = [python, "-m", "kvruntime", "selftest", "--json", "--tp-pairs", "none"]
@@ -306,6 +324,7 @@ def render_verification(report: dict[str, Any]) -> str:
     for level, v in report["levels"].items():
         lines.append(f"{level:7} {v['status']}" + (f" ({v['reason']})" if v.get("reason") else ""))
         for c in v["checks"]:
-            lines.append(f"   {'ok  ' if c['ok'] else 'FAIL'} {c['check']}: {c['detail']}")
+            mark = "skip" if c["ok"] is None else "ok  " if c["ok"] else "FAIL"
+            lines.append(f"   {mark} {c['check']}: {c['detail']}")
     lines.append("verification " + ("passed" if report["ok"] else "FAILED"))
     return "\n".join(lines)

@@ -1,0 +1,55 @@
+"""installer/verify.py's level arithmetic: a check this host cannot run (ok None) is neither a pass
+nor a failure, and a level made only of those is not passed."""
+import os
+import stat
+
+from installer import hostcaps, verify
+
+DEVICES = """# Memory domain: posix
+#     Transport: posix
+# Memory domain: sysv
+#     Transport: sysv
+# Memory domain: self
+#     Transport: self
+# Memory domain: tcp
+#     Transport: tcp
+"""
+SPEC = {"ucx": {"transports": ["tcp", "posix", "sysv", "cma"], "memory_domains": ["posix", "sysv", "cma"]}}
+
+
+def _fake_ucx_info(tmp_path):
+    b = tmp_path / "ucx" / "bin"
+    b.mkdir(parents=True)
+    f = b / "ucx_info"
+    f.write_text("#!/bin/sh\ncat <<'EOF'\n" + DEVICES + "EOF\n")
+    f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    return tmp_path
+
+
+def test_levels_count_only_checks_that_ran():
+    ok, bad = verify._check("a", True, ""), verify._check("b", False, "")
+    skip = verify._not_here("c", "no CAP_SYS_PTRACE")
+    assert verify._level([ok, skip])["status"] == "passed"
+    assert verify._level([bad, skip])["status"] == "failed"
+    assert verify._level([skip])["status"] == "failed"  # nothing proven is not a pass
+    text = verify.render_verification({"ok": True, "levels": {"loaded": verify._level([ok, skip])}})
+    assert "   skip c: not checked here: no CAP_SYS_PTRACE" in text
+
+
+def test_cma_missing_where_the_kernel_refuses_it_is_not_checked_rather_than_failed(tmp_path, monkeypatch):
+    build = _fake_ucx_info(tmp_path)
+    monkeypatch.setattr(hostcaps, "cross_memory_denied", lambda: "process_vm_writev is refused here")
+    level = verify.loaded(SPEC, build, dict(os.environ), "python3", "cpu", None, False, ["ucx"])
+    assert level["status"] == "passed"
+    cma = [c for c in level["checks"] if "cma" in c["check"]]
+    assert len(cma) == 2 and all(c["ok"] is None and "refused" in c["detail"] for c in cma)
+    # where the kernel allows it, a UCX that does not list cma fails as before
+    monkeypatch.setattr(hostcaps, "cross_memory_denied", lambda: None)
+    level = verify.loaded(SPEC, build, dict(os.environ), "python3", "cpu", None, False, ["ucx"])
+    assert level["status"] == "failed" and {c["check"] for c in level["checks"] if c["ok"] is False} == \
+        {"transport cma", "memory domain cma"}
+
+
+def test_this_host_allows_process_vm_writev_or_says_why():
+    why = hostcaps.cross_memory_denied()
+    assert why is None or "process_vm_writev" in why
