@@ -34,7 +34,7 @@ import numpy as np
 from . import frames
 from .agent import Agent, unique_name
 from .binding import NixlBinding
-from .errors import IncompatiblePeerError, KVRuntimeError, PeerError, TransferError, WaitTimeout
+from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, TransferHandle
 from .memory import KVCache

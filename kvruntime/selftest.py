@@ -58,9 +58,23 @@ def skipped_modes(device: str, reason: str, engines=ENGINES + ("staged",),
             for kind in kinds for engine in engines for op in OPS]
 
 
+def _report(result_queue, modes: list, role) -> None:
+    """Run a decode role (``role()`` appends to ``modes`` and returns the NIXL module's name)
+    and put its outcome on ``result_queue``, failed or not: the modes done so far survive."""
+    try:
+        result_queue.put({"ok": True, "modes": modes, "module": role()})
+    except BaseException as exc:
+        result_queue.put({"ok": False, "modes": modes, "error": f"{type(exc).__name__}: {exc}",
+                          "trace": traceback.format_exc()})
+
+
 def decode_main(result_queue, ports: list[int], layouts: list[dict], seed: int,
                 options: dict) -> None:
-    modes = []
+    modes: list = []
+    _report(result_queue, modes, lambda: _decode_every_mode(modes, ports, layouts, seed, options))
+
+
+def _decode_every_mode(modes, ports, layouts, seed, options) -> str:
     client_objs, caches = [], []
     try:
         prepare_process(options)
@@ -89,10 +103,7 @@ def decode_main(result_queue, ports: list[int], layouts: list[dict], seed: int,
                     modes.append(_run_mode(peer, cache, layout, device, op, engine, seed + n,
                                            options))
             caches.append(cache)
-        result_queue.put({"ok": True, "modes": modes, "module": binding.module_name})
-    except BaseException as exc:
-        result_queue.put({"ok": False, "modes": modes, "error": f"{type(exc).__name__}: {exc}",
-                          "trace": traceback.format_exc()})
+        return binding.module_name
     finally:
         for client in client_objs:
             client.close()
@@ -159,7 +170,12 @@ def decode_tp_main(result_queue, ports: list[int], pairs, seed: int, options: di
     """For each pair, decode ranks 0..d-1 of TP d, one after the other, each pulling and
     pushing its heads from the prefill ranks that hold them; compared head by head with the
     prefill ranks' content rebuilt here from their seeds."""
-    modes, caches = [], []
+    modes: list = []
+    _report(result_queue, modes, lambda: _decode_tp_pairs(modes, ports, pairs, seed, options))
+
+
+def _decode_tp_pairs(modes, ports, pairs, seed, options) -> str:
+    caches = []
     try:
         prepare_process(options)
         import numpy as np
@@ -188,10 +204,7 @@ def decode_tp_main(result_queue, ports: list[int], pairs, seed: int, options: di
                     modes.append(_run_tp_rank(cache, binding, options, staged, p, d, j, op, src,
                                               dst, full, ports[first:first + p],
                                               DecodeClient, head_slices))
-        result_queue.put({"ok": True, "modes": modes, "module": binding.module_name})
-    except BaseException as exc:
-        result_queue.put({"ok": False, "modes": modes, "error": f"{type(exc).__name__}: {exc}",
-                          "trace": traceback.format_exc()})
+        return binding.module_name
     finally:
         for cache in caches:
             cache.close()

@@ -120,12 +120,35 @@ def _logical(cache):
                         for v in views], dim=1)
 
 
+def _tp_reference(prefill_layouts, seed):
+    """The model's full heads, [block][regions][token][head][bytes], rebuilt on the device from
+    the prefill ranks' seeds (the prefill fills rank i with seed + i)."""
+    import torch
+
+    full = []
+    for i, layout in enumerate(prefill_layouts):
+        c = KVCache.allocate_device(layout, "cuda", DEVICE_ID)
+        c.fill_random(seed + i)
+        full.append(_logical(c).clone())
+        c.close()
+    return torch.cat(full, dim=3)
+
+
+def _assert_rank_heads(cache, full, src, dst, rank):
+    """Decode ``rank``'s blocks ``dst`` hold exactly its heads of ``src``; nothing else written."""
+    import torch
+
+    hd = cache.layout.num_kv_heads
+    got = _logical(cache)
+    assert torch.equal(got[dst], full[src][:, :, :, rank * hd:(rank + 1) * hd, :])
+    others = [b for b in range(cache.layout.num_blocks) if b not in dst]
+    assert not got[others].any()
+
+
 @pytest.mark.parametrize("p,d", [(1, 2), (2, 1)])
 def test_mixed_tp_staged_in_vram(prefill, p, d):
     """Staged mixed TP with CUDA caches (ranks share cuda:0): each decode rank's heads equal
     the reference rebuilt from the prefill ranks' seeds on the device."""
-    import torch
-
     from kvruntime.tp import head_slices
 
     heads, seed = 4, 70 + p * 10 + d
@@ -134,13 +157,7 @@ def test_mixed_tp_staged_in_vram(prefill, p, d):
         return KVLayout(kind, 2, 32, 8, heads // tp, 16, "float16", tp)
 
     pre = [lay(PER_LAYER, p) for _ in range(p)]
-    full = []
-    for i, layout in enumerate(pre):
-        c = KVCache.allocate_device(layout, "cuda", DEVICE_ID)
-        c.fill_random(seed + i)
-        full.append(_logical(c).clone())
-        c.close()
-    full = torch.cat(full, dim=3)
+    full = _tp_reference(pre, seed)
     src, dst = [2, 3, 4, 20], [10, 0, 1, 31]
     with prefill(pre, seed=seed, device="cuda", device_id=DEVICE_ID, kv_buffer="host_staged",
                  staging_blocks=16, tp_ranks=list(range(p))) as (_proc, ports):
@@ -152,11 +169,7 @@ def test_mixed_tp_staged_in_vram(prefill, p, d):
                 assert client.staging._pinned
                 for s in head_slices(pre[0], cache.layout, j):
                     client.connect("127.0.0.1", ports[s.prefill_rank]).pull(src, dst, timeout=30)
-                hd = heads // d
-                got = _logical(cache)
-                assert torch.equal(got[dst], full[src][:, :, :, j * hd:(j + 1) * hd, :])
-                others = [b for b in range(32) if b not in dst]
-                assert not got[others].any()
+                _assert_rank_heads(cache, full, src, dst, j)
             cache.close()
 
 
@@ -167,8 +180,6 @@ def test_mixed_tp_direct_in_vram(prefill, p, d, op, engine):
     """Direct mixed TP with CUDA caches (ranks share cuda:0): NIXL moves each decode rank's
     head slice row by row, or the same-node engine copies it with one strided gather per
     region; compared with the ranks rebuilt on the device."""
-    import torch
-
     from kvruntime.tp import head_slices
 
     heads, seed = 4, 90 + p * 10 + d
@@ -176,13 +187,7 @@ def test_mixed_tp_direct_in_vram(prefill, p, d, op, engine):
     def lay(tp):
         return KVLayout(PER_LAYER, 2, 32, 8, heads // tp, 16, "float16", tp)
 
-    full = []
-    for i in range(p):
-        c = KVCache.allocate_device(lay(p), "cuda", DEVICE_ID)
-        c.fill_random(seed + i)
-        full.append(_logical(c).clone())
-        c.close()
-    full = torch.cat(full, dim=3)
+    full = _tp_reference([lay(p)] * p, seed)
     src, dst = [2, 3, 4, 20], [10, 0, 1, 31]
     with prefill([lay(p)] * p, seed=seed, device="cuda", device_id=DEVICE_ID,
                  tp_ranks=list(range(p))) as (_proc, ports):
@@ -196,11 +201,7 @@ def test_mixed_tp_direct_in_vram(prefill, p, d, op, engine):
                     res = getattr(peer, op)(src, dst, timeout=30)
                     assert res.nbytes == len(src) * cache.layout.block_bytes * s.count // (
                         heads // d)
-                hd = heads // d
-                got = _logical(cache)
-                assert torch.equal(got[dst], full[src][:, :, :, j * hd:(j + 1) * hd, :])
-                others = [b for b in range(32) if b not in dst]
-                assert not got[others].any()
+                _assert_rank_heads(cache, full, src, dst, j)
             cache.close()
 
 
