@@ -547,15 +547,12 @@ class DecodeClient:
     def _head_slice(self, info: PeerInfo):
         """Which of the peer's heads land in which of ours (tp.py): None when whole blocks
         move (same TP and ranks, direct)."""
-        from .tp import slice_from
+        from .tp import direct_slice, slice_from
 
-        theirs, ours = info.cache_layout, self.cache.layout
-        s = slice_from(theirs, info.tp_rank, ours, self.info.tp_rank)
+        args = (info.cache_layout, info.tp_rank, self.cache.layout, self.info.tp_rank)
         if self.staging is not None:
-            return s
-        if s.src == (0, theirs.num_kv_heads) and s.dst == (0, ours.num_kv_heads):
-            return None  # whole blocks: the prepared per-block lists serve it
-        return s  # a row range of each block: the handshake made sure the kinds agree
+            return slice_from(*args)
+        return direct_slice(*args)  # a row range of each block: the handshake checked the kinds
 
     # -- requests in flight ------------------------------------------------------------------
     def get_finished(self) -> list[TransferHandle]:

@@ -33,7 +33,7 @@ from .registration import Registration
 from .samenode import NodeToken, serve_offer
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
-from .tp import HeadSlice, head_rows, slice_from
+from .tp import HeadSlice, direct_slice, head_rows
 from .transfer import PostedTransfer, Rows, free_notification, parse_notification
 
 log = logging.getLogger("kvruntime")
@@ -283,14 +283,11 @@ class PrefillServer:
         rows); None for whole blocks, and for pairs the decode itself refuses at connect."""
         if self.staging is not None or info.kv_buffer == "host_staged":
             return None
-        ours, theirs = self.cache.layout, info.cache_layout
         try:
-            s = slice_from(ours, self.info.tp_rank, theirs, info.tp_rank)
+            return direct_slice(self.cache.layout, self.info.tp_rank, info.cache_layout,
+                                info.tp_rank)
         except KVRuntimeError:
             return None
-        if s.src == (0, ours.num_kv_heads) and s.dst == (0, theirs.num_kv_heads):
-            return None
-        return s
 
     def _drop_peer(self, peer: _Peer) -> None:
         """Release ``peer``'s list and agent, once; a no-op when a newer connection of the same

@@ -65,6 +65,16 @@ def slice_from(prefill: KVLayout, prefill_rank: int, decode: KVLayout,
         f"{[s.prefill_rank for s in head_slices(prefill, decode, decode_rank)]}", ["tp_rank"])
 
 
+def direct_slice(prefill: KVLayout, prefill_rank: int, decode: KVLayout,
+                 decode_rank: int) -> HeadSlice | None:
+    """What a direct (unstaged) transfer between these ranks moves: None when it is whole blocks
+    (same heads on both sides: the prepared per-block lists serve it), else the head slice."""
+    s = slice_from(prefill, prefill_rank, decode, decode_rank)
+    if s.src == (0, prefill.num_kv_heads) and s.dst == (0, decode.num_kv_heads):
+        return None
+    return s
+
+
 def tp_differences(ours: KVLayout, theirs: KVLayout) -> list[str]:
     """What keeps two TP layouts from pairing, as 'field: ours=X peer=Y' (empty: they pair)."""
     out = [f"{n}: ours={getattr(ours, n)!r} peer={getattr(theirs, n)!r}"
