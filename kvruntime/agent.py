@@ -109,7 +109,7 @@ class Agent:
         if self.ucx_log is None:
             return None
         self.ucx_log.read()
-        return [lane for lane in self.ucx_log.lanes if lane.context == self.name]
+        return ucxlog.lanes_of(self.ucx_log.lanes, self.name)
 
     def transports(self) -> dict[str, list[str]] | None:
         """The transports UCX selected for this agent's peers, by kind of operation."""

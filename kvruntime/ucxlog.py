@@ -233,6 +233,18 @@ def emit(level: str, text: str) -> None:
     log.log(_LEVELS.get(level, logging.WARNING), "UCX %s: %s", level, text)
 
 
+_UNNAMED = re.compile(r"^ucp_context_\d+$")
+
+
+def lanes_of(lanes, agent: str) -> list[Lane]:
+    """The lanes of NIXL agent ``agent``. NIXL 1.5 names UCX's context after the agent; NIXL
+    1.4 (the pinned release) leaves UCX's default ``ucp_context_N``, which says nothing of the
+    agent: then every unnamed lane of this process counts (one agent a process, as in a
+    deployment; several agents of one process are judged together)."""
+    named = [lane for lane in lanes if lane.context == agent]
+    return named or [lane for lane in lanes if _UNNAMED.match(lane.context)]
+
+
 def device_lanes_on_tcp(lanes, local_device: bool, remote_device: bool) -> list[Lane]:
     """Remote reads/writes between peers (not an agent's loopback to itself) of the memory
     kinds a KV transfer moves — local and remote device memory or not, one of them device —

@@ -134,3 +134,12 @@ def test_the_file_leaves_the_disk_once_open_and_is_still_read(tmp_path):
 ])
 def test_device_memory_is_read_from_the_operation(operation, device):
     assert ucxlog.Lane("a", "intra-node", operation, ("tcp",)).device_memory is device
+
+
+def test_lanes_of_an_agent_whose_nixl_leaves_ucx_contexts_unnamed(tmp_path):
+    """NIXL 1.4 built from the pinned source: UCX's contexts are 'ucp_context_N' (seen on this
+    host); NIXL 1.5's wheel names them after the agent."""
+    unnamed = HOST_TABLE.replace("kvr-decode-1-aa", "ucp_context_0")
+    lanes = read(tmp_path, unnamed + CUDA_TCP_TABLE).read()
+    assert [lane.transports for lane in ucxlog.lanes_of(lanes, "kvr-decode-1-aa")] == [("tcp",)]
+    assert [lane.transports for lane in ucxlog.lanes_of(lanes, "kvr-prefill-2-bb")] == [("cma",)]
