@@ -280,11 +280,12 @@ def _staging_copies(pool, layout, rnd, cfg) -> dict:
     """The staging copies alone, beside a contiguous pinned copy of the same bytes in the same
     run: gather of random blocks device -> pool vs one device -> pinned copy, and pool -> device
     scatter vs one pinned -> device copy."""
+    import numpy as np
     import torch
 
     fits = pool.units // layout.num_kv_heads  # the pool counts in heads of blocks
     count = min(fits, max(1, (max(cfg.sizes_mib) << 20) // layout.block_bytes))
-    blocks = rnd.sample(range(layout.num_blocks), count)
+    blocks = np.array(rnd.sample(range(layout.num_blocks), count))  # as the roles pass them
     nbytes = count * layout.block_bytes
     dev = pool._device[0].device
     module = getattr(torch, dev.type)

@@ -436,7 +436,7 @@ class PrefillServer:
                     reply = None
             if reply is None:
                 try:
-                    self.staging.gather(plan.block_ids()[0].tolist(), start, heads)
+                    self.staging.gather(plan.block_ids()[0], start, heads)
                 except Exception as exc:
                     self.staging.release(start, n)
                     reply = {"type": "stage_failed", "request": request,

@@ -7,8 +7,8 @@ DRAM. A pull of blocks ``src`` into ``dst``:
 
     decode  -> prefill  stage    {request, src, deadline}
     prefill             takes len(src) consecutive pool blocks (waits for free ones, never past
-                        the deadline), gathers ``src`` into them (block-major: each staging block
-                        holds one KV block, regions in order), answers
+                        the deadline), gathers ``src`` into them (region-major: each region's blocks
+                        in order, so a range of regions is one range of the run), answers
     prefill -> decode   staged   {request, start, count}       or stage_failed {request, error}
     decode              takes its own pool blocks, READs the prefill's run into them with NIXL
                         in CHUNKS pieces of whole regions posted at once, scatters each piece
@@ -16,9 +16,11 @@ DRAM. A pull of blocks ``src`` into ``dst``:
                         its blocks when the last scatter has passed
     decode  -> prefill  unstage  {request}     the prefill frees its pool blocks and the request
 
-Gather and scatter are torch index ops (cuda, xpu and cpu tensors alike) queued on a stream of
-the pool's own, after the caller's stream, and followed by events: nothing waits for the whole
-device, and the decode's poll never blocks on a copy. A CUDA pool is pinned (cudaHostRegister)
+Gather and scatter are torch index ops (cuda, xpu and cpu tensors alike). On a device they run
+through a ring of device bounce slots (bounce.py): the index op fills a slot at device speed
+while the copy engine moves the previous one across PCIe, on streams of the pool's own after
+the caller's stream, followed by events: nothing waits for the whole device, and the decode's
+poll never blocks on a copy. A CUDA pool is pinned (cudaHostRegister)
 so the copies to and from it run at PCIe speed. Pools never block forever:
 a request waits for pool blocks only until its deadline, then fails with the numbers.
 """
@@ -31,6 +33,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .bounce import SLOT_BYTES, BounceRing, pieces
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
 from .plan import TransferPlan, make_plan
@@ -94,7 +97,8 @@ class StagingPool:
     """``blocks`` host staging blocks for caches of ``layout``: a KVCache of its own (what gets
     registered with NIXL), an allocator of consecutive runs, and gather/scatter."""
 
-    def __init__(self, layout: KVLayout, blocks: int, device_cache):
+    def __init__(self, layout: KVLayout, blocks: int, device_cache,
+                 bounce_bytes: int = SLOT_BYTES):
         from .memory import KVCache
 
         if not isinstance(blocks, int) or blocks < 1:
@@ -111,13 +115,14 @@ class StagingPool:
             self._pin()
         self._pool = _byte_regions(self.cache)[0]
         self._device = _byte_regions(device_cache)
-        self._stream = self._mod = None
+        self._ring = self._region_views = None
         dev = self._device[0].device
-        if dev.type != "cpu":  # the copies run on a stream of their own, ordered by events
-            import torch
-
-            self._mod = getattr(torch, dev.type)
-            self._stream = self._mod.Stream(device=dev)
+        if dev.type != "cpu":  # copies pipelined through device bounce slots (bounce.py)
+            word = self._words(self._pool[:0])
+            row = layout.tokens_per_block * layout.num_kv_heads * layout.head_dim \
+                * layout.element_bytes // word.element_size()
+            self._ring = BounceRing(dev, word.dtype,
+                                    max(row, bounce_bytes // word.element_size()))
 
     def _pin(self) -> None:
         """Page-lock the pool for CUDA copies (without it a copy to pageable memory is staged
@@ -188,12 +193,6 @@ class StagingPool:
             self._cv.notify_all()
 
     # -- copies ----------------------------------------------------------------------------------
-    def _ids(self, blocks):
-        import torch
-
-        device = self._device[0].device
-        return torch.as_tensor(list(blocks), dtype=torch.int64, device=device)
-
     # A staged run of n blocks and hs heads holds [2 x layers][n][tokens][hs][head_dim] (K/V of
     # each layer, then blocks): the same on every side whatever its layout kind or TP size, so
     # a decode rank's heads arrive as one contiguous run and scatter into their place.
@@ -203,14 +202,20 @@ class StagingPool:
         return self._words(self._pool[start * u:(start + n * hs) * u]).view(
             2 * lay.num_layers, n, lay.tokens_per_block, hs, -1)
 
-    def _views(self) -> list:
-        """The device cache as [block][region-in-block][token][head][words of a head] views."""
-        lay = self.device_layout
-        nb, t, h = lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads
-        if lay.kind == CROSS_LAYER:
-            return [self._words(self._device[0][:lay.region_bytes]).view(
-                nb, 2 * lay.num_layers, t, h, -1)]
-        return [self._words(r[:lay.region_bytes]).view(nb, 1, t, h, -1) for r in self._device]
+    def _regions(self) -> list:
+        """The device cache's regions (K or V of one layer) as [block][token][head][words of a
+        head] views; a cross_layer cache's are strided views of its one region. Made once."""
+        if self._region_views is None:
+            lay = self.device_layout
+            nb, t, h = lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads
+            if lay.kind == CROSS_LAYER:
+                whole = self._words(self._device[0][:lay.region_bytes]).view(
+                    nb, 2 * lay.num_layers, t, h, -1)
+                self._region_views = [whole[:, r] for r in range(2 * lay.num_layers)]
+            else:
+                self._region_views = [self._words(r[:lay.region_bytes]).view(nb, t, h, -1)
+                                      for r in self._device]
+        return self._region_views
 
     def _words(self, flat):
         """A byte range as the widest integers that divide a head's bytes: index ops then move
@@ -224,43 +229,40 @@ class StagingPool:
                 return flat.view(dtype)
         return flat
 
-    def _on_stream(self):
-        """Where the copies are queued: the pool's stream, after everything the caller's stream
-        had queued so far (the engine's writes into the cache); no-op on a CPU cache."""
-        import contextlib
+    def ids(self, blocks):
+        """Block ids (a list, a numpy array, or this method's own result) as an int64 tensor on
+        the cache's device, uploaded once per request whatever the copies that use it."""
+        import numpy as np
+        import torch
 
-        if self._stream is None:
-            return contextlib.nullcontext()
-        dev = self._device[0].device
-        self._stream.wait_stream(self._mod.current_stream(dev))
-        return self._mod.stream(self._stream)
-
-    def _event(self):
-        """An event after what was just queued on the pool's stream (None on a CPU cache: the
-        copies are done)."""
-        if self._stream is None:
-            return None
-        event = self._mod.Event()
-        event.record(self._stream)
-        return event
+        device = self._device[0].device
+        if isinstance(blocks, torch.Tensor) and blocks.device == device:
+            return blocks
+        ids = torch.from_numpy(np.asarray(blocks, dtype=np.int64))
+        if device.type == "cpu":
+            return ids
+        ids = ids.to(device, non_blocking=True)
+        ids.record_stream(self._ring._compute)  # in use there after the call that queued it
+        return ids
 
     def gather(self, blocks, start: int, heads: tuple[int, int] | None = None) -> int:
         """Heads ``heads`` (all by default) of device cache ``blocks`` -> the run at ``start``;
-        finished when this returns (waiting for the pool's own stream, never the device).
+        finished when this returns (waiting for the pool's own streams, never the device).
         Returns the units used."""
+        import torch
+
         h0, h1 = heads or (0, self.device_layout.num_kv_heads)
-        with self._on_stream():
-            ids = self._ids(blocks)
-            out = self._run(start, len(blocks), h1 - h0)
-            r = 0
-            for view in self._views():
-                rows = view.index_select(0, ids)[:, :, :, h0:h1, :]  # [n, regions, t, hs, de]
-                k = rows.shape[1]
-                out[r:r + k].copy_(rows.permute(1, 0, 2, 3, 4), non_blocking=self._pinned)
-                r += k
-            event = self._event()
-        wait(event)
-        return len(blocks) * (h1 - h0)
+        ids = self.ids(blocks)
+        n = len(ids)
+        run = self._run(start, n, h1 - h0)  # [regions][n][t][hs][words]
+        regions = [v[:, :, h0:h1, :] for v in self._regions()]
+        if self._ring is None:  # a CPU cache: straight into the run, one pass
+            for r, view in enumerate(regions):
+                torch.index_select(view, 0, ids, out=run[r])
+            return n * (h1 - h0)
+        fills = pieces(range(len(regions)), n, run[0, 0].numel(), self._ring.slot_words)
+        wait(self._ring.gather(fills, regions, ids, run.view(-1), run.shape[2:]))
+        return n * (h1 - h0)
 
     def scatter(self, start: int, blocks, heads: tuple[int, int] | None = None) -> None:
         """The run at ``start`` -> heads ``heads`` of device cache ``blocks``, finished when
@@ -275,27 +277,16 @@ class StagingPool:
         must stay untouched until then."""
         g0, g1 = heads or (0, self.device_layout.num_kv_heads)
         r0, r1 = regions or (0, 2 * self.device_layout.num_layers)
-        with self._on_stream():
-            ids = self._ids(blocks)
-            src = self._run(start, len(blocks), g1 - g0)
-            r = 0
-            for view in self._views():
-                k = view.shape[1]
-                a, b = max(r0, r), min(r1, r + k)  # this view's regions within the range
-                if a < b:
-                    part = src[a:b].permute(1, 0, 2, 3, 4)  # [n, regions, t, hs, de]
-                    if view.device.type == "cpu":
-                        # numpy copies whole rows; torch's CPU index_put goes element by element
-                        view.numpy()[ids.numpy(), a - r:b - r, :, g0:g1, :] = part.numpy()
-                    elif (g0, g1) == (0, view.shape[3]):  # whole heads: index_copy_ (H100:
-                        # 0.93 of a pinned copy, where advanced-index assignment made 0.79)
-                        view.narrow(1, a - r, b - a).index_copy_(
-                            0, ids, part.to(view.device, non_blocking=self._pinned))
-                    else:
-                        view[ids, a - r:b - r, :, g0:g1, :] = part.to(
-                            view.device, non_blocking=self._pinned)
-                r += k
-            return self._event()
+        n = len(blocks)
+        src = self._run(start, n, g1 - g0)
+        views = [v[:, :, g0:g1, :] for v in self._regions()]
+        if self._ring is None:  # numpy copies whole rows; torch's CPU index ops element by element
+            ids = self.ids(blocks).numpy()
+            for r in range(r0, r1):
+                views[r].numpy()[ids] = src[r].numpy()
+            return None
+        fills = pieces(range(r0, r1), n, src[0, 0].numel(), self._ring.slot_words)
+        return self._ring.scatter(fills, src.view(-1), views, self.ids(blocks), src.shape[2:])
 
     def close(self) -> None:
         if self._pinned:
@@ -303,7 +294,7 @@ class StagingPool:
 
             torch.cuda.cudart().cudaHostUnregister(self.cache.regions[0].address)
             self._pinned = False
-        self._pool = None
+        self._pool = self._ring = None
         self._device = []
         self.cache.close()
 
@@ -358,7 +349,8 @@ class StagedPull(CopyJob):
         self._local: int | None = None
         self._chunks: list[_Chunk] = []
         self._unstaged = False
-        src, self._dst = (ids.tolist() for ids in plan.block_ids())
+        src, self._dst = plan.block_ids()
+        src = src.tolist()
         self._message = {"type": "stage", "request": request_id, "src": src,
                          "deadline": deadline_wall}
         if self._src_heads is not None:
@@ -427,6 +419,7 @@ class StagedPull(CopyJob):
         remote_base = remote[0] + self._remote[0] * unit
         plan = pool_plan(self.peer.info.layout, self._remote[0], pool.layout, self._local, units)
         k = min(CHUNKS, regions)
+        self._dst = pool.ids(self._dst)  # uploaded once for all the chunks' scatters
         bounds = [i * regions // k for i in range(k + 1)]
         for a, b in zip(bounds, bounds[1:]):
             off, length = a * per_region, (b - a) * per_region
