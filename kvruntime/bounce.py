@@ -91,53 +91,63 @@ class BounceRing:
         event.record(stream)
         return event
 
+    def _pipeline(self, fills, first, stage_one, then, stage_two) -> object:
+        """Each fill in turn takes the next slot: ``stage_one(fill, slot)`` on stream ``first``
+        once the slot is free, ``stage_two(fill, slot)`` on stream ``then`` once stage one has
+        passed. Returns the event after the last stage two."""
+        with self._lock:
+            self._after_caller()
+            last = None
+            for fill in fills:
+                s, buf = self._slot()
+                if self._free[s] is not None:
+                    first.wait_event(self._free[s])
+                with self._mod.stream(first):
+                    stage_one(fill, buf)
+                then.wait_event(self._record(first))
+                with self._mod.stream(then):
+                    stage_two(fill, buf)
+                last = self._free[s] = self._record(then)
+            return last
+
     def gather(self, fills: list[list[Piece]], regions: list, ids, run, shape) -> object:
         """Queue ``fills``: region views ``regions[p.region]`` (``[blocks][...]``) at ``ids``
         -> the flat host ``run`` at each piece's offset. ``shape`` is a block row's shape.
         Returns the event after the last copy (the run is complete when it has passed)."""
         import torch
 
-        with self._lock:
-            self._after_caller()
-            last = None
-            for fill in fills:
-                s, buf = self._slot()
-                if self._free[s] is not None:
-                    self._compute.wait_event(self._free[s])
-                at = 0
-                with self._mod.stream(self._compute):
-                    for p in fill:
-                        torch.index_select(regions[p.region], 0, ids[p.b0:p.b1],
-                                           out=buf[at:at + p.words].view(p.b1 - p.b0, *shape))
-                        at += p.words
-                filled = self._record(self._compute)
-                self._copy.wait_event(filled)
-                with self._mod.stream(self._copy):
-                    run[fill[0].offset:fill[0].offset + at].copy_(buf[:at], non_blocking=True)
-                last = self._free[s] = self._record(self._copy)
-            return last
+        def select(fill, buf):
+            for p, part in _parts(fill, buf, shape):
+                torch.index_select(regions[p.region], 0, ids[p.b0:p.b1], out=part)
+
+        def copy_out(fill, buf):
+            n = _words(fill)
+            run[fill[0].offset:fill[0].offset + n].copy_(buf[:n], non_blocking=True)
+
+        return self._pipeline(fills, self._compute, select, self._copy, copy_out)
 
     def scatter(self, fills: list[list[Piece]], run, regions: list, ids, shape) -> object:
         """Queue ``fills``: the flat host ``run`` at each piece's offset -> region views
         ``regions[p.region]`` at ``ids``. Returns the event after the last index copy."""
-        with self._lock:
-            self._after_caller()
-            last = None
-            for fill in fills:
-                s, buf = self._slot()
-                if self._free[s] is not None:
-                    self._copy.wait_event(self._free[s])
-                words = sum(p.words for p in fill)
-                with self._mod.stream(self._copy):
-                    buf[:words].copy_(run[fill[0].offset:fill[0].offset + words],
-                                      non_blocking=True)
-                landed = self._record(self._copy)
-                self._compute.wait_event(landed)
-                at = 0
-                with self._mod.stream(self._compute):
-                    for p in fill:
-                        regions[p.region].index_copy_(
-                            0, ids[p.b0:p.b1], buf[at:at + p.words].view(p.b1 - p.b0, *shape))
-                        at += p.words
-                last = self._free[s] = self._record(self._compute)
-            return last
+
+        def copy_in(fill, buf):
+            n = _words(fill)
+            buf[:n].copy_(run[fill[0].offset:fill[0].offset + n], non_blocking=True)
+
+        def place(fill, buf):
+            for p, part in _parts(fill, buf, shape):
+                regions[p.region].index_copy_(0, ids[p.b0:p.b1], part)
+
+        return self._pipeline(fills, self._copy, copy_in, self._compute, place)
+
+
+def _words(fill: list[Piece]) -> int:
+    return sum(p.words for p in fill)
+
+
+def _parts(fill: list[Piece], buf, shape):
+    """Each piece of a fill with its place in the slot, shaped as its blocks' rows."""
+    at = 0
+    for p in fill:
+        yield p, buf[at:at + p.words].view(p.b1 - p.b0, *shape)
+        at += p.words
