@@ -12,13 +12,11 @@ import os
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
 
 from installer.syspkgs import distro_family
-from tests.integration.installer.localserver import sha256
 
 pytestmark = [pytest.mark.build, pytest.mark.integration,
               pytest.mark.skipif(distro_family() != "debian" or not shutil.which("dpkg-source"),
@@ -26,60 +24,19 @@ pytestmark = [pytest.mark.build, pytest.mark.integration,
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _debian_source(package: str, work: Path, mirror: Path) -> tuple[str, str, str]:
-    """apt-get source PACKAGE, unpacked with its patches, as a tarball in the mirror."""
-    dl = work / package
-    dl.mkdir(parents=True)
-    r = subprocess.run(["apt-get", "source", "--download-only", package], cwd=dl, capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"apt-get source {package} failed (deb-src lines missing?): {r.stderr.strip()[-300:]}")
-    dsc = next(dl.glob("*.dsc"))
-    tree = dl / "tree"
-    subprocess.run(["dpkg-source", "--no-check", "-x", dsc.name, str(tree)], cwd=dl, check=True, capture_output=True)
-    version = dsc.stem.split("_", 1)[1]
-    top = f"{package}-{version}"
-    name = f"{top}-debian.tar.gz"
-    with tarfile.open(mirror / name, "w:gz") as tf:
-        tf.add(tree, arcname=top)
-    return name, sha256((mirror / name).read_bytes()), version
-
-
 @pytest.fixture(scope="module")
 def debian(tmp_path_factory):
+    """Debian's ucx and level-zero sources in a mirror (ci/debian-sources.sh, as CI's image
+    takes them), and the overlay that builds UCX from them (ci/debian-ucx.toml)."""
     base = tmp_path_factory.mktemp("debian")
+    r = subprocess.run(["bash", str(ROOT / "ci/debian-sources.sh"), str(base), "ucx", "level-zero"],
+                       capture_output=True, text=True)
+    if r.returncode == 3:
+        pytest.skip(r.stderr.strip().splitlines()[-1])
+    assert r.returncode == 0, r.stderr[-2000:]
     mirror = base / "mirror"
-    mirror.mkdir()
-    ucx = _debian_source("ucx", base / "src", mirror)
-    lz = _debian_source("level-zero", base / "src", mirror)
     overlay = base / "debian-ucx.toml"
-    overlay.write_text(f"""
-# UCX from Debian's source package instead of the pinned upstream release (CI cannot reach GitHub).
-[sources.ucx-debian]
-url = "https://debian.invalid/ucx_{ucx[2]}.dsc"
-filename = "{ucx[0]}"
-sha256 = "{ucx[1]}"
-
-[sources.level-zero-debian]
-url = "https://debian.invalid/level-zero_{lz[2]}.dsc"
-filename = "{lz[0]}"
-sha256 = "{lz[1]}"
-
-[components.ucx]
-source = "ucx-debian"
-# UCX 1.13 has no config/ directory to install (no etc/ucx/ucx.conf yet)
-install_dirs = ["src/ucm", "src/ucs", "src/uct", "src/ucp", "src/tools/info", "cmake"]
-
-[components.abseil]
-enabled = false
-[components.asio]
-enabled = false
-[components.nixl]
-enabled = false
-
-[build_tools]
-python = []
-target = []
-""")
+    overlay.write_text((base / "debian-sources.toml").read_text() + (ROOT / "ci/debian-ucx.toml").read_text())
     xpu_overlay = base / "debian-level-zero.toml"
     xpu_overlay.write_text('[verify.level_zero]\nnull_driver_source = "level-zero-debian"\n')
     return {"mirror": mirror, "overlay": overlay, "xpu_overlay": xpu_overlay, "cache": base / "cache", "base": base}
