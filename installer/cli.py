@@ -209,7 +209,8 @@ def _publish(args) -> int:
 
 def _wheel(args) -> int:
     out = wheel.make(args.prefix or planmod.default_prefix(), args.output)
-    print(f"{out['wheel']} ({out['size'] / 1e6:.1f} MB, {len(out['files'])} files, module {out['module']}, tag {out['tag']})")
+    print(f"{out['wheel']} ({out['size'] / 1e6:.1f} MB, {len(out['files'])} files, module {out['module']}, "
+          f"tag {out['tag']}: {out['tag_why']})")
     for what in ("ucx", "nixl"):
         print(f"  private {what.upper()}: " + ", ".join(f"{k} -> {v}" for k, v in out[what].items()))
     return 0

@@ -17,11 +17,11 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import elf, envfile, prefix as prefixmod, privateucx, wheelformat
+from . import elf, envfile, manylinux, prefix as prefixmod, privateucx, wheelformat
 from .errors import HostError, PrefixError, SystemPackagesError
 
 log = logging.getLogger("kvstack.installer")
@@ -174,7 +174,15 @@ def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str,
         private = {**mapping, **nixl_map}
         privateucx.privatize(nixl_elves, private, own, {f: _rpath_to(str(root / libs), str(f.parent)) for f in nixl_elves},
                              patchelf)
-        _check(sorted(p for p in root.rglob("*") if elf.is_elf(p)), private, root, build, patchelf)
+        elves = sorted(p for p in root.rglob("*") if elf.is_elf(p))
+        _check(elves, private, root, build, patchelf)
+        # the platform tag from what the files need of the host (manylinux.py), so that pip
+        # refuses the wheel on a host too old for it instead of the import failing there
+        verdict = manylinux.platform_tag(elves, {p.name for p in elves})
+        if not verdict.platform.endswith("_" + tag.platform.removeprefix("linux_")):
+            raise PrefixError(f"the libraries are for {verdict.platform}, the module for {tag.platform}",
+                              fix="rebuild the prefix")
+        tag = replace(tag, platform=verdict.platform)
 
         config = {"ucp_soname": next((mapping[s] for s in mapping if s.startswith("libucp.")), None), "env": build.env}
         _write_preload(root / m, config)
@@ -198,7 +206,7 @@ def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str,
         except OSError as e:
             part.unlink(missing_ok=True)
             raise HostError.from_oserror(e, f"writing {dest}") from None
-    return {"wheel": str(dest), "tag": str(tag), "module": m, "version": ver, "ucx": mapping, "nixl": nixl_map,
+    return {"wheel": str(dest), "tag": str(tag), "tag_why": verdict.why, "module": m, "version": ver, "ucx": mapping, "nixl": nixl_map,
             "files": [e.path for e in entries] + [f"{dist_info}/RECORD"], "size": dest.stat().st_size}
 
 
