@@ -142,8 +142,9 @@ class PrefillPeer:
         if handle.request_id in self._pending:
             raise KVRuntimeError(f"request id {handle.request_id!r} is already in flight on "
                                  f"{self.name}")
-        handle._xfer = StagedPull(self, handle.plan, handle.request_id,
-                                  time.time() + handle.timeout)
+        handle._attach(StagedPull(self, handle.plan, handle.request_id,
+                                  time.time() + handle.timeout))
+        handle.uses_peer = True  # the prefill's "staged" answer comes over the side channel
         self._pending[handle.request_id] = handle
         self.client._track(handle)
         handle._xfer.send()
@@ -158,9 +159,9 @@ class PrefillPeer:
                         head_rows(self.info.layout, self.info.regions, src, s.src), self.agent,
                         self.client.cache.mem_type, self.info.mem_type)
             handle.nbytes = rows.nbytes
-        handle._xfer = PostedTransfer(self.client.agent, "READ", handle.plan, reg.local_dlist,
+        handle._attach(PostedTransfer(self.client.agent, "READ", handle.plan, reg.local_dlist,
                                       reg.peer_dlist(self.agent), True,
-                                      free_notification(handle.request_id), split, rows)
+                                      free_notification(handle.request_id), split, rows))
         self.client._track(handle)
         return handle
 
@@ -213,7 +214,7 @@ class PrefillPeer:
         handles = []
         for plan, rid in admitted:
             handle = self._handle("pull", rid, plan, timeout, t0)
-            handle._xfer = SharedJob(job, plan)
+            handle._attach(SharedJob(job, plan))
             self.client._track(handle)
             handles.append(handle)
         return handles
@@ -226,7 +227,8 @@ class PrefillPeer:
         return handle
 
     def _start_local(self, handle: TransferHandle) -> TransferHandle:
-        handle._xfer = self._engine.start("READ", handle.plan, self.head_slice)
+        handle._attach(self._engine.start("READ", handle.plan, self.head_slice))
+        handle.uses_peer = False  # a push too: we copy, and tell the prefill once it is done
         self.client._track(handle)
         return handle
 
@@ -305,6 +307,13 @@ class PrefillPeer:
             except KVRuntimeError as exc:
                 self._lose(f"side channel failed: {exc}")
                 raise TransferError(f"{self.name}: {exc}") from exc
+
+    def _await_frame(self, seconds: float) -> None:
+        """Sleep until the prefill sends something, at most ``seconds``."""
+        try:
+            select.select([self.sock], [], [], seconds)
+        except (OSError, ValueError):  # closed under us: the next pump says so
+            pass
 
     def _pump(self) -> None:
         """Read whatever frames the prefill has sent and hand them out; collect NIXL
