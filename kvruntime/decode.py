@@ -38,7 +38,7 @@ from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, TransferHandle
 from .memory import KVCache
-from .plan import make_plan, merge_plans
+from .plan import Planner, make_plan, merge_plans
 from .registration import Registration, Scratch
 from .samenode import ENGINES, SameNodeUnavailable, SharedJob, open_engine
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
@@ -71,6 +71,7 @@ class PrefillPeer:
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
         self._engine = None  # a same-node engine (samenode.py) when one serves this peer
+        self._planner: Planner | None = None  # made at the first request (plan.py)
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
         self.lanes = None  # UCX's protocols of our agent after the connect-time probe (ucxlog)
         self.engine_reason = "not asked"  # why the engine in use was chosen
@@ -251,14 +252,16 @@ class PrefillPeer:
         self._check_usable()
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if self.client.staging is not None or self.head_slice is not None:
-            # staged or mixed TP: the caches may differ in heads (and kind, staged); source ids
-            # are the peer's
-            src_layout = replace(self.client.cache.layout,
-                                 num_blocks=self.info.cache_layout.num_blocks)
-        else:
-            src_layout = self.info.cache_layout
-        plan = make_plan(src_layout, src_blocks, self.client.cache.layout, dst_blocks)
+        if self._planner is None:  # once per peer: the layouts stay what the connect found
+            if self.client.staging is not None or self.head_slice is not None:
+                # staged or mixed TP: the caches may differ in heads (and kind, staged); source
+                # ids are the peer's
+                src_layout = replace(self.client.cache.layout,
+                                     num_blocks=self.info.cache_layout.num_blocks)
+            else:
+                src_layout = self.info.cache_layout
+            self._planner = Planner(src_layout, self.client.cache.layout)
+        plan = self._planner.plan(src_blocks, dst_blocks)
         if request_id is None:
             request_id = self._new_request()
         elif not isinstance(request_id, str) or not request_id or len(request_id) > 256:

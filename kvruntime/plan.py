@@ -42,59 +42,52 @@ class Descriptor:
     length: int
 
 
-def _as_ids(name: str, ids) -> np.ndarray:
-    """Block ids as a 1-D int64 array. What numpy reads as an integer array is ids: lists of
-    ints (numpy and torch integer scalars included), integer numpy arrays, CPU torch tensors.
-    Bools, floats, strings and anything else are refused (a list mixing bools into ints is
-    read as numpy reads it: as 0 and 1)."""
+def _read_ids(name: str, ids) -> np.ndarray:
+    """Block ids as a 1-D integer array (not copied yet). What numpy reads as an integer array
+    is ids: lists of ints (numpy and torch integer scalars included), integer numpy arrays,
+    CPU torch tensors. Bools, floats, strings and anything else are refused (a list mixing
+    bools into ints is read as numpy reads it: as 0 and 1)."""
     try:
         arr = np.asarray(ids)
     except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
         raise PlanError(f"{name} block ids are not a list of integers: {exc}") from None
-    if arr.size == 0:
-        return np.zeros(0, np.int64)
-    if arr.dtype.kind not in "iu":
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.size and arr.dtype.kind not in "iu":
         what = "an array of" if isinstance(ids, np.ndarray) else "ids read as"
         raise PlanError(f"{name} block ids must be integers, got {what} {arr.dtype}")
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise PlanError(f"{name} block id {int(arr.max())} is outside the range of block ids")
-    # the plan keeps its own copy: a caller may reuse its array while the request runs
-    return arr.reshape(-1).astype(np.int64, copy=not isinstance(ids, (list, tuple)))
+    return arr
 
 
 def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
     """Every id in 0..num_blocks-1 and none twice, or PlanError naming the first bad one."""
-    # one comparison for both ends: a negative id, seen unsigned, is larger than any count
-    if np.count_nonzero(ids.view(np.uint64) >= num_blocks):
+    if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
         bad = ids[(ids < 0) | (ids >= num_blocks)]
         raise PlanError(f"{name} block id {int(bad[0])} is outside 0..{num_blocks - 1}")
-    seen = np.zeros(num_blocks, dtype=np.bool_)
-    seen[ids] = True
-    if np.count_nonzero(seen) != len(ids):
-        order = np.argsort(ids, kind="stable")
-        again = order[1:][ids[order[1:]] == ids[order[:-1]]]  # later copies, by position
+    order = np.argsort(ids, kind="stable")
+    again = order[1:][ids[order[1:]] == ids[order[:-1]]]  # later copies, by position
+    if len(again):
         raise PlanError(f"{name} block id {int(ids[again.min()])} appears twice in one request")
 
 
-def _run_arrays(s: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(starts in src, starts in dst, counts) of the runs of consecutive (src, dst) pairs."""
-    n = len(s)
-    if n == 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    # (step of src - 1) | (step of dst - 1) is zero exactly where a run goes on (in-place
-    # operations: a few numpy calls whatever the length, each ~1 µs even for 4 ids)
-    breaks = s[1:] - s[:-1]
-    breaks -= 1
-    step = d[1:] - d[:-1]
-    step -= 1
-    breaks |= step
+def _run_arrays(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts in src, starts in dst, counts) of the runs of consecutive (src, dst) pairs of
+    ``ids`` (2 x n: source ids, destination ids)."""
+    n = ids.shape[1]
+    # (step of src - 1) | (step of dst - 1) is zero exactly where a run goes on (in place:
+    # a few numpy calls whatever the length)
+    steps = ids[:, 1:] - ids[:, :-1]
+    steps -= 1
+    breaks = steps[0] | steps[1]
     starts = breaks.nonzero()[0]
     bounds = np.empty(len(starts) + 2, np.int64)
     bounds[0], bounds[-1] = 0, n
     np.add(starts, 1, out=bounds[1:-1])
     firsts = bounds[:-1]
-    return s[firsts], d[firsts], bounds[1:] - firsts
+    run = ids.take(firsts, axis=1)  # (ids[:, firsts] is ~10x slower for thousands of runs)
+    return run[0], run[1], bounds[1:] - firsts
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -109,9 +102,11 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     """Runs of consecutive (src, dst) pairs, in request order."""
-    s, d = _as_ids("source", src), _as_ids("destination", dst)
+    s, d = _read_ids("source", src), _read_ids("destination", dst)
     n = min(len(s), len(d))
-    rs, rd, rc = _run_arrays(s[:n], d[:n])
+    if n == 0:
+        return []
+    rs, rd, rc = _run_arrays(np.stack((s[:n], d[:n])).astype(np.int64))
     return list(map(Run, rs.tolist(), rd.tolist(), rc.tolist()))
 
 
@@ -128,11 +123,6 @@ class TransferPlan:
     run_src: np.ndarray = field(repr=False, compare=False)
     run_dst: np.ndarray = field(repr=False, compare=False)
     run_count: np.ndarray = field(repr=False, compare=False)
-
-    @classmethod
-    def of(cls, src_layout: KVLayout, dst_layout: KVLayout, src_ids: np.ndarray,
-           dst_ids: np.ndarray) -> "TransferPlan":
-        return cls(src_layout, dst_layout, src_ids, dst_ids, *_run_arrays(src_ids, dst_ids))
 
     @cached_property
     def runs(self) -> tuple[Run, ...]:
@@ -204,30 +194,59 @@ class TransferPlan:
         return parts * self.src_layout.num_regions
 
 
+class Planner:
+    """Plans requests from ``src_layout`` into ``dst_layout``. What does not change between
+    requests — the geometry check, the bounds — is done once: a peer keeps one. ``plan``
+    checks both sides at once (range, duplicates) in a few numpy calls on one 2 x n array and
+    names the first bad id, source side first, only when something is wrong."""
+
+    def __init__(self, src_layout: KVLayout, dst_layout: KVLayout | None = None):
+        dst_layout = dst_layout or src_layout
+        if (src_layout.kind, src_layout.chunk_bytes, src_layout.num_regions) != (
+            dst_layout.kind, dst_layout.chunk_bytes, dst_layout.num_regions
+        ):
+            raise PlanError("source and destination layouts differ in kind or block geometry")
+        self.src_layout, self.dst_layout = src_layout, dst_layout
+        ns, nd = src_layout.num_blocks, dst_layout.num_blocks
+        self._limits = np.array([[ns], [nd]], dtype=np.uint64)
+        self._offsets = np.array([[0], [ns]], dtype=np.int64)  # one "seen" array, both sides
+        self._slots = ns + nd
+
+    def plan(self, src_blocks, dst_blocks=None) -> TransferPlan:
+        """Plan moving ``src_blocks`` into ``dst_blocks`` (lists of ints, integer numpy arrays
+        or CPU tensors; the plan keeps its own copy). Refuses, before anything moves, an empty
+        request, unequal lengths, and any id out of range or named twice on one side."""
+        src = _read_ids("source", src_blocks)
+        dst = src if dst_blocks is None else _read_ids("destination", dst_blocks)
+        n = len(src)
+        if not n:
+            raise PlanError("a request must name at least one block")
+        if len(dst) != n:
+            raise PlanError(f"{n} source blocks but {len(dst)} destination blocks")
+        ids = np.empty((2, n), dtype=np.int64)
+        ids[0], ids[1] = src, dst
+        # one comparison for both sides and both ends: a negative id, seen unsigned, is larger
+        # than any count
+        bad = np.count_nonzero(ids.view(np.uint64) >= self._limits)
+        if not bad:
+            seen = np.zeros(self._slots, dtype=np.bool_)
+            seen[(ids + self._offsets).reshape(-1)] = True
+            bad = np.count_nonzero(seen) != 2 * n
+        if bad:  # say which, in request order
+            _check_ids("source", ids[0], self.src_layout.num_blocks)
+            _check_ids("destination", ids[1], self.dst_layout.num_blocks)
+        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *_run_arrays(ids))
+
+
 def make_plan(
     src_layout: KVLayout,
     src_blocks,
     dst_layout: KVLayout | None = None,
     dst_blocks=None,
 ) -> TransferPlan:
-    """Plan moving ``src_blocks`` of ``src_layout`` into ``dst_blocks`` of ``dst_layout``
-    (lists of ints, integer numpy arrays or CPU tensors). Refuses, before anything moves, an
-    empty request, unequal lengths, and any id out of range or named twice on one side."""
-    dst_layout = dst_layout or src_layout
-    src = _as_ids("source", src_blocks)
-    dst = src if dst_blocks is None else _as_ids("destination", dst_blocks)
-    if (src_layout.kind, src_layout.chunk_bytes, src_layout.num_regions) != (
-        dst_layout.kind, dst_layout.chunk_bytes, dst_layout.num_regions
-    ):
-        raise PlanError("source and destination layouts differ in kind or block geometry")
-    if not len(src):
-        raise PlanError("a request must name at least one block")
-    if len(src) != len(dst):
-        raise PlanError(f"{len(src)} source blocks but {len(dst)} destination blocks")
-    _check_ids("source", src, src_layout.num_blocks)
-    if dst is not src or dst_layout.num_blocks < src_layout.num_blocks:
-        _check_ids("destination", dst, dst_layout.num_blocks)
-    return TransferPlan.of(src_layout, dst_layout, src, dst)
+    """Plan moving ``src_blocks`` of ``src_layout`` into ``dst_blocks`` of ``dst_layout`` (a
+    one-off ``Planner``; see ``Planner.plan``)."""
+    return Planner(src_layout, dst_layout).plan(src_blocks, dst_blocks)
 
 
 def merge_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
@@ -237,7 +256,9 @@ def merge_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
     for p in plans[1:]:
         if (p.src_layout, p.dst_layout) != (first.src_layout, first.dst_layout):
             raise PlanError("requests of one batch must share their layouts")
-    src = np.concatenate([p.src_ids for p in plans])
-    dst = np.concatenate([p.dst_ids for p in plans])
-    _check_ids("destination", dst, first.dst_layout.num_blocks)
-    return TransferPlan.of(first.src_layout, first.dst_layout, src, dst)
+    ids = np.concatenate([np.stack(p.block_ids()) for p in plans], axis=1)
+    seen = np.zeros(first.dst_layout.num_blocks, dtype=np.bool_)
+    seen[ids[1]] = True
+    if np.count_nonzero(seen) != ids.shape[1]:
+        _check_ids("destination", ids[1], first.dst_layout.num_blocks)
+    return TransferPlan(first.src_layout, first.dst_layout, ids[0], ids[1], *_run_arrays(ids))
