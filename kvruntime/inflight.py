@@ -81,8 +81,11 @@ class TransferHandle:
         running (a ``TransferTimeout`` means the request itself missed its deadline)."""
         until = None if timeout is None else time.monotonic() + timeout
         own_thread = getattr(self._xfer, "block", None)  # a copy that a thread of ours runs
-        # spin first, unless the copy needs the GIL this loop would hold
-        spin_until = time.perf_counter() + (0.0 if own_thread else SPIN_SECONDS)
+        # spin first where our polls drive the copy; not where another thread of ours needs
+        # the GIL, nor where the prefill does the work (a push, a staged copy: on a 2-core host
+        # a spinning decode takes the core the prefill needs)
+        spins = own_thread is None and not self.uses_peer
+        spin_until = time.perf_counter() + (SPIN_SECONDS if spins else 0.0)
         nap = NAP_FIRST
         while self.poll() == PENDING:
             if until is not None and time.monotonic() > until:
