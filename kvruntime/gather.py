@@ -99,7 +99,7 @@ class _IdUploads:
         self.host_np = [h.numpy() for h in self.host]
         self.dev = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(self.SLOTS)]
         self.uploaded = [torch.cuda.Event() for _ in range(self.SLOTS)]
-        self.consumed = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        self.read = [torch.cuda.Event() for _ in range(self.SLOTS)]  # its gathers are queued
         self.used = [False] * self.SLOTS
         self.next = 0
 
@@ -128,7 +128,7 @@ class _IdUploads:
         dev = self.dev[i]
         with torch.cuda.stream(self.stream):
             if self.used[i]:
-                self.stream.wait_event(self.consumed[i])  # the gathers reading it are done
+                self.stream.wait_event(self.read[i])  # the gathers reading it are done
             dev[:off + n].copy_(self.host[i][:off + n], non_blocking=True)
             self.uploaded[i].record(self.stream)
         self.used[i] = True
@@ -136,8 +136,10 @@ class _IdUploads:
         return dev[:n], dev[off:off + n], i
 
     def consumed(self, slot, stream) -> None:
+        """The work reading ``slot`` is queued on ``stream``: the slot's next upload waits
+        for it."""
         if slot is not None:
-            self.consumed[slot].record(stream)
+            self.read[slot].record(stream)
 
 
 class BlockGather:
