@@ -227,15 +227,21 @@ class Planner:
         ids[0], ids[1] = src, dst
         # one comparison for both sides and both ends: a negative id, seen unsigned, is larger
         # than any count
-        bad = np.count_nonzero(ids.view(np.uint64) >= self._limits)
-        if not bad:
+        if np.count_nonzero(ids.view(np.uint64) >= self._limits):
+            self._refuse(ids)
+        runs = _run_arrays(ids)
+        if len(runs[2]) > 1:  # one run names distinct ids on both sides by construction
             seen = np.zeros(self._slots, dtype=np.bool_)
             seen[(ids + self._offsets).reshape(-1)] = True
-            bad = np.count_nonzero(seen) != 2 * n
-        if bad:  # say which, in request order
-            _check_ids("source", ids[0], self.src_layout.num_blocks)
-            _check_ids("destination", ids[1], self.dst_layout.num_blocks)
-        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *_run_arrays(ids))
+            if np.count_nonzero(seen) != 2 * n:
+                self._refuse(ids)
+        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *runs)
+
+    def _refuse(self, ids: np.ndarray) -> None:
+        """Raise PlanError naming the first bad id, source side first, in request order."""
+        _check_ids("source", ids[0], self.src_layout.num_blocks)
+        _check_ids("destination", ids[1], self.dst_layout.num_blocks)
+        raise AssertionError("a bad request passed the per-side checks")
 
 
 def make_plan(
