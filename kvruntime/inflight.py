@@ -30,7 +30,7 @@ PENDING, DONE, FAILED = "pending", "done", "failed"
 # wait(): poll without sleeping this long (a short request ends within it: a sleep costs ~60 µs
 # of timer slack, more than the whole host cost of a request), then nap, doubling up to a cap
 SPIN_SECONDS = 0.0005
-NAP_FIRST, NAP_MAX = 0.00002, 0.0005
+NAP_FIRST, NAP_MAX = 0.00002, 0.0002
 
 
 class TransferHandle:
@@ -81,10 +81,10 @@ class TransferHandle:
         running (a ``TransferTimeout`` means the request itself missed its deadline)."""
         until = None if timeout is None else time.monotonic() + timeout
         own_thread = getattr(self._xfer, "block", None)  # a copy that a thread of ours runs
-        # spin first where our polls drive the copy; not where another thread of ours needs
-        # the GIL, nor where the prefill does the work (a push, a staged copy: on a 2-core host
-        # a spinning decode takes the core the prefill needs)
-        spins = own_thread is None and not self.uses_peer
+        # spin first where our polls drive the copy (a READ, a staged copy's READs); not where
+        # another thread of ours needs the GIL, nor where the prefill does all the work (a push
+        # over NIXL: on a 2-core host a spinning decode takes the core the prefill needs)
+        spins = own_thread is None and self._xfer is not None
         spin_until = time.perf_counter() + (SPIN_SECONDS if spins else 0.0)
         nap = NAP_FIRST
         while self.poll() == PENDING:
