@@ -38,7 +38,7 @@ from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, TransferHandle
 from .memory import KVCache
-from .plan import make_plan, merge_plans
+from .plan import Planner, make_plan, merge_plans
 from .registration import Registration, Scratch
 from .samenode import ENGINES, SameNodeUnavailable, SharedJob, open_engine
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
@@ -71,6 +71,7 @@ class PrefillPeer:
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
         self._engine = None  # a same-node engine (samenode.py) when one serves this peer
+        self._planner: Planner | None = None  # made at the first request (plan.py)
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
         self.lanes = None  # UCX's protocols of our agent after the connect-time probe (ucxlog)
         self.engine_reason = "not asked"  # why the engine in use was chosen
@@ -142,8 +143,9 @@ class PrefillPeer:
         if handle.request_id in self._pending:
             raise KVRuntimeError(f"request id {handle.request_id!r} is already in flight on "
                                  f"{self.name}")
-        handle._xfer = StagedPull(self, handle.plan, handle.request_id,
-                                  time.time() + handle.timeout)
+        handle._attach(StagedPull(self, handle.plan, handle.request_id,
+                                  time.time() + handle.timeout))
+        handle.uses_peer = True  # the prefill's "staged" answer comes over the side channel
         self._pending[handle.request_id] = handle
         self.client._track(handle)
         handle._xfer.send()
@@ -158,9 +160,9 @@ class PrefillPeer:
                         head_rows(self.info.layout, self.info.regions, src, s.src), self.agent,
                         self.client.cache.mem_type, self.info.mem_type)
             handle.nbytes = rows.nbytes
-        handle._xfer = PostedTransfer(self.client.agent, "READ", handle.plan, reg.local_dlist,
+        handle._attach(PostedTransfer(self.client.agent, "READ", handle.plan, reg.local_dlist,
                                       reg.peer_dlist(self.agent), True,
-                                      free_notification(handle.request_id), split, rows)
+                                      free_notification(handle.request_id), split, rows))
         self.client._track(handle)
         return handle
 
@@ -213,7 +215,7 @@ class PrefillPeer:
         handles = []
         for plan, rid in admitted:
             handle = self._handle("pull", rid, plan, timeout, t0)
-            handle._xfer = SharedJob(job, plan)
+            handle._attach(SharedJob(job, plan))
             self.client._track(handle)
             handles.append(handle)
         return handles
@@ -226,7 +228,8 @@ class PrefillPeer:
         return handle
 
     def _start_local(self, handle: TransferHandle) -> TransferHandle:
-        handle._xfer = self._engine.start("READ", handle.plan, self.head_slice)
+        handle._attach(self._engine.start("READ", handle.plan, self.head_slice))
+        handle.uses_peer = False  # a push too: we copy, and tell the prefill once it is done
         self.client._track(handle)
         return handle
 
@@ -249,14 +252,16 @@ class PrefillPeer:
         self._check_usable()
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if self.client.staging is not None or self.head_slice is not None:
-            # staged or mixed TP: the caches may differ in heads (and kind, staged); source ids
-            # are the peer's
-            src_layout = replace(self.client.cache.layout,
-                                 num_blocks=self.info.cache_layout.num_blocks)
-        else:
-            src_layout = self.info.cache_layout
-        plan = make_plan(src_layout, src_blocks, self.client.cache.layout, dst_blocks)
+        if self._planner is None:  # once per peer: the layouts stay what the connect found
+            if self.client.staging is not None or self.head_slice is not None:
+                # staged or mixed TP: the caches may differ in heads (and kind, staged); source
+                # ids are the peer's
+                src_layout = replace(self.client.cache.layout,
+                                     num_blocks=self.info.cache_layout.num_blocks)
+            else:
+                src_layout = self.info.cache_layout
+            self._planner = Planner(src_layout, self.client.cache.layout)
+        plan = self._planner.plan(src_blocks, dst_blocks)
         if request_id is None:
             request_id = self._new_request()
         elif not isinstance(request_id, str) or not request_id or len(request_id) > 256:
@@ -305,6 +310,13 @@ class PrefillPeer:
             except KVRuntimeError as exc:
                 self._lose(f"side channel failed: {exc}")
                 raise TransferError(f"{self.name}: {exc}") from exc
+
+    def _await_frame(self, seconds: float) -> None:
+        """Sleep until the prefill sends something, at most ``seconds``."""
+        try:
+            select.select([self.sock], [], [], seconds)
+        except (OSError, ValueError):  # closed under us: the next pump says so
+            pass
 
     def _pump(self) -> None:
         """Read whatever frames the prefill has sent and hand them out; collect NIXL

@@ -79,10 +79,13 @@ def _word_view(flat, chunk_bytes: int):
 
 
 class _IdUploads:
-    """Block id lists to the device without a pinned allocation per request (cudaHostAlloc
-    costs ~0.3 ms: with 32 small requests in flight it was the whole cost): a ring of pinned
-    buffers, each rewritten only after its last upload finished, uploads on a stream of their
-    own so that they never queue behind the gathers they feed."""
+    """Block id lists to the device with no allocation per request (cudaHostAlloc costs
+    ~0.3 ms, and each torch allocation and event a few µs: with 32 small requests in flight
+    those were the whole cost): a ring of slots, each a pinned host buffer (written through its
+    numpy view) and a device buffer, with two events — the host side is rewritten once its
+    upload is done, the device side once the gathers that read it are. Uploads run on a stream
+    of their own so that they never queue behind the gathers they feed. Both id lists start
+    16-byte aligned whatever the request's length (one kernel specialization)."""
 
     SLOTS, CAPACITY = 8, 1 << 16
 
@@ -91,34 +94,52 @@ class _IdUploads:
 
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
-        self.slots = [torch.empty(2 * self.CAPACITY, dtype=torch.int64).pin_memory()
-                      for _ in range(self.SLOTS)]
-        self.events = [None] * self.SLOTS
+        n = 2 * self.CAPACITY
+        self.host = [torch.empty(n, dtype=torch.int64).pin_memory() for _ in range(self.SLOTS)]
+        self.host_np = [h.numpy() for h in self.host]
+        self.dev = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(self.SLOTS)]
+        self.uploaded = [torch.cuda.Event() for _ in range(self.SLOTS)]
+        self.read = [torch.cuda.Event() for _ in range(self.SLOTS)]  # its gathers are queued
+        self.used = [False] * self.SLOTS
         self.next = 0
 
     def upload(self, src_ids, dst_ids, consumer):
-        """(src ids, dst ids) on the device, ready for work queued on ``consumer``."""
+        """(src ids, dst ids, slot) on the device, ready for work queued on ``consumer``; call
+        ``consumed(slot, stream)`` once the work reading them is queued."""
         import torch
 
-        n = len(src_ids)
-        if n > self.CAPACITY:
+        n, cap = len(src_ids), self.CAPACITY
+        if n > cap:  # one-off: a request larger than a slot gets buffers of its own
             host = torch.from_numpy(np.concatenate((src_ids, dst_ids))).pin_memory()
-        else:
-            i, self.next = self.next, (self.next + 1) % self.SLOTS
-            if self.events[i] is not None:
-                self.events[i].synchronize()
-            host = self.slots[i][: 2 * n]
-            host[:n] = torch.from_numpy(src_ids)
-            host[n:] = torch.from_numpy(dst_ids)
+            with torch.cuda.stream(self.stream):
+                dev = host.to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            consumer.wait_event(event)
+            dev.record_stream(consumer)  # freed only once the consumer's gathers are done
+            return dev[:n], dev[n:], None
+        i, self.next = self.next, (self.next + 1) % self.SLOTS
+        if self.used[i]:
+            self.uploaded[i].synchronize()  # its last upload has left the host buffer
+        off = (n + 1) & ~1  # destination ids 16-byte aligned, like the source ids
+        host = self.host_np[i]
+        host[:n] = src_ids
+        host[off:off + n] = dst_ids
+        dev = self.dev[i]
         with torch.cuda.stream(self.stream):
-            dev = host.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        if n <= self.CAPACITY:
-            self.events[i] = event
-        consumer.wait_event(event)
-        dev.record_stream(consumer)  # freed only once the consumer's gathers are done
-        return dev[:n], dev[n:]
+            if self.used[i]:
+                self.stream.wait_event(self.read[i])  # the gathers reading it are done
+            dev[:off + n].copy_(self.host[i][:off + n], non_blocking=True)
+            self.uploaded[i].record(self.stream)
+        self.used[i] = True
+        consumer.wait_event(self.uploaded[i])
+        return dev[:n], dev[off:off + n], i
+
+    def consumed(self, slot, stream) -> None:
+        """The work reading ``slot`` is queued on ``stream``: the slot's next upload waits
+        for it."""
+        if slot is not None:
+            self.read[slot].record(stream)
 
 
 class BlockGather:
@@ -140,8 +161,18 @@ class BlockGather:
                              d, s, why)
                     self.use_triton = False
         self._uploads = None
-        self.src_words = [_word_view(s[: src_blocks * chunk_bytes], chunk_bytes) for s in src_regions]
-        self.dst_words = [_word_view(d[: dst_blocks * chunk_bytes], chunk_bytes) for d in dst_regions]
+        # what each request's launches need, made once: per region the word views, the words
+        # of a block, the tile and the tiles per block (the grid's second axis)
+        self._launches = []
+        for s, d in zip(src_regions, dst_regions):
+            (sw, words), (dw, _) = (_word_view(s[: src_blocks * chunk_bytes], chunk_bytes),
+                                    _word_view(d[: dst_blocks * chunk_bytes], chunk_bytes))
+            tile = 2048 if words >= 2048 else _next_power_of_2(words)
+            self._launches.append((sw, dw, words, tile, -(-words // tile)))
+        # the torch fallback's [block][bytes] views
+        self._rows = [(s[: src_blocks * chunk_bytes].view(src_blocks, chunk_bytes),
+                       d[: dst_blocks * chunk_bytes].view(dst_blocks, chunk_bytes))
+                      for s, d in zip(src_regions, dst_regions)]
 
     def copy(self, plan) -> str:
         """Enqueue the copy of ``plan``'s blocks on the current stream; returns the method."""
@@ -158,20 +189,29 @@ class BlockGather:
         device = self.dst[0].device
         if self._uploads is None:
             self._uploads = _IdUploads(device)
-        s_ids, d_ids = self._uploads.upload(*plan.block_ids(), torch.cuda.current_stream(device))
+        stream = torch.cuda.current_stream(device)
+        s_ids, d_ids, slot = self._uploads.upload(*plan.block_ids(), stream)
+        try:
+            return self._launch(s_ids, d_ids, device)
+        finally:
+            self._uploads.consumed(slot, stream)  # the slot is rewritten after these gathers
+
+    def _launch(self, s_ids, d_ids, device) -> str:
+        n = len(s_ids)
         if self.use_triton:
             try:
-                for (sw, words), (dw, _) in zip(self.src_words, self.dst_words):
-                    tile = 2048 if words >= 2048 else triton.next_power_of_2(words)
-                    grid = (len(s_ids), triton.cdiv(words, tile))
-                    _gather_blocks[grid](sw, dw, s_ids, d_ids, words, TILE=tile, num_warps=8)
+                for sw, dw, words, tile, tiles in self._launches:
+                    _gather_blocks[(n, tiles)](sw, dw, s_ids, d_ids, words, TILE=tile,
+                                               num_warps=8)
                 return "triton"
             except Exception as exc:  # e.g. a source on another device Triton refuses
                 log.warning("Triton gather unavailable (%s); using torch index ops", exc)
                 self.use_triton = False
-        for src, dst in zip(self.src, self.dst):
-            n_src = src.numel() // c
-            rows = src[: n_src * c].view(n_src, c).index_select(0, s_ids.to(src.device))
-            n_dst = dst.numel() // c
-            dst[: n_dst * c].view(n_dst, c).index_copy_(0, d_ids, rows.to(device, non_blocking=True))
+        for src_rows, dst_rows in self._rows:
+            rows = src_rows.index_select(0, s_ids.to(src_rows.device))
+            dst_rows.index_copy_(0, d_ids, rows.to(device, non_blocking=True))
         return "torch"
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -14,8 +14,6 @@ is not trusted with new requests until it settles or is reconnected.
 
 from __future__ import annotations
 
-import dataclasses
-
 import threading
 import time
 from dataclasses import replace
@@ -29,6 +27,10 @@ if TYPE_CHECKING:
     from .decode import PrefillPeer
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
+# wait(): poll without sleeping this long (a short request ends within it: a sleep costs ~60 µs
+# of timer slack, more than the whole host cost of a request), then nap, doubling up to a cap
+SPIN_SECONDS = 0.0005
+NAP_FIRST, NAP_MAX = 0.00002, 0.0002
 
 
 class TransferHandle:
@@ -54,6 +56,9 @@ class TransferHandle:
         self._xfer: PostedTransfer | None = None  # pull: our READ
         self._reply: dict | None = None  # push: the prefill's "pushed" frame
         self._noted = False  # push: the WRITE's notification reached us
+        # whether progress needs the side channel and NIXL's notifications (a push, a staged
+        # copy); a READ or a same-node copy moves by polling its own transfer alone
+        self.uses_peer = op == "push"
         self.reported = False
 
     # -- the caller's side -----------------------------------------------------------------
@@ -63,8 +68,11 @@ class TransferHandle:
 
     def poll(self) -> str:
         if self.state == PENDING:
-            self.peer._pump()
+            if self.uses_peer:
+                self.peer._pump()
             self._advance()
+            if self.state == FAILED and not self.uses_peer:
+                self.peer._pump()  # a failed copy: notice at once if the peer's connection died
         return self.state
 
     def wait(self, timeout: float | None = None) -> TransferResult:
@@ -72,14 +80,28 @@ class TransferHandle:
         ``timeout`` shorter than the request's own, raise ``WaitTimeout`` and leave the request
         running (a ``TransferTimeout`` means the request itself missed its deadline)."""
         until = None if timeout is None else time.monotonic() + timeout
-        polls = 0
+        own_thread = getattr(self._xfer, "block", None)  # a copy that a thread of ours runs
+        # spin first where our polls drive the copy (a READ, a staged copy's READs); not where
+        # another thread of ours needs the GIL, nor where the prefill does all the work (a push
+        # over NIXL: on a 2-core host a spinning decode takes the core the prefill needs)
+        spins = own_thread is None and self._xfer is not None
+        spin_until = time.perf_counter() + (SPIN_SECONDS if spins else 0.0)
+        nap = NAP_FIRST
         while self.poll() == PENDING:
             if until is not None and time.monotonic() > until:
                 raise WaitTimeout(f"{self.op} request {self.request_id} still in flight after "
                                   f"{timeout:.3f}s (its own deadline is {self.timeout:.3f}s)")
-            polls += 1
-            if polls > 200:
-                time.sleep(0.0001)  # keep a core for UCX's progress (and the peer) on small hosts
+            if time.perf_counter() < spin_until:
+                continue
+            # a long request: give a core back to UCX's progress and the peer (2-core hosts),
+            # napping longer the longer it runs, but waking as soon as what we wait for ends
+            if own_thread is not None:
+                own_thread(NAP_MAX)
+            elif self.uses_peer:
+                self.peer._await_frame(nap)  # the prefill's answer ends the nap
+            else:
+                time.sleep(nap)
+            nap = min(nap * 2, NAP_MAX)
         self.peer.client._consumed(self)
         return self.result()
 
@@ -103,6 +125,13 @@ class TransferHandle:
         return (f"<TransferHandle {self.op} {self.request_id} {self.state} "
                 f"{self.plan.num_blocks} blocks>")
 
+    def _attach(self, xfer) -> None:
+        """The copy that moves this request (a PostedTransfer or an engine's job), timed from
+        the caller's start_* call: planning and the launch count (the copy may run while the
+        host is still launching it)."""
+        xfer.start = self.started
+        self._xfer = xfer
+
     # -- progress (called with the peer's I/O already pumped) ----------------------------------
     def _advance(self) -> None:
         with self._lock:
@@ -120,9 +149,8 @@ class TransferHandle:
         state = xfer.poll()
         if state == "DONE":
             xfer.finish()
-            # timed from the caller's start: for an engine that includes planning and the
-            # launch (the copy may run while the host is still launching it)
-            self._finish(replace(xfer.result(), seconds=time.perf_counter() - self.started))
+            # its clock started at the caller's start (_attach): planning and the launch count
+            self._finish(xfer.result())
             if not nixl and not getattr(xfer, "releases_itself", False):
                 # NIXL's READ notifies the prefill itself; the same-node engine tells it here
                 self.peer._send_release(self.request_id)
@@ -200,7 +228,7 @@ class TransferHandle:
 
     def _finish(self, result: TransferResult) -> None:
         if result.nbytes != self.nbytes:  # a copy job counts whole blocks; we got a head slice
-            result = dataclasses.replace(result, nbytes=self.nbytes)
+            result = replace(result, nbytes=self.nbytes)
         self._result = result
         self.state = DONE
 

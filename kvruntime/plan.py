@@ -6,11 +6,15 @@ Consecutive pairs where both ids grow by one form a *run*; each run is one descr
 NIXL descriptor indices: prepared lists hold one entry per (region, block), index
 ``region * num_blocks + block``, and NIXL merges consecutive indices of adjacent memory back into
 one descriptor — so the number of descriptors NIXL posts equals the plan's count.
+
+Everything per request is a handful of numpy operations on the whole id array, never a Python
+step per id or per run: a request of 4096 scattered blocks is planned, checked (range,
+duplicates) and turned into NIXL indices in about the time of 4 ids (the host cost of a request
+is what bounds many small requests in flight).
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Sequence
@@ -38,75 +42,84 @@ class Descriptor:
     length: int
 
 
-def _as_ids(name: str, ids: Sequence[int]) -> np.ndarray:
-    """Block ids as an int64 array; ints, numpy and torch integers are ids, bools and floats
-    are not."""
-    if isinstance(ids, np.ndarray) or type(ids).__module__.startswith("torch"):
-        arr = np.asarray(ids)
-        if arr.dtype.kind not in "iu":
-            raise PlanError(f"{name} block ids must be integers, got an array of {arr.dtype}")
-        return arr.reshape(-1).astype(np.int64, copy=False)
-    ids = list(ids)
-    if not set(map(type, ids)) <= {int}:  # (C-level: a generator costs ~0.5 ms per 4096 ids)
-        ids = [_one_id(name, b) for b in ids]
-    return np.asarray(ids, dtype=np.int64).reshape(-1)
-
-
-def _one_id(name: str, b) -> int:
-    """An int from anything integer-like (numpy and torch integer scalars); never a bool."""
-    if isinstance(b, (bool, np.bool_, float)) or "bool" in str(getattr(b, "dtype", "")):
-        raise PlanError(f"{name} block id {b!r} is not an integer")
+def _read_ids(name: str, ids) -> np.ndarray:
+    """Block ids as a 1-D integer array (not copied yet). What numpy reads as an integer array
+    is ids: lists of ints (numpy and torch integer scalars included), integer numpy arrays,
+    CPU torch tensors. Bools, floats, strings and anything else are refused (a list mixing
+    bools into ints is read as numpy reads it: as 0 and 1)."""
     try:
-        return operator.index(b)
-    except TypeError:
-        raise PlanError(f"{name} block id {b!r} is not an integer") from None
+        arr = np.asarray(ids)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+        raise PlanError(f"{name} block ids are not a list of integers: {exc}") from None
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.size and arr.dtype.kind not in "iu":
+        what = "an array of" if isinstance(ids, np.ndarray) else "ids read as"
+        raise PlanError(f"{name} block ids must be integers, got {what} {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+        raise PlanError(f"{name} block id {int(arr.max())} is outside the range of block ids")
+    return arr
 
 
 def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
-    if not len(ids):
-        return
-    bad = ids[(ids < 0) | (ids >= num_blocks)]
-    if len(bad):
+    """Every id in 0..num_blocks-1 and none twice, or PlanError naming the first bad one."""
+    if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = ids[(ids < 0) | (ids >= num_blocks)]
         raise PlanError(f"{name} block id {int(bad[0])} is outside 0..{num_blocks - 1}")
-    seen = np.zeros(num_blocks, dtype=np.bool_)
-    seen[ids] = True
-    if int(np.count_nonzero(seen)) != len(ids):
-        seen = set()
-        for b in ids.tolist():
-            if b in seen:
-                raise PlanError(f"{name} block id {b} appears twice in one request")
-            seen.add(b)
+    order = np.argsort(ids, kind="stable")
+    again = order[1:][ids[order[1:]] == ids[order[:-1]]]  # later copies, by position
+    if len(again):
+        raise PlanError(f"{name} block id {int(ids[again.min()])} appears twice in one request")
 
 
-def _run_arrays(src, dst) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(starts in src, starts in dst, counts) of the runs of consecutive (src, dst) pairs."""
-    s = np.asarray(src, dtype=np.int64).reshape(-1)
-    d = np.asarray(dst, dtype=np.int64).reshape(-1)
-    n = min(len(s), len(d))
-    if n == 0:
-        empty = np.zeros(0, np.int64)
-        return empty, empty, empty
-    s, d = s[:n], d[:n]
-    breaks = np.flatnonzero((np.diff(s) != 1) | (np.diff(d) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
-    counts = np.diff(np.concatenate((starts, [n])))
-    return s[starts], d[starts], counts
+def _run_arrays(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts in src, starts in dst, counts) of the runs of consecutive (src, dst) pairs of
+    ``ids`` (2 x n: source ids, destination ids)."""
+    n = ids.shape[1]
+    # (step of src - 1) | (step of dst - 1) is zero exactly where a run goes on (in place:
+    # a few numpy calls whatever the length)
+    steps = ids[:, 1:] - ids[:, :-1]
+    steps -= 1
+    breaks = steps[0] | steps[1]
+    starts = breaks.nonzero()[0]
+    bounds = np.empty(len(starts) + 2, np.int64)
+    bounds[0], bounds[-1] = 0, n
+    np.add(starts, 1, out=bounds[1:-1])
+    firsts = bounds[:-1]
+    run = ids.take(firsts, axis=1)  # (ids[:, firsts] is ~10x slower for thousands of runs)
+    return run[0], run[1], bounds[1:] - firsts
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The concatenation of ``range(start, start + count)`` for every pair, as int32."""
+    total = int(counts.sum())
+    before = np.cumsum(counts)
+    before -= counts
+    out = np.repeat(starts - before, counts)
+    out += np.arange(total)
+    return out.astype(np.int32)
 
 
 def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     """Runs of consecutive (src, dst) pairs, in request order."""
-    rs, rd, rc = _run_arrays(src, dst)
+    s, d = _read_ids("source", src), _read_ids("destination", dst)
+    n = min(len(s), len(d))
+    if n == 0:
+        return []
+    rs, rd, rc = _run_arrays(np.stack((s[:n], d[:n])).astype(np.int64))
     return list(map(Run, rs.tolist(), rd.tolist(), rc.tolist()))
 
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """Runs are kept as three arrays (src start, dst start, count): a request of thousands of
-    scattered blocks is planned without a Python object per run. ``runs`` makes the tuples on
-    first use."""
+    """A request's block ids (``src_ids[i]`` moves to ``dst_ids[i]``, int64, request order) and
+    its runs as three arrays (src start, dst start, count). ``runs`` makes the tuples on first
+    use."""
 
     src_layout: KVLayout
     dst_layout: KVLayout
+    src_ids: np.ndarray = field(repr=False, compare=False)
+    dst_ids: np.ndarray = field(repr=False, compare=False)
     run_src: np.ndarray = field(repr=False, compare=False)
     run_dst: np.ndarray = field(repr=False, compare=False)
     run_count: np.ndarray = field(repr=False, compare=False)
@@ -122,7 +135,7 @@ class TransferPlan:
 
     @property
     def num_blocks(self) -> int:
-        return int(self.run_count.sum())
+        return len(self.src_ids)
 
     @property
     def nbytes(self) -> int:
@@ -140,87 +153,106 @@ class TransferPlan:
             for region in range(self.src_layout.num_regions)
         ]
 
-    def nixl_indices(self, split: int = 1) -> tuple[list[int], list[int]]:
-        """Indices into per-(region, block) prepared lists, for the source and destination.
+    def block_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The request's (source, destination) block ids, in request order."""
+        return self.src_ids, self.dst_ids
+
+    def nixl_indices(self, split: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Indices (int32 arrays, as NIXL takes them) into per-(region, block) prepared lists,
+        for the source and destination: run by run, and within a run region by region.
 
         ``split`` > 1 cuts every run of at least ``split`` blocks into ``split`` pieces and lists
         the pieces last-first, so NIXL cannot merge them back: that gives its multi-threaded UCX
         engine several descriptors to move in parallel.
         """
-        ns, nd = self.src_layout.num_blocks, self.dst_layout.num_blocks
-        if split == 1:
-            return self._indices_unsplit(ns, nd)
-        src_idx: list[int] = []
-        dst_idx: list[int] = []
-        for run in self.runs:
-            pieces = _split(run.count, split)
-            for region in range(self.src_layout.num_regions):
-                for off, cnt in reversed(pieces):
-                    s0 = region * ns + run.src + off
-                    d0 = region * nd + run.dst + off
-                    src_idx.extend(range(s0, s0 + cnt))
-                    dst_idx.extend(range(d0, d0 + cnt))
-        return src_idx, dst_idx
-
-    def block_ids(self) -> tuple[np.ndarray, np.ndarray]:
-        """The request's (source, destination) block ids, run by run."""
-        src, dst, counts = self.run_src, self.run_dst, self.run_count
-        within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        return np.repeat(src, counts) + within, np.repeat(dst, counts) + within
-
-    def _indices_unsplit(self, ns: int, nd: int) -> tuple[list[int], list[int]]:
-        """nixl_indices(1), vectorized: run by run, and within a run region by region."""
-        s, d = self.block_ids()
         regions = self.src_layout.num_regions
-        if regions == 1:
-            return s.tolist(), d.tolist()
-        run_of = np.repeat(np.arange(self.num_runs), self.run_count)
-        r = np.arange(regions)
-        order = np.lexsort((np.tile(np.arange(len(s)), regions), np.repeat(r, len(s)),
-                            np.tile(run_of, regions)))
-        src_all = (np.repeat(r, len(s)) * ns + np.tile(s, regions))[order]
-        dst_all = (np.repeat(r, len(d)) * nd + np.tile(d, regions))[order]
-        return src_all.tolist(), dst_all.tolist()
+        if split == 1 and regions == 1:  # the indices are the block ids themselves
+            return self.src_ids.astype(np.int32), self.dst_ids.astype(np.int32)
+        region, offset, count, run = self._pieces(split)
+        ns, nd = self.src_layout.num_blocks, self.dst_layout.num_blocks
+        return (_ranges(region * ns + self.run_src[run] + offset, count),
+                _ranges(region * nd + self.run_dst[run] + offset, count))
+
+    def _pieces(self, split: int):
+        """(region, offset in the run, block count, run) of every piece, in posting order:
+        run by run, region by region, pieces of a run last-first."""
+        regions = self.src_layout.num_regions
+        parts = np.minimum(self.run_count, max(1, split))  # pieces of each run, per region
+        per_run = parts * regions
+        run = np.repeat(np.arange(self.num_runs), per_run)
+        first = np.cumsum(per_run) - per_run
+        k = np.arange(len(run)) - first[run]  # position among the run's pieces
+        p = parts[run]
+        region, i = k // p, p - 1 - k % p  # i: the piece's place in the run, listed reversed
+        base, extra = np.divmod(self.run_count[run], p)
+        offset = i * base + np.minimum(i, extra)
+        return region, offset, base + (i < extra), run
 
     def piece_count(self, split: int = 1) -> int:
         """Descriptors posted for ``nixl_indices(split)``."""
-        return sum(len(_split(r.count, split)) for r in self.runs) * self.src_layout.num_regions
+        parts = self.num_runs if split == 1 else int(np.minimum(self.run_count, split).sum())
+        return parts * self.src_layout.num_regions
 
 
-def _split(count: int, parts: int) -> list[tuple[int, int]]:
-    parts = max(1, min(parts, count))
-    base, extra = divmod(count, parts)
-    out, off = [], 0
-    for i in range(parts):
-        n = base + (1 if i < extra else 0)
-        out.append((off, n))
-        off += n
-    return out
+class Planner:
+    """Plans requests from ``src_layout`` into ``dst_layout``. What does not change between
+    requests — the geometry check, the bounds — is done once: a peer keeps one. ``plan``
+    checks both sides at once (range, duplicates) in a few numpy calls on one 2 x n array and
+    names the first bad id, source side first, only when something is wrong."""
+
+    def __init__(self, src_layout: KVLayout, dst_layout: KVLayout | None = None):
+        dst_layout = dst_layout or src_layout
+        if (src_layout.kind, src_layout.chunk_bytes, src_layout.num_regions) != (
+            dst_layout.kind, dst_layout.chunk_bytes, dst_layout.num_regions
+        ):
+            raise PlanError("source and destination layouts differ in kind or block geometry")
+        self.src_layout, self.dst_layout = src_layout, dst_layout
+        ns, nd = src_layout.num_blocks, dst_layout.num_blocks
+        self._limits = np.array([[ns], [nd]], dtype=np.uint64)
+        self._offsets = np.array([[0], [ns]], dtype=np.int64)  # one "seen" array, both sides
+        self._slots = ns + nd
+
+    def plan(self, src_blocks, dst_blocks=None) -> TransferPlan:
+        """Plan moving ``src_blocks`` into ``dst_blocks`` (lists of ints, integer numpy arrays
+        or CPU tensors; the plan keeps its own copy). Refuses, before anything moves, an empty
+        request, unequal lengths, and any id out of range or named twice on one side."""
+        src = _read_ids("source", src_blocks)
+        dst = src if dst_blocks is None else _read_ids("destination", dst_blocks)
+        n = len(src)
+        if not n:
+            raise PlanError("a request must name at least one block")
+        if len(dst) != n:
+            raise PlanError(f"{n} source blocks but {len(dst)} destination blocks")
+        ids = np.empty((2, n), dtype=np.int64)
+        ids[0], ids[1] = src, dst
+        # one comparison for both sides and both ends: a negative id, seen unsigned, is larger
+        # than any count
+        if np.count_nonzero(ids.view(np.uint64) >= self._limits):
+            self._refuse(ids)
+        runs = _run_arrays(ids)
+        if len(runs[2]) > 1:  # one run names distinct ids on both sides by construction
+            seen = np.zeros(self._slots, dtype=np.bool_)
+            seen[(ids + self._offsets).reshape(-1)] = True
+            if np.count_nonzero(seen) != 2 * n:
+                self._refuse(ids)
+        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *runs)
+
+    def _refuse(self, ids: np.ndarray) -> None:
+        """Raise PlanError naming the first bad id, source side first, in request order."""
+        _check_ids("source", ids[0], self.src_layout.num_blocks)
+        _check_ids("destination", ids[1], self.dst_layout.num_blocks)
+        raise AssertionError("a bad request passed the per-side checks")
 
 
 def make_plan(
     src_layout: KVLayout,
-    src_blocks: Sequence[int],
+    src_blocks,
     dst_layout: KVLayout | None = None,
-    dst_blocks: Sequence[int] | None = None,
+    dst_blocks=None,
 ) -> TransferPlan:
-    """Plan moving ``src_blocks`` of ``src_layout`` into ``dst_blocks`` of ``dst_layout``."""
-    dst_layout = dst_layout or src_layout
-    src_blocks = _as_ids("source", src_blocks)
-    dst_blocks = src_blocks if dst_blocks is None else _as_ids("destination", dst_blocks)
-    if (src_layout.kind, src_layout.chunk_bytes, src_layout.num_regions) != (
-        dst_layout.kind, dst_layout.chunk_bytes, dst_layout.num_regions
-    ):
-        raise PlanError("source and destination layouts differ in kind or block geometry")
-    if not len(src_blocks):
-        raise PlanError("a request must name at least one block")
-    if len(src_blocks) != len(dst_blocks):
-        raise PlanError(
-            f"{len(src_blocks)} source blocks but {len(dst_blocks)} destination blocks"
-        )
-    _check_ids("source", src_blocks, src_layout.num_blocks)
-    _check_ids("destination", dst_blocks, dst_layout.num_blocks)
-    return TransferPlan(src_layout, dst_layout, *_run_arrays(src_blocks, dst_blocks))
+    """Plan moving ``src_blocks`` of ``src_layout`` into ``dst_blocks`` of ``dst_layout`` (a
+    one-off ``Planner``; see ``Planner.plan``)."""
+    return Planner(src_layout, dst_layout).plan(src_blocks, dst_blocks)
 
 
 def merge_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
@@ -230,10 +262,9 @@ def merge_plans(plans: Sequence[TransferPlan]) -> TransferPlan:
     for p in plans[1:]:
         if (p.src_layout, p.dst_layout) != (first.src_layout, first.dst_layout):
             raise PlanError("requests of one batch must share their layouts")
-    merged = TransferPlan(first.src_layout, first.dst_layout,
-                          np.concatenate([p.run_src for p in plans]),
-                          np.concatenate([p.run_dst for p in plans]),
-                          np.concatenate([p.run_count for p in plans]))
-    _src, dst = merged.block_ids()
-    _check_ids("destination", dst, first.dst_layout.num_blocks)
-    return merged
+    ids = np.concatenate([np.stack(p.block_ids()) for p in plans], axis=1)
+    seen = np.zeros(first.dst_layout.num_blocks, dtype=np.bool_)
+    seen[ids[1]] = True
+    if np.count_nonzero(seen) != ids.shape[1]:
+        _check_ids("destination", ids[1], first.dst_layout.num_blocks)
+    return TransferPlan(first.src_layout, first.dst_layout, ids[0], ids[1], *_run_arrays(ids))

@@ -27,8 +27,9 @@ from .agent import Agent, unique_name
 from .binding import NixlBinding
 from .errors import KVRuntimeError, PeerError
 from .handshake import PeerInfo, serve_handshake
+from .layout import KVLayout
 from .memory import KVCache
-from .plan import make_plan
+from .plan import Planner, make_plan
 from .registration import Registration
 from .samenode import NodeToken, serve_offer
 from .staging import StagingPool, resolve_kv_buffer
@@ -53,6 +54,15 @@ class _Peer:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     head_slice: HeadSlice | None = None  # mixed TP, direct: our heads -> its heads (tp.py)
     lanes_checked: bool = False  # UCX's lanes for its device memory looked at (ucxlog.py)
+    _planner: Planner | None = None  # its pushes' planner, made at the first one
+
+    def planner(self, ours: KVLayout) -> Planner:
+        """Plans our blocks into its cache (mixed TP, direct: counted in its heads)."""
+        if self._planner is None:
+            src = (ours if self.head_slice is None else
+                   replace(self.info.layout, num_blocks=ours.num_blocks))
+            self._planner = Planner(src, self.info.layout)
+        return self._planner
 
     def send(self, message: dict, timeout: float) -> None:
         """Frames to one decode go out whole: the connection thread and the progress loop
@@ -357,11 +367,8 @@ class PrefillServer:
             return
         try:
             s, rows = peer.head_slice, None
-            if s is None:
-                plan = make_plan(self.cache.layout, src, peer.info.layout, dst)
-            else:  # mixed TP, direct: the decode rank's heads of each token row, nothing else
-                plan = make_plan(replace(peer.info.layout, num_blocks=self.cache.layout.num_blocks),
-                                 src, peer.info.layout, dst)
+            plan = peer.planner(self.cache.layout).plan(src, dst)
+            if s is not None:  # mixed TP, direct: the decode rank's heads of each token row
                 src_ids, dst_ids = plan.block_ids()
                 rows = Rows(head_rows(self.cache.layout, self.registration.region_triples(),
                                       src_ids, s.src),

@@ -21,6 +21,9 @@ def block_descriptors(layout: KVLayout, regions, device_id_of=None):
     """Nx3 numpy array of (address, length, device id) per (region, block)."""
     import numpy as np
 
+    if len(regions) * layout.num_blocks > np.iinfo(np.int32).max:  # plan.nixl_indices: int32
+        raise NixlError(f"{len(regions)} regions x {layout.num_blocks} blocks is more "
+                        f"descriptors than NIXL's int32 indices reach")
     chunk = layout.chunk_bytes
     offsets = np.arange(layout.num_blocks, dtype=np.uint64) * np.uint64(chunk)
     rows = []

@@ -32,6 +32,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
+
 from . import frames
 from .errors import KVRuntimeError
 from .layout import KVLayout
@@ -61,18 +63,25 @@ if _readv is not None:
                        ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
 
 
-def read_remote(pid: int, pieces: list[tuple[int, int, int]]) -> int:
-    """Copy ``(local address, remote address, length)`` pieces out of process ``pid``.
-    Returns the bytes copied; raises OSError with the kernel's reason."""
+def read_remote(pid: int, local, remote, lengths) -> int:
+    """Copy ``lengths[i]`` bytes from address ``remote[i]`` of process ``pid`` to our address
+    ``local[i]`` (uint64 arrays, or anything numpy reads as them). Returns the bytes copied;
+    raises OSError with the kernel's reason."""
     if _readv is None:
         raise OSError("process_vm_readv is not available in this C library")
+    n = len(lengths)
+    # struct iovec {void *base; size_t len;} x n, written by numpy, not one Python step a piece
+    iov = np.empty((2, n, 2), dtype=np.uint64)
+    iov[0, :, 0], iov[1, :, 0] = local, remote
+    iov[:, :, 1] = lengths
+    base = iov.ctypes.data
     done = 0
-    for i in range(0, len(pieces), IOV_MAX):
-        batch = pieces[i:i + IOV_MAX]
-        local = (_IOVec * len(batch))(*[(p[0], p[2]) for p in batch])
-        remote = (_IOVec * len(batch))(*[(p[1], p[2]) for p in batch])
-        want = sum(p[2] for p in batch)
-        got = _readv(pid, local, len(batch), remote, len(batch), 0)
+    for i in range(0, n, IOV_MAX):
+        k = min(IOV_MAX, n - i)
+        want = int(iov[0, i:i + k, 1].sum())
+        local_p = ctypes.cast(base + i * 16, ctypes.POINTER(_IOVec))
+        remote_p = ctypes.cast(base + (n + i) * 16, ctypes.POINTER(_IOVec))
+        got = _readv(pid, local_p, k, remote_p, k, 0)
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
@@ -118,7 +127,7 @@ def prove_same_node(offer: dict) -> tuple[int, None] | tuple[None, str]:
         return None, "the peer runs on another host (boot id differs)"
     buf = ctypes.create_string_buffer(TOKEN_BYTES)
     try:
-        read_remote(pid, [(ctypes.addressof(buf), address, TOKEN_BYTES)])
+        read_remote(pid, [ctypes.addressof(buf)], [address], [TOKEN_BYTES])
     except OSError as exc:
         return None, (f"cannot read the peer's memory ({exc}): another pid namespace, another "
                       f"user, or ptrace restrictions")
@@ -167,6 +176,13 @@ class _HostJob(CopyJob):
     def __init__(self, op, plan, future: Future):
         super().__init__(op, plan)
         self._future = future
+        self._ended = threading.Event()
+        future.add_done_callback(lambda _f: self._ended.set())
+
+    def block(self, seconds: float) -> None:
+        """Sleep until the copy ends, at most ``seconds``: a waiter spinning on ``poll`` would
+        hold the GIL that our worker thread needs to finish the copy."""
+        self._ended.wait(seconds)
 
     def poll(self) -> str:
         if self.state == "PROC" and self._future.done():
@@ -198,6 +214,8 @@ class SharedJob:
         self.job = job
         self.plan = plan
         self.engine = job.engine
+        self.start = job.start  # each request's own clock (TransferHandle._attach)
+        self.block = getattr(job, "block", None)
 
     @property
     def error(self):
@@ -215,7 +233,8 @@ class SharedJob:
     def result(self):
         from .transfer import TransferResult
 
-        return TransferResult(self.job.op, self.plan.nbytes, self.job.seconds, self.plan.num_runs,
+        seconds = (self.job.end or time.perf_counter()) - self.start
+        return TransferResult(self.job.op, self.plan.nbytes, seconds, self.plan.num_runs,
                               self.plan.descriptor_count, None, engine=self.engine)
 
 
@@ -228,8 +247,8 @@ class HostEngine:
 
     def __init__(self, pid: int, remote_regions, local_cache, remote_layout: KVLayout):
         self.pid = pid
-        self.remote = [r[0] for r in remote_regions]
-        self.local = [r.address for r in local_cache.regions]
+        self.remote = np.array([r[0] for r in remote_regions], dtype=np.uint64)
+        self.local = np.array([r.address for r in local_cache.regions], dtype=np.uint64)
         self.layout = remote_layout
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvr-samenode")
 
@@ -238,9 +257,15 @@ class HostEngine:
     def start(self, op: str, plan: TransferPlan, heads=None) -> _HostJob:
         if heads is not None:
             raise SameNodeUnavailable("the host-memory engine copies whole blocks only")
-        pieces = [(self.local[d.dst_region] + d.dst_offset, self.remote[d.src_region] + d.src_offset,
-                   d.length) for d in plan.descriptors()]
-        return _HostJob(op, plan, self._pool.submit(read_remote, self.pid, pieces))
+        # one piece per (run, region): whole runs, addresses from the run arrays
+        chunk = np.uint64(self.layout.chunk_bytes)
+        src = plan.run_src.astype(np.uint64) * chunk
+        dst = plan.run_dst.astype(np.uint64) * chunk
+        local = (self.local[:, None] + dst).reshape(-1)  # region-major: order does not matter
+        remote = (self.remote[:, None] + src).reshape(-1)
+        lengths = np.tile(plan.run_count.astype(np.uint64) * chunk, len(self.local))
+        return _HostJob(op, plan, self._pool.submit(read_remote, self.pid, local, remote,
+                                                    lengths))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

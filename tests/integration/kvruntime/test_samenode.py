@@ -75,7 +75,7 @@ def test_the_proof_fails_for_a_user_not_allowed_to_read():
 def test_read_remote_reports_the_kernels_reason():
     buf = ctypes.create_string_buffer(16)
     with pytest.raises(OSError, match="process_vm_readv"):
-        read_remote(os.getpid(), [(ctypes.addressof(buf), 8, 16)])  # address 8: unmapped
+        read_remote(os.getpid(), [ctypes.addressof(buf)], [8], [16])  # address 8: unmapped
 
 
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])

@@ -73,7 +73,7 @@ def test_bad_block_ids(src, dst, msg):
 
 def test_split_pieces_do_not_merge():
     plan = make_plan(lay(CROSS_LAYER), list(range(8)))
-    s, d = plan.nixl_indices(split=3)
+    s, d = (i.tolist() for i in plan.nixl_indices(split=3))
     assert sorted(s) == list(range(8)) and s == d
     merged = sum(1 for i in range(len(s)) if i == 0 or s[i] != s[i - 1] + 1)
     assert merged == plan.piece_count(3) == 3
@@ -123,7 +123,7 @@ def test_plan_properties(req, split):
     assert len(plan.runs) == breaks + 1
     assert plan.descriptor_count == len(plan.runs) * src_l.num_regions
     # NIXL indices name exactly the requested blocks, pairwise, in every region
-    s_idx, d_idx = plan.nixl_indices(split)
+    s_idx, d_idx = (i.tolist() for i in plan.nixl_indices(split))
     assert len(s_idx) == len(src) * src_l.num_regions
     pairs = {(i % src_l.num_blocks, j % dst_l.num_blocks) for i, j in zip(s_idx, d_idx)}
     assert pairs == set(zip(src, dst))
@@ -147,7 +147,7 @@ def test_block_ids_and_vectorized_indices_follow_the_request_order():
     plan = make_plan(layout, [5, 6, 2, 9], layout, [0, 1, 7, 3])
     src, dst = plan.block_ids()
     assert src.tolist() == [5, 6, 2, 9] and dst.tolist() == [0, 1, 7, 3]
-    s_idx, d_idx = plan.nixl_indices()
+    s_idx, d_idx = (i.tolist() for i in plan.nixl_indices())
     # run by run, region by region within a run (4 regions of 20 blocks)
     assert s_idx[:8] == [5, 6, 25, 26, 45, 46, 65, 66]
     assert d_idx[:8] == [0, 1, 20, 21, 40, 41, 60, 61]

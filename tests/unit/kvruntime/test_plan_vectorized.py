@@ -1,0 +1,166 @@
+"""The vectorized planner against a plain Python reference of the same rules, and its
+refusals: every bad request fails with one clear line before anything moves."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvruntime.errors import PlanError
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.plan import make_plan, merge_plans
+
+
+# -- the reference: one Python step per id, the rules as DESIGN §4 states them ---------------
+def reference_check(name, ids, num_blocks):
+    seen = set()
+    for b in ids:
+        if not 0 <= b < num_blocks:
+            return f"{name} block id {b} is outside 0..{num_blocks - 1}"
+    for b in ids:
+        if b in seen:
+            return f"{name} block id {b} appears twice in one request"
+        seen.add(b)
+    return None
+
+
+def reference_runs(src, dst):
+    runs = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [tuple(r) for r in runs]
+
+
+def reference_split(count, parts):
+    parts = max(1, min(parts, count))
+    base, extra = divmod(count, parts)
+    out, off = [], 0
+    for i in range(parts):
+        n = base + (1 if i < extra else 0)
+        out.append((off, n))
+        off += n
+    return out
+
+
+def reference_indices(runs, regions, ns, nd, split):
+    src_idx, dst_idx = [], []
+    for rs, rd, count in runs:
+        pieces = reference_split(count, split)
+        for region in range(regions):
+            for off, cnt in reversed(pieces):
+                src_idx.extend(range(region * ns + rs + off, region * ns + rs + off + cnt))
+                dst_idx.extend(range(region * nd + rd + off, region * nd + rd + off + cnt))
+    return src_idx, dst_idx
+
+
+def lay(kind, blocks, layers=2):
+    return KVLayout(kind, layers, blocks, 4, 1, 8)
+
+
+@st.composite
+def requests(draw):
+    """Ids that may be out of range, negative or repeated (about half the requests are bad)."""
+    kind = draw(st.sampled_from([CROSS_LAYER, PER_LAYER]))
+    ns, nd = draw(st.integers(1, 48)), draw(st.integers(1, 48))
+    n = draw(st.integers(1, 40))
+    ids = st.integers(-3, 52)
+    if draw(st.booleans()):  # mostly valid: distinct in-range ids, some runs
+        n = min(n, ns, nd)
+        src = draw(st.permutations(range(ns)))[:n]
+        dst = draw(st.permutations(range(nd)))[:n]
+        if draw(st.booleans()):
+            src, dst = sorted(src), sorted(dst)
+    else:
+        src = draw(st.lists(ids, min_size=n, max_size=n))
+        dst = draw(st.lists(ids, min_size=n, max_size=n))
+    return kind, ns, nd, src, dst
+
+
+@settings(max_examples=400, deadline=None)
+@given(requests(), st.integers(1, 5), st.sampled_from(["list", "numpy", "int32"]))
+def test_matches_the_reference(req, split, form):
+    kind, ns, nd, src, dst = req
+    src_l, dst_l = lay(kind, ns), lay(kind, nd)
+    as_form = {"list": list, "numpy": np.array,
+               "int32": lambda v: np.array(v, dtype=np.int32)}[form]
+    want_error = reference_check("source", src, ns) or reference_check("destination", dst, nd)
+    if want_error:
+        with pytest.raises(PlanError) as info:
+            make_plan(src_l, as_form(src), dst_l, as_form(dst))
+        assert str(info.value) == want_error
+        return
+    plan = make_plan(src_l, as_form(src), dst_l, as_form(dst))
+    runs = reference_runs(src, dst)
+    assert list(plan.runs) == runs
+    assert plan.num_blocks == len(src) and plan.nbytes == len(src) * src_l.block_bytes
+    assert [a.tolist() for a in plan.block_ids()] == [src, dst]
+    s_idx, d_idx = plan.nixl_indices(split)
+    assert s_idx.dtype == d_idx.dtype == np.int32
+    want = reference_indices(runs, src_l.num_regions, ns, nd, split)
+    assert (s_idx.tolist(), d_idx.tolist()) == want
+    assert plan.piece_count(split) == sum(
+        len(reference_split(c, split)) for _s, _d, c in runs) * src_l.num_regions
+
+
+def test_large_requests_match_the_reference():
+    rng = np.random.default_rng(3)
+    layout = lay(PER_LAYER, 8192, layers=3)
+    for ids in (rng.permutation(8192)[:4096], np.arange(100, 4196),
+                np.concatenate([np.arange(0, 2000), rng.permutation(np.arange(4000, 8192))])):
+        dst = rng.permutation(8192)[:len(ids)] if ids[1] != ids[0] + 1 else ids
+        plan = make_plan(layout, ids, layout, dst)
+        runs = reference_runs(ids.tolist(), dst.tolist())
+        assert list(plan.runs) == runs
+        got = [a.tolist() for a in plan.nixl_indices(4)]
+        assert tuple(got) == reference_indices(runs, layout.num_regions, 8192, 8192, 4)
+
+
+LAYOUT = KVLayout(CROSS_LAYER, 2, 10, 16, 4, 32, "float16")
+
+
+@pytest.mark.parametrize("src,dst,line", [
+    (np.array([3, 10]), None, "source block id 10 is outside 0..9"),
+    (np.array([-1, 2]), None, "source block id -1 is outside 0..9"),
+    (np.array([4, 7, 4, 7]), None, "source block id 4 appears twice in one request"),
+    ([1, 2], np.array([5, 5]), "destination block id 5 appears twice in one request"),
+    ([1, 2], np.array([0, 11], np.uint8), "destination block id 11 is outside 0..9"),
+    (np.array([2 ** 64 - 1], np.uint64), None,
+     "source block id 18446744073709551615 is outside the range of block ids"),
+    (np.array([1.0, 2.0]), None, "source block ids must be integers, got an array of float64"),
+    (np.array([True]), None, "source block ids must be integers, got an array of bool"),
+    ([1, "2"], None, "source block ids must be integers, got ids read as <U21"),
+    ([1, None], None, "source block ids must be integers, got ids read as object"),
+    (np.zeros(0, np.int64), None, "a request must name at least one block"),
+    ([1, 2, 3], [4, 5], "3 source blocks but 2 destination blocks"),
+])
+def test_bad_ids_refused_with_one_line(src, dst, line):
+    with pytest.raises(PlanError) as info:
+        make_plan(LAYOUT, src, None, dst)
+    assert str(info.value) == line
+    assert "\n" not in str(info.value)
+
+
+def test_torch_tensors_are_ids():
+    torch = pytest.importorskip("torch")
+    plan = make_plan(LAYOUT, torch.tensor([7, 8, 9]), LAYOUT, torch.tensor([0, 1, 2], dtype=torch.int32))
+    assert plan.runs == ((7, 0, 3),)
+    with pytest.raises(PlanError, match="must be integers"):
+        make_plan(LAYOUT, torch.tensor([1.0]))
+
+
+def test_the_plan_keeps_its_own_ids():
+    ids = np.array([1, 2, 3])
+    plan = make_plan(LAYOUT, ids)
+    ids[:] = 0  # an engine reusing its buffer while the request runs
+    assert plan.block_ids()[0].tolist() == [1, 2, 3]
+
+
+def test_merge_refuses_a_destination_named_twice():
+    a, b = make_plan(LAYOUT, [1, 2], LAYOUT, [3, 4]), make_plan(LAYOUT, [5], LAYOUT, [4])
+    with pytest.raises(PlanError, match="destination block id 4 appears twice"):
+        merge_plans([a, b])
+    merged = merge_plans([a, make_plan(LAYOUT, [3], LAYOUT, [5])])
+    assert [x.tolist() for x in merged.block_ids()] == [[1, 2, 3], [3, 4, 5]]
