@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import binarycache, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
+from . import binarycache, configcache, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
 from .cache import Cache
 from .errors import BinaryCacheError, HostError, InstallerError, VerifyError
 from .extract import extract
@@ -133,7 +133,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             shutil.rmtree(comp.install_dir, ignore_errors=True)
             cenv = envfile.apply(comp.env, env) if comp.env else dict(env)
             cenv.update({k: v for k, v in comp.env.items() if k not in envfile.PREPENDED})
-            actions = _actions(fetched, plan)
+            actions = _actions(fetched, plan, comp, cenv)
 
             def run_phase(phase: str) -> list[dict]:
                 out = []
@@ -266,7 +266,7 @@ def _tool_versions(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _actions(fetched: dict[str, Fetched], plan: Plan):
+def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: dict[str, str]):
     def stage_subprojects(into: Path, files: str) -> None:
         into.mkdir(parents=True, exist_ok=True)
         for name in [f.strip() for f in files.split(",")]:
@@ -282,7 +282,19 @@ def _actions(fetched: dict[str, Fetched], plan: Plan):
                         f"Description: {path.stem} (header-only, installed by kvstack)\nVersion: {version}\n"
                         f"Cflags: -I${{includedir}}\n")
 
-    return {"stage-subprojects": stage_subprojects, "copy-tree": copy_tree, "write-pkgconfig": write_pkgconfig}
+    def autoconf_key() -> str | None:
+        configure = next(s for s in comp.steps if s.name == "configure").argv
+        pin = plan.sources[comp.source]
+        return configcache.key(list(configure), pin.get("sha256") or pin.get("commit", ""), env)
+
+    def autoconf_cache_restore(build_dir: Path) -> str:
+        return configcache.restore(plan.cache_dir, build_dir, autoconf_key())
+
+    def autoconf_cache_keep(build_dir: Path) -> str:
+        return configcache.save(plan.cache_dir, build_dir, autoconf_key())
+
+    return {"stage-subprojects": stage_subprojects, "copy-tree": copy_tree, "write-pkgconfig": write_pkgconfig,
+            "autoconf-cache-restore": autoconf_cache_restore, "autoconf-cache-keep": autoconf_cache_keep}
 
 
 def _fix_python_extensions(plan: Plan, env: dict[str, str]) -> None:

@@ -50,8 +50,10 @@ def run_step(step: Step, *, component: str, env: dict[str, str], log_dir: Path,
     start = time.monotonic()
     log_dir.mkdir(parents=True, exist_ok=True)
     if step.action:
-        actions[step.action](**step.args)
-        log_path.write_text(f"[{step.action}] {step.args}\n")
+        said = actions[step.action](**step.args)
+        log_path.write_text(f"[{step.action}] {step.args}\n" + (f"{said}\n" if said else ""))
+        if said:
+            record["result"] = said
     else:
         record["argv"] = list(step.argv)
         _run(step, component, env, log_path, stop or threading.Event())
@@ -68,9 +70,9 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path, stop: 
         raise BuildError(f"{component}: `{tool}` is not installed (needed by step {step.name})",
                          fix="install it (see the recipe's system_packages / build_tools) and run again")
     with open(log_path, "w") as logf:
-        logf.write(f"$ cd {step.cwd or os.getcwd()}\n$ {' '.join(step.argv)}\n")
+        logf.write(f"$ cd {step.cwd or os.getcwd()}\n$ {' '.join([*(f'{k}={v}' for k, v in step.env.items()), *step.argv])}\n")
         logf.flush()
-        proc = subprocess.Popen(step.argv, cwd=step.cwd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(step.argv, cwd=step.cwd, env={**env, **step.env}, stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         marker = log_path.parent / RUNNING.format(component=component)
         marker.write_text(f"{proc.pid}\n")  # so a run after a SIGKILL can stop what this one left
