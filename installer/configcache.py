@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
-log = logging.getLogger("kvstack.installer")
 
 SITE_FILE = "kvstack-config.site"
 CACHE_FILE = "config.cache"

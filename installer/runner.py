@@ -29,7 +29,6 @@ class Stopped(Exception):
     """A step was stopped because the run is ending (another component failed, or Ctrl-C)."""
 
 
-
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
     try:
         with open(path, "rb") as f:
@@ -41,7 +40,7 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 
 def run_step(step: Step, *, component: str, env: dict[str, str], log_dir: Path,
-             actions: dict[str, Callable[..., None]], stop: threading.Event | None = None) -> dict:
+             actions: dict[str, Callable[..., str | None]], stop: threading.Event | None = None) -> dict:
     log_path = log_dir / f"{component}.{step.name}.log"
     record = {"step": step.name, "phase": step.phase, "log": str(log_path)}
     if step.unless_exists is not None and step.unless_exists.exists():
