@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from . import binarycache, detect, image_cli, install, mirror, plan as planmod, recipe as recipemod, verify, wheel
+from . import (binarycache, buildcompare, detect, image_cli, install, mirror, plan as planmod, recipe as recipemod,
+               verify, wheel)
 from .cache import Cache
 from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher
@@ -48,6 +49,9 @@ def _install_parser() -> argparse.ArgumentParser:
     inst.add_argument("--platform", choices=recipemod.PLATFORMS, help="default: detected (NVIDIA driver: cuda; Intel GPU: xpu; else cpu)")
     inst.add_argument("--prefix", type=Path, default=None, help="install location, a symlink to the current build (default: ~/.local/kvstack or $KVSTACK_PREFIX)")
     inst.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default: CPUs available)")
+    inst.add_argument("--component-jobs", type=int, default=None, metavar="N",
+                      help="components built side by side at most (default: as many as their dependencies allow, "
+                           "e.g. UCX configures while Abseil compiles; 1: one after another). Same build either way")
     inst.add_argument("--python", default=sys.executable, help="the Python environment that receives NIXL's module (default: this one)")
     inst.add_argument("--mirror", help="take every source from this directory or URL instead of upstream")
     inst.add_argument("--recipe-overlay", type=Path, action="append", default=[], metavar="TOML",
@@ -101,6 +105,17 @@ def _wheel_parser() -> argparse.ArgumentParser:
     whl.add_argument("-o", "--output", type=Path, default=Path("."), metavar="DIR", help="where the wheel goes (default: .)")
     _common(whl)
     return whl
+
+
+def _compare_parser() -> argparse.ArgumentParser:
+    cmp = _Parser(prog="python -m installer compare", description="Compare two builds byte for byte (e.g. the same "
+                  "build id built twice, into the same prefix): every installed file, and for each one that differs "
+                  "the ELF sections and the build paths it holds. Exit code 0 when the bytes are the same, 1 when not.")
+    cmp.add_argument("a", type=Path, metavar="BUILD_A", help="a build directory (P.builds/<build id>) or a prefix")
+    cmp.add_argument("b", type=Path, metavar="BUILD_B")
+    cmp.add_argument("--json", action="store_true")
+    _common(cmp)
+    return cmp
 
 
 @dataclass(frozen=True)
@@ -164,7 +179,8 @@ def _resolve(args) -> planmod.Plan:
     jobs = args.jobs if args.jobs is not None else planmod.default_jobs()
     return planmod.make_plan(recipe, prefix=args.prefix or planmod.default_prefix(),
                              cache_dir=args.cache_dir or planmod.default_cache_dir(), jobs=jobs,
-                             target=planmod.Target.probe(args.python), platform_reason=reason)
+                             component_jobs=args.component_jobs, target=planmod.Target.probe(args.python),
+                             platform_reason=reason)
 
 
 def _install(args) -> int:
@@ -216,6 +232,12 @@ def _wheel(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    result = buildcompare.compare(args.a, args.b)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else buildcompare.render(result, args.a, args.b))
+    return 0 if result.identical else 1
+
+
 # The verbs, in the order --help lists them. A new verb is one entry here.
 VERBS: dict[str, Verb] = {
     "install": Verb("build the stack for this host into --prefix and verify it (the default verb)",
@@ -228,6 +250,8 @@ VERBS: dict[str, Verb] = {
                     _publish_parser, _publish),
     "wheel": Verb("make a relocatable wheel of NIXL's module with a private UCX from the verified build of --prefix",
                   _wheel_parser, _wheel),
+    "compare": Verb("compare two builds byte for byte (the same build id must give the same libraries)",
+                    _compare_parser, _compare),
     "image": Verb("build the container image of a platform through the Docker SDK (DOCKER_HOST)",
                   image_cli.parser, image_cli.run),
 }

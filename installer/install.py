@@ -6,6 +6,7 @@ prefix points to until verification passed; a per-component stamp lets a re-run 
 failure, and a build whose manifest says complete is never rebuilt (a no-op re-run)."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -13,17 +14,19 @@ import platform as pyplatform
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from . import binarycache, envfile, prefix as prefixmod, syspkgs, tools, verify
+from . import binarycache, configcache, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
 from .cache import Cache
 from .errors import BinaryCacheError, HostError, InstallerError, VerifyError
 from .extract import extract
 from .phases import PhaseLog
-from .plan import Plan
-from .runner import run_step, stop_leftovers
+from .plan import ComponentPlan, Plan
+from .runner import Stopped, run_step, stop_leftovers
+from .schedule import JobBudget
 from .sources import Fetched, Fetcher
 
 log = logging.getLogger("kvstack.installer")
@@ -116,24 +119,47 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
         stamps.mkdir(parents=True, exist_ok=True)
         for phase in ("extract", "configure", "build", "install"):
             phases.records.setdefault(phase, {"status": "done", "seconds": 0.0, "components": {}})
-        for comp in plan.components:
+        budget, records_lock = JobBudget(), threading.Lock()
+
+        def build_one(comp: ComponentPlan, stop: threading.Event) -> None:
             stamp = stamps / f"{comp.name}.done"
             if stamp.exists():
                 log.info("  %s: already built in %s", comp.name, comp.install_dir)
-                continue
+                return
             log.info("--> %s (%s)", comp.name, comp.build)
-            _timed(phases, "extract", comp.name, lambda: extract(fetched[comp.source], comp.src_dir))
+            timed = functools.partial(_timed, phases, records_lock, component=comp.name)
+            timed("extract", lambda: extract(fetched[comp.source], comp.src_dir))
             shutil.rmtree(comp.build_dir, ignore_errors=True)
             shutil.rmtree(comp.install_dir, ignore_errors=True)
             cenv = envfile.apply(comp.env, env) if comp.env else dict(env)
             cenv.update({k: v for k, v in comp.env.items() if k not in envfile.PREPENDED})
-            actions = _actions(fetched, plan)
+            actions = _actions(fetched, plan, comp, cenv)
+
+            def run_phase(phase: str) -> list[dict]:
+                out = []
+                for s in comp.steps:
+                    if s.phase == phase:
+                        if stop.is_set():
+                            raise Stopped()
+                        out.append(run_step(s, component=comp.name, env=cenv, log_dir=log_dir, actions=actions,
+                                            stop=stop))
+                return out
+
             for phase in ("configure", "build", "install"):
-                steps = [s for s in comp.steps if s.phase == phase]
-                _timed(phases, phase, comp.name,
-                       lambda: [run_step(s, component=comp.name, env=cenv, log_dir=log_dir, actions=actions) for s in steps],
-                       steps=True)
+                if phase == "build" and any(s.phase == phase for s in comp.steps):
+                    with budget.hold(comp.name):
+                        timed(phase, lambda: run_phase(phase), steps=True)
+                else:
+                    timed(phase, lambda: run_phase(phase), steps=True)
             stamp.write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
+            log.info("<-- %s built", comp.name)
+
+        components_started = time.monotonic()
+        manifest["components"] = {"at_once": plan.component_jobs}
+        try:
+            schedule.build_all(plan.components, build_one, at_once=plan.component_jobs)
+        finally:
+            manifest["components"]["seconds"] = round(time.monotonic() - components_started, 1)
         _fix_python_extensions(plan, env)
         renv = envfile.runtime_env(plan, plan.install_dir)
         (plan.install_dir / "env.sh").write_text(envfile.render(plan, renv))
@@ -173,21 +199,29 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     return manifest
 
 
-def _timed(phases: PhaseLog, phase: str, component: str, fn, steps: bool = False) -> None:
+def _timed(phases: PhaseLog, lock: threading.Lock, phase: str, fn, *, component: str, steps: bool = False) -> None:
+    """One component's part of a phase. A phase's seconds are the sum over its components: with
+    components side by side that is more than the wall time, which the "components" record has."""
     start = time.monotonic()
     rec = phases.records[phase]
     try:
         out = fn()
+    except Stopped:
+        with lock:
+            rec["components"][component] = {"seconds": round(time.monotonic() - start, 3), "status": "stopped"}
+        raise
     except BaseException:
-        rec["status"] = "failed"
-        rec["components"][component] = {"seconds": round(time.monotonic() - start, 3), "status": "failed"}
+        with lock:
+            rec["status"] = "failed"
+            rec["components"][component] = {"seconds": round(time.monotonic() - start, 3), "status": "failed"}
         raise
     took = round(time.monotonic() - start, 3)
-    rec["seconds"] = round(rec["seconds"] + took, 3)
     entry: dict[str, Any] = {"seconds": took}
     if steps:
         entry["steps"] = out
-    rec["components"][component] = entry
+    with lock:
+        rec["seconds"] = round(rec["seconds"] + took, 3)
+        rec["components"][component] = entry
 
 
 def _manifest_head(plan: Plan, mirror: str | None) -> dict[str, Any]:
@@ -232,7 +266,7 @@ def _tool_versions(env: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _actions(fetched: dict[str, Fetched], plan: Plan):
+def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: dict[str, str]):
     def stage_subprojects(into: Path, files: str) -> None:
         into.mkdir(parents=True, exist_ok=True)
         for name in [f.strip() for f in files.split(",")]:
@@ -248,7 +282,19 @@ def _actions(fetched: dict[str, Fetched], plan: Plan):
                         f"Description: {path.stem} (header-only, installed by kvstack)\nVersion: {version}\n"
                         f"Cflags: -I${{includedir}}\n")
 
-    return {"stage-subprojects": stage_subprojects, "copy-tree": copy_tree, "write-pkgconfig": write_pkgconfig}
+    def autoconf_key() -> str | None:
+        configure = next(s for s in comp.steps if s.name == "configure").argv
+        pin = plan.sources[comp.source]
+        return configcache.key(list(configure), pin.get("sha256") or pin.get("commit", ""), env)
+
+    def autoconf_cache_restore(build_dir: Path) -> str:
+        return configcache.restore(plan.cache_dir, build_dir, autoconf_key())
+
+    def autoconf_cache_keep(build_dir: Path) -> str:
+        return configcache.save(plan.cache_dir, build_dir, autoconf_key())
+
+    return {"stage-subprojects": stage_subprojects, "copy-tree": copy_tree, "write-pkgconfig": write_pkgconfig,
+            "autoconf-cache-restore": autoconf_cache_restore, "autoconf-cache-keep": autoconf_cache_keep}
 
 
 def _fix_python_extensions(plan: Plan, env: dict[str, str]) -> None:
@@ -296,5 +342,9 @@ def summary(manifest: dict[str, Any]) -> str:
         comps = rec.get("components")
         extra = (" (" + ", ".join(f"{c} {v['seconds']:.1f}s" for c, v in comps.items()) + ")") if comps else ""
         lines.append(f"  {name:16} {rec['seconds']:7.1f}s{extra}")
+        if name == "install" and "components" in manifest:
+            c = manifest["components"]
+            lines.append(f"  {'(components)':16} {c['seconds']:7.1f}s wall, extract to install, "
+                         f"up to {c['at_once']} side by side")
     lines.append(verify.render_verification(manifest["verification"]))
     return "\n".join(lines)

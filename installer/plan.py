@@ -71,6 +71,7 @@ class Plan:
     work_dir: Path
     cache_dir: Path
     jobs: int
+    component_jobs: int   # components built side by side at most (the dependency graph allows the rest)
     target: Target
     cuda_home: str
     components: list[ComponentPlan]
@@ -116,6 +117,7 @@ class Plan:
             "work_dir": str(self.work_dir),
             "cache_dir": str(self.cache_dir),
             "jobs": self.jobs,
+            "component_jobs": self.component_jobs,
             "python": {"path": self.target.python, "version": self.target.version},
             "sources": {n: self.sources[n] for n in self.used_sources()},
             "components": [
@@ -135,7 +137,8 @@ class Plan:
                  f"  build id:    {self.build_id}",
                  f"  prefix:      {self.prefix} -> {self.install_dir}",
                  f"  python:      {self.target.python} ({self.target.version})",
-                 f"  jobs:        {self.jobs}",
+                 f"  jobs:        {self.jobs} (one component's compile at a time; up to {self.component_jobs} "
+                 f"components side by side, as dependencies allow)",
                  f"  cache:       {self.cache_dir}", "", "sources:"]
         for name in self.used_sources():
             s = self.sources[name]
@@ -179,9 +182,14 @@ def default_cache_dir() -> Path:
 
 
 def make_plan(recipe: Recipe, *, prefix: Path, cache_dir: Path, jobs: int, target: Target,
-              platform_reason: str, cuda_home: str | None = None) -> Plan:
+              platform_reason: str, cuda_home: str | None = None, component_jobs: int | None = None) -> Plan:
+    """component_jobs: how many components may build at once (None: as many as the dependency
+    graph allows; 1: one after another). Neither it nor jobs enters the build id: they change
+    when things are built, not what."""
     if jobs < 1:
         raise UsageError(f"--jobs must be at least 1, got {jobs}")
+    if component_jobs is not None and component_jobs < 1:
+        raise UsageError(f"--component-jobs must be at least 1, got {component_jobs}")
     cuda_home = cuda_home or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
     prefix = Path(os.path.abspath(prefix))
     if prefix == Path("/"):
@@ -206,7 +214,7 @@ def make_plan(recipe: Recipe, *, prefix: Path, cache_dir: Path, jobs: int, targe
     runtime_env = subst(dict(recipe.data["runtime"].get("env", {})))
     return Plan(platform=recipe.platform, platform_reason=platform_reason, recipe=recipe, build_id=build_id,
                 prefix=prefix, install_dir=install_dir, work_dir=work_dir, cache_dir=cache_dir, jobs=jobs,
-                target=target, cuda_home=cuda_home, components=comps, runtime_env=runtime_env)
+                component_jobs=component_jobs or len(comps), target=target, cuda_home=cuda_home, components=comps, runtime_env=runtime_env)
 
 
 def _build_id(recipe: Recipe, target: Target, cuda_home: str) -> str:

@@ -1,5 +1,7 @@
 """Runs a component's steps: each external command with its own log file, in its own process
-group (so Ctrl-C or a kill stops the whole build tree), and the log's tail in the error."""
+group (so Ctrl-C, a kill, or another component's failure stops the whole build tree), and the
+log's tail in the error. Components may build side by side (installer/schedule.py): each running
+step leaves its own marker, `running-step.<component>.pid`."""
 from __future__ import annotations
 
 import ctypes
@@ -8,6 +10,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -18,7 +21,12 @@ from .errors import BuildError
 log = logging.getLogger("kvstack.installer")
 TAIL_LINES = 25
 PR_SET_PDEATHSIG = 1
-RUNNING = "running-step.pid"
+RUNNING = "running-step.{component}.pid"
+POLL_S = 0.25  # how soon a running step notices that it was asked to stop
+
+
+class Stopped(Exception):
+    """A step was stopped because the run is ending (another component failed, or Ctrl-C)."""
 
 
 def tail(path: Path, lines: int = TAIL_LINES) -> str:
@@ -32,7 +40,7 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 
 def run_step(step: Step, *, component: str, env: dict[str, str], log_dir: Path,
-             actions: dict[str, Callable[..., None]]) -> dict:
+             actions: dict[str, Callable[..., str | None]], stop: threading.Event | None = None) -> dict:
     log_path = log_dir / f"{component}.{step.name}.log"
     record = {"step": step.name, "phase": step.phase, "log": str(log_path)}
     if step.unless_exists is not None and step.unless_exists.exists():
@@ -41,17 +49,19 @@ def run_step(step: Step, *, component: str, env: dict[str, str], log_dir: Path,
     start = time.monotonic()
     log_dir.mkdir(parents=True, exist_ok=True)
     if step.action:
-        actions[step.action](**step.args)
-        log_path.write_text(f"[{step.action}] {step.args}\n")
+        said = actions[step.action](**step.args)
+        log_path.write_text(f"[{step.action}] {step.args}\n" + (f"{said}\n" if said else ""))
+        if said:
+            record["result"] = said
     else:
         record["argv"] = list(step.argv)
-        _run(step, component, env, log_path)
+        _run(step, component, env, log_path, stop or threading.Event())
     record["seconds"] = round(time.monotonic() - start, 3)
     log.info("    %s %s: %.1fs", component, step.name, record["seconds"])
     return record
 
 
-def _run(step: Step, component: str, env: dict[str, str], log_path: Path) -> None:
+def _run(step: Step, component: str, env: dict[str, str], log_path: Path, stop: threading.Event) -> None:
     if step.cwd is not None:
         step.cwd.mkdir(parents=True, exist_ok=True)
     tool = step.argv[0]
@@ -59,14 +69,14 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path) -> Non
         raise BuildError(f"{component}: `{tool}` is not installed (needed by step {step.name})",
                          fix="install it (see the recipe's system_packages / build_tools) and run again")
     with open(log_path, "w") as logf:
-        logf.write(f"$ cd {step.cwd or os.getcwd()}\n$ {' '.join(step.argv)}\n")
+        logf.write(f"$ cd {step.cwd or os.getcwd()}\n$ {' '.join([*(f'{k}={v}' for k, v in step.env.items()), *step.argv])}\n")
         logf.flush()
-        proc = subprocess.Popen(step.argv, cwd=step.cwd, env=env, stdout=logf, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(step.argv, cwd=step.cwd, env={**env, **step.env}, stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
-        marker = log_path.parent / RUNNING
+        marker = log_path.parent / RUNNING.format(component=component)
         marker.write_text(f"{proc.pid}\n")  # so a run after a SIGKILL can stop what this one left
         try:
-            rc = proc.wait()
+            rc = _wait(proc, stop)
         except BaseException:
             _kill_group(proc)
             raise
@@ -78,29 +88,47 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path) -> Non
                          detail=tail(log_path))
 
 
-def stop_leftovers(log_dir: Path) -> int | None:
-    """A SIGKILLed installer could not stop its build step: make or ninja die with it
-    (PR_SET_PDEATHSIG), but compilers they started may still run and write into the build tree
-    this run is about to reuse. Stop that process group; return its id if one was running."""
-    marker = log_dir / RUNNING
-    try:
-        pgid = int(marker.read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    marker.unlink(missing_ok=True)
+def _wait(proc: subprocess.Popen, stop: threading.Event) -> int:
+    while True:
+        try:
+            return proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            if stop.is_set():
+                raise Stopped() from None
+
+
+def stop_leftovers(log_dir: Path) -> list[int]:
+    """A SIGKILLed installer could not stop its build steps: make or ninja die with it
+    (PR_SET_PDEATHSIG), but compilers they started may still run and write into the build trees
+    this run is about to reuse. Stop those process groups (one per component that was building);
+    return the ids of those that were still running."""
+    stopped = []
+    for marker in sorted(log_dir.glob(RUNNING.format(component="*"))):
+        try:
+            pgid = int(marker.read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        finally:
+            marker.unlink(missing_ok=True)
+        if _stop_group(pgid):
+            stopped.append(pgid)
+    return stopped
+
+
+def _stop_group(pgid: int) -> bool:
     try:
         members = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(p) == pgid]
     except OSError:
-        return None
+        return False
     if not members:
-        return None
+        return False
     try:
         os.killpg(pgid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        return None
+        return False
     log.warning("stopped %d leftover build processes of an earlier, killed run (process group %d)",
                 len(members), pgid)
-    return pgid
+    return True
 
 
 def _pgid(proc_dir: Path) -> int | None:
@@ -111,13 +139,24 @@ def _pgid(proc_dir: Path) -> int | None:
         return None
 
 
+def _libc_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up here, in the parent: steps start from several threads, and between fork and exec the
+# child must do no more than this one call (no dlopen, no imports, no locks another thread held).
+_PRCTL = _libc_prctl()
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: a SIGKILLed installer (no chance to clean up) takes its build
-    step down with it instead of leaving make or ninja running (Linux PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    step down with it instead of leaving make or ninja running (Linux PR_SET_PDEATHSIG; it fires
+    when the thread that started the step ends, and that thread waits for the step)."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

@@ -1,8 +1,10 @@
 """Autotools (UCX): autogen.sh when the tree has no configure (git archives), an out-of-tree
-configure with every feature stated explicitly, then make and make install — of the whole tree,
-or only of the recipe's `make_dirs` / `install_dirs` / `install_targets`."""
+configure with every feature stated explicitly — its check results kept per toolchain
+(installer/configcache.py) — then make and make install, of the whole tree, or only of the
+recipe's `make_dirs` / `install_dirs` / `install_targets`."""
 from __future__ import annotations
 
+from ..configcache import SITE_FILE
 from ..options import flags
 from .step import Step
 
@@ -13,7 +15,9 @@ def steps(comp) -> list[Step]:
                  *flags("with", spec.get("with", {})), *flags("enable", spec.get("enable", {})),
                  *spec.get("configure_args", [])]
     out = [Step("configure", "autogen", ("./autogen.sh",), cwd=src, unless_exists=src / "configure"),
-           Step("configure", "configure", tuple(configure), cwd=build)]
+           Step("configure", "autoconf-cache", action="autoconf-cache-restore", args={"build_dir": build}),
+           Step("configure", "configure", tuple(configure), cwd=build, env={"CONFIG_SITE": str(build / SITE_FILE)}),
+           Step("configure", "autoconf-cache-keep", action="autoconf-cache-keep", args={"build_dir": build})]
     make_dirs = spec.get("make_dirs", [])
     out += [Step("build", _name("make", d), ("make", f"-j{comp.jobs}", "-C", d), cwd=build) for d in make_dirs] or \
            [Step("build", "make", ("make", f"-j{comp.jobs}"), cwd=build)]

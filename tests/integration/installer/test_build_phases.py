@@ -20,7 +20,7 @@ from pathlib import Path
 import filelock
 import pytest
 
-from installer import prefix as prefixmod
+from installer import buildcompare, prefix as prefixmod
 from installer.runner import stop_leftovers
 from tests.integration.installer.localserver import sha256
 
@@ -216,7 +216,7 @@ def test_interrupted_install_leaves_the_previous_one_working(world, installed, t
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         log = _wait_for("hello-cmake.cmake-configure.log", logs, proc)
-        marker = _wait_for("running-step.pid", logs, proc)
+        marker = _wait_for("running-step.hello-cmake.pid", logs, proc)
         pgid = int(marker.read_text())
         deadline = time.monotonic() + 180
         while not _sleeping(pgid) and time.monotonic() < deadline:  # cmake is inside its `sleep 600`
@@ -233,7 +233,7 @@ def test_interrupted_install_leaves_the_previous_one_working(world, installed, t
         # cmake died with the installer (PR_SET_PDEATHSIG); the `sleep` it started lives on in the
         # step's process group until the next run of this plan stops it, which it does first:
         assert _group(pgid)
-        assert stop_leftovers(log.parent) == pgid
+        assert pgid in stop_leftovers(log.parent)  # with those of components that were building beside it
         time.sleep(0.3)
     else:
         assert proc.returncode == 130, err
@@ -245,6 +245,70 @@ def test_interrupted_install_leaves_the_previous_one_working(world, installed, t
     log.unlink()
     again = _install(world, installed)
     assert again.returncode == 0 and "is up to date" in again.stdout
+
+
+def _sleeps_under(root: Path) -> list[int]:
+    """Processes `sleep 600` (hello-cmake's HELLO_SLOW) whose working directory is under root."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and (proc / "cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"600"] \
+                    and Path(os.readlink(proc / "cwd")).is_relative_to(root):
+                out.append(int(proc.name))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_failing_component_stops_the_one_building_beside_it(world, installed, tmp_path):
+    before = installed.resolve()
+    # hello-cmake sleeps in its configure while hello-autotools, beside it, fails its configure
+    overlay = _overlay(tmp_path, '[components.hello-cmake.defines]\nHELLO_SLOW = true\n\n'
+                                 '[components.hello-autotools]\nconfigure_args = ["--enable-fail"]\n')
+    plan = json.loads(subprocess.run(_cmd(world, installed, "--recipe-overlay", overlay, "--dry-run", "--json"),
+                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    r = _install(world, installed, "--recipe-overlay", overlay)
+    assert r.returncode == 8, r.stderr
+    assert "hello-autotools: failing on purpose" in r.stderr              # the failing step's log tail
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("build failed: hello-autotools: step configure failed")
+    assert last.split("log: ")[1].split(";")[0].endswith("hello-autotools.configure.log")
+    work = Path(plan["work_dir"])
+    failed = json.loads((work / "manifest.failed.json").read_text())
+    assert failed["phases"]["configure"]["components"]["hello-cmake"]["status"] == "stopped"
+    assert failed["components"]["at_once"] == 4
+    assert not list((work / "logs").glob("running-step.*.pid"))
+    assert _sleeps_under(work) == []    # hello-cmake's configure was stopped, its sleep with it
+    assert installed.resolve() == before and prefixmod.is_complete(before)
+
+
+def test_side_by_side_and_one_at_a_time_give_the_same_bytes(world, installed, tmp_path):
+    """The same build id into the same prefix, built one component after another and then side by
+    side: every installed file has the same bytes."""
+    prefix = tmp_path / "kv"
+    r = _install(world, prefix, "--component-jobs", "1")
+    assert r.returncode == 0, r.stderr
+    first = json.loads((prefix / "manifest.json").read_text())
+    assert first["components"]["at_once"] == 1
+    serial = tmp_path / "serial"
+    os.rename(prefix.resolve(), serial)         # out of the way: the second build starts from nothing
+    prefix.unlink()
+    shutil.rmtree(first["kvstack_plan"]["work_dir"])
+    r = _install(world, prefix)
+    assert r.returncode == 0, r.stderr
+    second = json.loads((prefix / "manifest.json").read_text())
+    assert second["components"]["at_once"] == 4 and second["build_id"] == first["build_id"]
+    same = buildcompare.compare(serial, prefix)
+    assert same.identical, buildcompare.render(same, serial, prefix)
+    assert {"hello-autotools/lib/libhowdy.so.0.0.0", "hello-cmake/lib/libhello.so", "hello-meson/bin/greet"} <= set(same.same)
+    # the CLI says the same; and of a build of the same recipe into another prefix, why it differs
+    cli = [sys.executable, "-m", "installer", "compare"]
+    r = subprocess.run([*cli, str(serial), str(prefix)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("same bytes: "), r.stdout + r.stderr
+    r = subprocess.run([*cli, str(serial), str(installed)], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "differs: hello-meson/bin/greet: ELF sections " in r.stdout
+    assert "holds the install directory of one build but not the other's" in r.stdout
 
 
 def test_second_installer_is_refused_while_one_holds_the_prefix(world, installed):

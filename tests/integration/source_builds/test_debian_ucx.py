@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from installer import buildcompare
 from installer.syspkgs import distro_family
 
 pytestmark = [pytest.mark.build, pytest.mark.integration,
@@ -65,6 +66,32 @@ def test_debian_ucx_builds_and_proves_itself_on_cpu(debian):
     assert "1.13.1" in version
     configure = next(s for s in manifest["phases"]["configure"]["components"]["ucx"]["steps"] if s["step"] == "configure")
     assert "--without-java" in configure["argv"] and "--without-cuda" in configure["argv"]
+
+
+def test_the_same_build_id_gives_the_same_bytes_and_the_autoconf_cache_changes_none(debian):
+    """Build the cpu UCX of the test above again from nothing but the cache directory (sources and
+    the autoconf results that build kept), into the same prefix: configure answers from the cache
+    and every installed file — libucs, which holds the configure flags, UCX's modules, ucx_info —
+    has the same bytes."""
+    prefix = debian["base"] / "prefix-cpu"
+    if not prefix.exists():
+        prefix, r = _install(debian, "cpu")
+        assert r.returncode == 0, r.stderr[-2000:]
+    first = json.loads((prefix / "manifest.json").read_text())
+    kept = debian["base"] / "first-build"
+    os.rename(prefix.resolve(), kept)
+    prefix.unlink()
+    shutil.rmtree(first["kvstack_plan"]["work_dir"])
+    prefix, r = _install(debian, "cpu")
+    assert r.returncode == 0, r.stderr[-2000:]
+    second = json.loads((prefix / "manifest.json").read_text())
+    assert second["build_id"] == first["build_id"]
+    steps = {s["step"]: s for s in second["phases"]["configure"]["components"]["ucx"]["steps"]}
+    assert steps["autoconf-cache"]["result"].startswith("cached results from ")
+    assert "(cached)" in Path(steps["configure"]["log"]).read_text()
+    same = buildcompare.compare(kept, prefix)
+    assert same.identical, buildcompare.render(same, kept, prefix)
+    assert {"ucx/lib/libucs.so.0.0.0", "ucx/lib/ucx/libuct_cma.so.0.0.0", "ucx/bin/ucx_info"} <= set(same.same)
 
 
 def test_xpu_verification_refuses_a_ucx_without_level_zero(debian):
