@@ -6,6 +6,7 @@ prefix points to until verification passed; a per-component stamp lets a re-run 
 failure, and a build whose manifest says complete is never rebuilt (a no-op re-run)."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -146,10 +147,8 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
                 return out
 
             for phase in ("configure", "build", "install"):
-                if phase == "build" and any(s.phase == phase for s in comp.steps):
-                    with budget.hold(comp.name):
-                        timed(phase, lambda: run_phase(phase), steps=True)
-                else:
+                compiles = phase == "build" and any(s.phase == phase for s in comp.steps)
+                with budget.hold(comp.name) if compiles else contextlib.nullcontext():
                     timed(phase, lambda: run_phase(phase), steps=True)
             stamp.write_text(time.strftime("%Y-%m-%dT%H:%M:%S") + "\n")
             log.info("<-- %s built", comp.name)
