@@ -290,8 +290,11 @@ class CudaEngine:
         self.stream = torch.cuda.Stream(device=self.device)
         self.local = [t.reshape(-1).view(torch.uint8) for t in local]
         self.local_layout = local_cache.layout
-        self.gather = BlockGather(self.remote, self.local, remote_layout.chunk_bytes,
-                                  remote_layout.num_blocks, local_cache.layout.num_blocks)
+        # whole blocks (same TP on both sides); a head slice (mixed TP: blocks of another size
+        # here) moves by _copy_heads alone
+        self.gather = (BlockGather(self.remote, self.local, remote_layout.chunk_bytes,
+                                   remote_layout.num_blocks, local_cache.layout.num_blocks)
+                       if remote_layout.chunk_bytes == local_cache.layout.chunk_bytes else None)
         self._lock = threading.Lock()
 
     @property
