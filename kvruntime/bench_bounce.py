@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
 import time
@@ -28,13 +29,13 @@ def _timeline(pool, blocks, iters: int) -> dict:
         t0 = time.perf_counter()
         ids = pool.ids(blocks)
         t1 = time.perf_counter()
-        run = pool._run(0, len(ids), pool.device_layout.num_kv_heads)
-        regions = pool._regions()
-        fills = pieces(range(len(regions)), len(ids), run[0, 0].numel(), pool._ring.slot_words)
+        hs = pool.device_layout.num_kv_heads
+        run, shape, regions = pool._run_flat(0, len(ids), hs), pool._row_shape(hs), pool._regions()
+        fills = pieces(range(len(regions)), len(ids), math.prod(shape), pool._ring.slot_words)
         t2 = time.perf_counter()
         first, last = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
         first.record(pool._ring._copy)
-        pool._ring.gather(fills, regions, ids, run.view(-1), run.shape[2:])
+        pool._ring.gather(fills, regions, ids, run, shape)
         t3 = time.perf_counter()
         last.record(pool._ring._copy)
         last.synchronize()

@@ -17,7 +17,7 @@ calls pipeline into each other and nothing ever waits for the whole device.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 SLOTS = 3
 SLOT_BYTES = 32 << 20  # ~0.6 ms of PCIe Gen5 a slot, far above the ~60 µs of queueing one
@@ -33,12 +33,14 @@ class Piece(NamedTuple):
     words: int
 
 
-def pieces(regions: range, blocks: int, row_words: int, slot_words: int) -> list[list[Piece]]:
+def pieces(regions: range, blocks: int, row_words: int,
+           slot_words: int) -> Iterator[list[Piece]]:
     """The regions ``regions`` of a run of ``blocks`` blocks (``row_words`` a block of one
     region) cut into slot fills: each fill is consecutive pieces, at most ``slot_words`` long,
-    so it is one contiguous range of the run; a region larger than a slot is split by blocks."""
+    so it is one contiguous range of the run; a region larger than a slot is split by blocks.
+    Yielded one at a time: the first slot's copies are queued before the rest are cut (the
+    device works while the host cuts; cut up front they cost ~0.15 ms before any copy)."""
     per = max(1, slot_words // row_words)
-    fills: list[list[Piece]] = []
     current: list[Piece] = []
     used = 0
     for r in regions:
@@ -46,13 +48,12 @@ def pieces(regions: range, blocks: int, row_words: int, slot_words: int) -> list
             b1 = min(blocks, b0 + per)
             words = (b1 - b0) * row_words
             if current and used + words > slot_words:
-                fills.append(current)
+                yield current
                 current, used = [], 0
             current.append(Piece(r, b0, b1, (r * blocks + b0) * row_words, words))
             used += words
     if current:
-        fills.append(current)
-    return fills
+        yield current
 
 
 class BounceRing:

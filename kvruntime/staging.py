@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -115,14 +116,15 @@ class StagingPool:
             self._pin()
         self._pool = _byte_regions(self.cache)[0]
         self._device = _byte_regions(device_cache)
-        self._ring = self._region_views = None
+        self._ring = None
+        self._region_views: dict = {}  # (h0, h1) -> the regions' views of those heads
+        self._pool_words = self._words(self._pool)  # views made once: a request's prologue
+        self._head_words = layout.head_dim * layout.element_bytes // self._pool_words.element_size()
         dev = self._device[0].device
         if dev.type != "cpu":  # copies pipelined through device bounce slots (bounce.py)
-            word = self._words(self._pool[:0])
-            row = layout.tokens_per_block * layout.num_kv_heads * layout.head_dim \
-                * layout.element_bytes // word.element_size()
-            self._ring = BounceRing(dev, word.dtype,
-                                    max(row, bounce_bytes // word.element_size()))
+            row = layout.tokens_per_block * layout.num_kv_heads * self._head_words
+            self._ring = BounceRing(dev, self._pool_words.dtype,
+                                    max(row, bounce_bytes // self._pool_words.element_size()))
 
     def _pin(self) -> None:
         """Page-lock the pool for CUDA copies (without it a copy to pageable memory is staged
@@ -198,24 +200,39 @@ class StagingPool:
     # a decode rank's heads arrive as one contiguous run and scatter into their place.
     def _run(self, start: int, n: int, hs: int):
         lay = self.device_layout
-        u = self.layout.block_bytes
-        return self._words(self._pool[start * u:(start + n * hs) * u]).view(
-            2 * lay.num_layers, n, lay.tokens_per_block, hs, -1)
+        return self._run_flat(start, n, hs).view(2 * lay.num_layers, n, lay.tokens_per_block,
+                                                 hs, self._head_words)
 
-    def _regions(self) -> list:
+    def _run_flat(self, start: int, n: int, hs: int):
+        """The run at ``start`` of ``n`` blocks of ``hs`` heads as flat words (one op)."""
+        u = self.layout.block_bytes // self._pool_words.element_size()
+        return self._pool_words[start * u:(start + n * hs) * u]
+
+    def _row_shape(self, hs: int) -> tuple:
+        """A block row of one region in a run: [tokens][hs][words of a head]."""
+        return (self.device_layout.tokens_per_block, hs, self._head_words)
+
+    def _regions(self, heads: tuple[int, int] | None = None) -> list:
         """The device cache's regions (K or V of one layer) as [block][token][head][words of a
-        head] views; a cross_layer cache's are strided views of its one region. Made once."""
-        if self._region_views is None:
-            lay = self.device_layout
+        head] views, of heads ``heads`` (all by default); a cross_layer cache's are strided
+        views of its one region. Made once per head range (mixed TP has one or two)."""
+        lay = self.device_layout
+        heads = heads or (0, lay.num_kv_heads)
+        views = self._region_views.get(heads)
+        if views is None:
             nb, t, h = lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads
             if lay.kind == CROSS_LAYER:
                 whole = self._words(self._device[0][:lay.region_bytes]).view(
                     nb, 2 * lay.num_layers, t, h, -1)
-                self._region_views = [whole[:, r] for r in range(2 * lay.num_layers)]
+                views = [whole[:, r] for r in range(2 * lay.num_layers)]
             else:
-                self._region_views = [self._words(r[:lay.region_bytes]).view(nb, t, h, -1)
-                                      for r in self._device]
-        return self._region_views
+                views = [self._words(r[:lay.region_bytes]).view(nb, t, h, -1)
+                         for r in self._device]
+            h0, h1 = heads
+            if heads != (0, h):
+                views = [v[:, :, h0:h1, :] for v in views]
+            views = self._region_views[heads] = views
+        return views
 
     def _words(self, flat):
         """A byte range as the widest integers that divide a head's bytes: index ops then move
@@ -251,18 +268,19 @@ class StagingPool:
         Returns the units used."""
         import torch
 
-        h0, h1 = heads or (0, self.device_layout.num_kv_heads)
+        h0, h1 = heads = heads or (0, self.device_layout.num_kv_heads)
         ids = self.ids(blocks)
-        n = len(ids)
-        run = self._run(start, n, h1 - h0)  # [regions][n][t][hs][words]
-        regions = [v[:, :, h0:h1, :] for v in self._regions()]
+        n, hs = len(ids), h1 - h0
+        regions = self._regions(heads)
         if self._ring is None:  # a CPU cache: straight into the run, one pass
+            run = self._run(start, n, hs)  # [regions][n][t][hs][words]
             for r, view in enumerate(regions):
                 torch.index_select(view, 0, ids, out=run[r])
-            return n * (h1 - h0)
-        fills = pieces(range(len(regions)), n, run[0, 0].numel(), self._ring.slot_words)
-        wait(self._ring.gather(fills, regions, ids, run.view(-1), run.shape[2:]))
-        return n * (h1 - h0)
+            return n * hs
+        shape = self._row_shape(hs)
+        fills = pieces(range(len(regions)), n, math.prod(shape), self._ring.slot_words)
+        wait(self._ring.gather(fills, regions, ids, self._run_flat(start, n, hs), shape))
+        return n * hs
 
     def scatter(self, start: int, blocks, heads: tuple[int, int] | None = None) -> None:
         """The run at ``start`` -> heads ``heads`` of device cache ``blocks``, finished when
@@ -275,18 +293,20 @@ class StagingPool:
         is one contiguous piece of it) of the run at ``start`` into heads ``heads`` of device
         cache ``blocks``. Returns an event to poll (None: already done, a CPU cache). The run
         must stay untouched until then."""
-        g0, g1 = heads or (0, self.device_layout.num_kv_heads)
+        g0, g1 = heads = heads or (0, self.device_layout.num_kv_heads)
         r0, r1 = regions or (0, 2 * self.device_layout.num_layers)
-        n = len(blocks)
-        src = self._run(start, n, g1 - g0)
-        views = [v[:, :, g0:g1, :] for v in self._regions()]
+        n, hs = len(blocks), g1 - g0
+        views = self._regions(heads)
         if self._ring is None:  # numpy copies whole rows; torch's CPU index ops element by element
+            src = self._run(start, n, hs)
             ids = self.ids(blocks).numpy()
             for r in range(r0, r1):
                 views[r].numpy()[ids] = src[r].numpy()
             return None
-        fills = pieces(range(r0, r1), n, src[0, 0].numel(), self._ring.slot_words)
-        return self._ring.scatter(fills, src.view(-1), views, self.ids(blocks), src.shape[2:])
+        shape = self._row_shape(hs)
+        fills = pieces(range(r0, r1), n, math.prod(shape), self._ring.slot_words)
+        return self._ring.scatter(fills, self._run_flat(start, n, hs), views, self.ids(blocks),
+                                  shape)
 
     def close(self) -> None:
         if self._pinned:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from kvruntime.bounce import BounceRing, pieces
+from kvruntime.bounce import BounceRing, Piece, pieces
 
 
 @pytest.mark.parametrize("regions,blocks,row,slot", [
@@ -18,7 +18,7 @@ from kvruntime.bounce import BounceRing, pieces
     (range(0, 1), 1, 4, 4),
 ])
 def test_fills_cover_the_run_in_order_and_fit_a_slot(regions, blocks, row, slot):
-    fills = pieces(regions, blocks, row, slot)
+    fills = list(pieces(regions, blocks, row, slot))
     flat = [p for fill in fills for p in fill]
     assert flat[0].offset == regions.start * blocks * row
     for a, b in zip(flat, flat[1:]):
@@ -47,7 +47,7 @@ def test_gather_then_scatter_round_trips(heads, slot_rows):
     blocks = random.Random(slot_rows).sample(range(9), 6)
     ids = torch.tensor(blocks)
     run = torch.zeros(4, 6, 3, h1 - h0, 2, dtype=torch.int64)
-    fills = pieces(range(4), 6, row, ring.slot_words)
+    fills = list(pieces(range(4), 6, row, ring.slot_words))
     ring.gather(fills, views, ids, run.view(-1), run.shape[2:]).synchronize()
     for r in range(4):  # region-major: region r's blocks in request order
         assert torch.equal(run[r], whole[blocks, r][:, :, h0:h1])
@@ -68,3 +68,11 @@ def test_gather_then_scatter_round_trips(heads, slot_rows):
     untouched = sorted(set(range(9)) - set(back))
     assert torch.equal(target[untouched], before[untouched])
     assert done  # the scattered fills named at least one region
+
+
+def test_fills_are_cut_as_the_ring_takes_them():
+    """The ring queues a slot's copies before the next fill is cut (a generator, not a list
+    made up front): on a GPU the host's cutting overlaps the device's copies."""
+    fills = pieces(range(0, 4), 8, 4, 16)
+    assert next(fills) == [Piece(0, 0, 4, 0, 16)]
+    assert next(fills) == [Piece(0, 4, 8, 16, 16)]
