@@ -186,7 +186,8 @@ def main(argv=None) -> int:
     b.add_argument("--ops", nargs="+", default=["pull", "push"], choices=["pull", "push"])
     b.add_argument("--split", type=int, nargs="+", default=[1],
                    help="pieces per contiguous run (parallel descriptors)")
-    b.add_argument("--ucx-threads", type=int, default=0, help="NIXL UCX engine threads")
+    b.add_argument("--ucx-threads", type=int, default=None,
+                   help="NIXL UCX engine threads (default: chosen per memory kind and cores)")
     b.add_argument("--no-huge", action="store_true", help="4 KiB pages instead of MADV_HUGEPAGE")
     b.add_argument("--iters", type=int, default=5)
     b.add_argument("--block-kib", type=int, default=256, help="bytes of one block, all layers")

@@ -29,7 +29,7 @@ class BenchConfig:
     layouts: list = field(default_factory=lambda: ["cross_layer", "per_layer"])
     ops: list = field(default_factory=lambda: ["pull", "push"])
     splits: list = field(default_factory=lambda: [1])
-    ucx_threads: int = 0
+    ucx_threads: int | None = None  # None: kvruntime chooses (transports.ucx_threads)
     huge_pages: bool = True
     iters: int = 5
     block_kib: int = 256
@@ -197,7 +197,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                     "median_later": round(statistics.median(hs[1:]), 3) if len(hs) > 1 else None,
                     "all": [round(h, 3) for h in hs]}
                 report.setdefault("engines", {})[f"{layout.kind}/{engine}"] = {
-                    "engine": peer.engine, "reason": peer.engine_reason}
+                    "engine": peer.engine, "reason": peer.engine_reason,
+                    "ucx_threads": [client.agent.ucx_threads, client.agent.ucx_threads_reason]}
                 for op in cfg.ops:
                     for pattern in cfg.patterns:
                         for size in cfg.sizes_mib:
@@ -253,7 +254,7 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split)
     pairs = [r / f for r, f in zip(rates, refs)]
     row = {
         "layout": layout.kind, "op": op, "pattern": pattern, "engine": res.engine,
-        "split": split, "ucx_threads": cfg.ucx_threads, "memory": cache.mem_type,
+        "split": split, "ucx_threads": peer.client.agent.ucx_threads, "memory": cache.mem_type,
         "huge_pages": cfg.huge_pages, "size_bytes": res.nbytes, "block_size": layout.block_bytes,
         "batch_size": count, "runs": res.runs, "descriptors": res.descriptors,
         "nixl_descriptors": res.nixl_descriptors,

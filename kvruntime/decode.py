@@ -89,7 +89,7 @@ class PrefillPeer:
         try:
             offer = self._call({"type": "samenode"}, "samenode", self.client.timeout)
             self._engine = open_engine(offer, self.client.cache, self.info.layout,
-                                       self.info.regions)
+                                       self.info.regions, self.client.agent.ucx_threads)
             self.engine_reason = "same host and user proved over the side channel"
         except KVRuntimeError as exc:
             if required:
@@ -431,7 +431,7 @@ class DecodeClient:
         binding: NixlBinding | None = None,
         secret: bytes | None = None,
         timeout: float = 5.0,
-        ucx_threads: int = 0,
+        ucx_threads: int | None = None,
         device_kind: str = "cpu",
         name: str | None = None,
         engine: str = "auto",

@@ -78,15 +78,24 @@ def test_read_remote_reports_the_kernels_reason():
         read_remote(os.getpid(), [ctypes.addressof(buf)], [8], [16])  # address 8: unmapped
 
 
+@pytest.mark.parametrize("streams", [None, 3])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
-def test_forced_samenode_moves_scattered_blocks_in_one_request(prefill, kind):
+def test_forced_samenode_moves_scattered_blocks_in_one_request(prefill, kind, streams,
+                                                               monkeypatch):
+    """``streams``: the request split over 3 reader threads (what a many-core host gets), in
+    pieces smaller than a block so that ranges are cut too."""
+    import kvruntime.samenode as samenode
+
     layout = small(kind)
+    monkeypatch.setattr(samenode, "STREAM_PIECE", layout.chunk_bytes // 2 + 8)
     with prefill([layout], seed=21) as (_proc, ports):
         cache = KVCache.allocate_host(layout)
         cache.fill_value(0)
-        with DecodeClient(cache, engine="samenode") as client:
+        with DecodeClient(cache, engine="samenode", ucx_threads=streams) as client:
             peer = client.connect("127.0.0.1", ports[0])
             assert peer.engine == "samenode:process_vm_readv"
+            if streams:
+                assert peer._engine.streams == streams
             assert "proved" in peer.engine_reason
             src = [3, 9, 10, 11, 40, 2, 63]
             dst = [0, 5, 6, 7, 8, 60, 1]

@@ -5,7 +5,7 @@ import pytest
 from kvruntime.binding import CANDIDATES, as_str, load_nixl
 from kvruntime.errors import NixlNotFoundError, TransportError
 from kvruntime.transports import (admitted_am, apply_ucx_settings, shm_error_handling,
-                                  ucx_environment, ucx_settings, usable_am)
+                                  ucx_environment, ucx_settings, ucx_threads, usable_am)
 
 
 def test_missing_module_names_what_was_tried(monkeypatch):
@@ -164,3 +164,27 @@ def test_offered_transports_from_this_hosts_ucx_info_or_none():
 
     got = offered_transports()
     assert got is None or "tcp" in got  # ucx_info lists tcp wherever it runs
+
+
+@pytest.mark.parametrize("memory,cpus,requested,threads", [
+    ("cpu", 16, None, 4),    # host memory on a many-core host: descriptors over 4 cma streams
+    ("cpu", 8, None, 4),
+    ("cpu", 2, None, 0),     # the CI host: the cores belong to the copies and the peer
+    ("cpu", 7, None, 0),
+    ("cuda", 16, None, 0),   # device memory: the copy engines move it
+    ("xpu", 64, None, 0),
+    ("cpu", 16, 0, 0),       # the caller's number wins either way
+    ("cpu", 2, 3, 3),
+    ("cuda", 16, 2, 2),
+])
+def test_ucx_threads_policy_table(memory, cpus, requested, threads):
+    chosen, why = ucx_threads(memory, cpus, requested)
+    assert chosen == threads and why
+    if requested is not None:
+        assert why == "yours"
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "4", True])
+def test_ucx_threads_refuses_what_is_not_a_count(bad):
+    with pytest.raises(TransportError, match="ucx_threads must be a non-negative integer"):
+        ucx_threads("cpu", 16, bad)
