@@ -103,7 +103,8 @@ def _bench(args, out) -> int:
 
     cfg = BenchConfig(
         sizes_mib=args.sizes, patterns=args.patterns, layouts=args.layouts, ops=args.ops,
-        splits=args.split, ucx_threads=args.ucx_threads, huge_pages=not args.no_huge,
+        splits=args.split or [None], ucx_threads=args.ucx_threads,
+        host_streams=args.host_streams, huge_pages=not args.no_huge,
         iters=args.iters, block_kib=args.block_kib, nixl_module=args.nixl_module,
         handshakes=args.handshakes, device=args.device, device_ids=args.device_ids,
         engines=args.engines, bare=not args.no_bare, inflight=args.inflight or [],
@@ -184,10 +185,13 @@ def main(argv=None) -> int:
     b.add_argument("--layouts", nargs="+", default=["cross_layer", "per_layer"],
                    choices=["cross_layer", "per_layer"])
     b.add_argument("--ops", nargs="+", default=["pull", "push"], choices=["pull", "push"])
-    b.add_argument("--split", type=int, nargs="+", default=[1],
-                   help="pieces per contiguous run (parallel descriptors)")
-    b.add_argument("--ucx-threads", type=int, default=None,
-                   help="NIXL UCX engine threads (default: chosen per memory kind and cores)")
+    b.add_argument("--split", type=int, nargs="+", default=None,
+                   help="pieces per contiguous run (parallel descriptors; default: one per "
+                        "copy stream for host memory, else 1)")
+    b.add_argument("--ucx-threads", type=int, default=0, help="NIXL UCX engine threads")
+    b.add_argument("--host-streams", type=int, default=None,
+                   help="same-node engine's reader threads for host memory (default: 4 on "
+                        "hosts of 8 cores or more, else 1)")
     b.add_argument("--no-huge", action="store_true", help="4 KiB pages instead of MADV_HUGEPAGE")
     b.add_argument("--iters", type=int, default=5)
     b.add_argument("--block-kib", type=int, default=256, help="bytes of one block, all layers")

@@ -17,7 +17,6 @@ from .binding import NixlBinding, as_str, load_nixl
 from .errors import NixlError, TransportError
 from . import ucxlog
 from .transports import apply_ucx_settings, forced_by_user
-from .transports import ucx_threads as choose_ucx_threads
 
 log = logging.getLogger("kvruntime")
 
@@ -32,14 +31,10 @@ class Agent:
         name: str,
         binding: NixlBinding | None = None,
         device_kind: str = "cpu",
-        ucx_threads: int | None = None,
+        ucx_threads: int = 0,
         progress_thread: bool = False,
     ):
-        # None: chosen for the memory NIXL moves and this host's cores (transports.py)
-        self.ucx_threads, self.ucx_threads_reason = choose_ucx_threads(
-            device_kind, len(os.sched_getaffinity(0)), ucx_threads)
-        ucx_threads = self.ucx_threads
-        log.debug("%s: %d UCX threads (%s)", name, ucx_threads, self.ucx_threads_reason)
+        self.ucx_threads = ucx_threads
         self.binding = binding or load_nixl()
         self.ucx_env = apply_ucx_settings(device_kind)
         self.ucx_log = ucxlog.this_process()

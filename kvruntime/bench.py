@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from .layout import KVLayout
 from .memory import HostBuffer, device_unavailable, thp_mode
+from .plan import make_plan
 
 
 @dataclass
@@ -28,8 +29,9 @@ class BenchConfig:
     patterns: list = field(default_factory=lambda: ["contiguous", "random"])
     layouts: list = field(default_factory=lambda: ["cross_layer", "per_layer"])
     ops: list = field(default_factory=lambda: ["pull", "push"])
-    splits: list = field(default_factory=lambda: [1])
-    ucx_threads: int | None = None  # None: kvruntime chooses (transports.ucx_threads)
+    splits: list = field(default_factory=lambda: [None])  # None: the client's read_split
+    ucx_threads: int = 0
+    host_streams: int | None = None  # None: the client chooses (transports.host_copy_streams)
     huge_pages: bool = True
     iters: int = 5
     block_kib: int = 256
@@ -176,6 +178,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             caches.append(cache)
             for engine in cfg.engines:
                 client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads,
+                                      host_streams=cfg.host_streams,
                                       device_kind=cfg.device, engine=engine,
                                       kv_buffer=cfg.kv_buffer,
                                       staging_blocks=options.get("staging_blocks", 0))
@@ -198,7 +201,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                     "all": [round(h, 3) for h in hs]}
                 report.setdefault("engines", {})[f"{layout.kind}/{engine}"] = {
                     "engine": peer.engine, "reason": peer.engine_reason,
-                    "ucx_threads": [client.agent.ucx_threads, client.agent.ucx_threads_reason]}
+                    "ucx_threads": client.agent.ucx_threads,
+                    "host_streams": [client.host_streams, client.host_streams_reason]}
                 for op in cfg.ops:
                     for pattern in cfg.patterns:
                         for size in cfg.sizes_mib:
@@ -239,6 +243,9 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split)
     move = peer.pull if op == "pull" else peer.push
     count = max(1, (size << 20) // layout.block_bytes)
     src, dst = pick_blocks(pattern, count, layout.num_blocks, rnd)
+    if split is None:  # what the client chooses for a NIXL pull; one piece a run otherwise
+        split = (peer.read_split(make_plan(peer.info.layout, src, cache.layout, dst))
+                 if op == "pull" and peer.engine == "nixl" else 1)
     move(src, dst, timeout=120, split=split)  # warm-up
     rates, refs, lats, peer_rates, bare, res = [], [], [], [], [], None
     for _ in range(cfg.iters):
@@ -317,7 +324,6 @@ def _staging_copies(pool, layout, rnd, cfg) -> dict:
 def _bare_read(peer, src, dst, split) -> float:
     """Seconds of a NIXL READ of the same descriptors driven directly (prepped lists made
     once, as kvruntime has them): make_prepped_xfer, transfer, check_xfer_state until DONE."""
-    from .plan import make_plan
 
     client = peer.client
     nixl = client.agent.nixl
@@ -354,6 +360,7 @@ def _inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dict:
             cache = allocate_cache(layout, decode_options)
             caches.append(cache)
             client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads,
+                                  host_streams=cfg.host_streams,
                                   device_kind=cfg.device, engine=engine)
             clients.append(client)
             peers.append(client.connect("127.0.0.1", port))

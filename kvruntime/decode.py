@@ -38,11 +38,11 @@ from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, TransferHandle
 from .memory import KVCache
-from .plan import Planner, make_plan, merge_plans
+from .plan import Planner, TransferPlan, make_plan, merge_plans
 from .registration import Registration, Scratch
 from .samenode import ENGINES, SameNodeUnavailable, SharedJob, open_engine
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
-from .transports import offered_transports
+from .transports import host_copy_streams, offered_transports
 from .tp import head_rows
 from .transfer import PostedTransfer, Rows, TransferResult, free_notification, parse_notification
 
@@ -89,7 +89,7 @@ class PrefillPeer:
         try:
             offer = self._call({"type": "samenode"}, "samenode", self.client.timeout)
             self._engine = open_engine(offer, self.client.cache, self.info.layout,
-                                       self.info.regions, self.client.agent.ucx_threads)
+                                       self.info.regions, self.client.host_streams)
             self.engine_reason = "same host and user proved over the side channel"
         except KVRuntimeError as exc:
             if required:
@@ -125,9 +125,10 @@ class PrefillPeer:
 
     # -- starting requests -------------------------------------------------------------------
     def start_pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
-                   timeout: float = 30.0, split: int = 1) -> TransferHandle:
+                   timeout: float = 30.0, split: int | None = None) -> TransferHandle:
         """Post a READ of the peer's ``src_blocks`` into our ``dst_blocks``; its NIXL
-        notification tells the prefill side it may free the request's blocks."""
+        notification tells the prefill side it may free the request's blocks. ``split``:
+        NIXL descriptors per run of blocks (None: ``read_split`` chooses)."""
         t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
         handle = self._handle("pull", request_id, plan, timeout, t0)
@@ -151,8 +152,19 @@ class PrefillPeer:
         handle._xfer.send()
         return handle
 
-    def _post_read(self, handle: TransferHandle, split: int) -> TransferHandle:
+    def read_split(self, plan: TransferPlan) -> int:
+        """Pieces per run for a READ of ``plan`` when the caller names none: NIXL spreads a
+        request's descriptors over its UCX threads but cannot split one, so host memory with
+        several copy streams gets at least one descriptor per stream; anything else 1."""
+        threads = self.client.agent.ucx_threads
+        if threads < 2 or self.client.cache.mem_type != "DRAM" or self.head_slice is not None:
+            return 1
+        return -(-threads // plan.descriptor_count)
+
+    def _post_read(self, handle: TransferHandle, split: int | None) -> TransferHandle:
         reg = self.client.registration
+        if split is None:
+            split = self.read_split(handle.plan)
         rows = None
         if self.head_slice is not None:  # mixed TP, direct: our heads of each token row
             s, src, dst = self.head_slice, *handle.plan.block_ids()
@@ -241,7 +253,7 @@ class PrefillPeer:
                         request_id, exc)
 
     def pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
-             timeout: float = 30.0, split: int = 1) -> TransferResult:
+             timeout: float = 30.0, split: int | None = None) -> TransferResult:
         return self.start_pull(src_blocks, dst_blocks, request_id, timeout, split).wait()
 
     def push(self, src_blocks, dst_blocks=None, request_id: str | None = None,
@@ -431,7 +443,8 @@ class DecodeClient:
         binding: NixlBinding | None = None,
         secret: bytes | None = None,
         timeout: float = 5.0,
-        ucx_threads: int | None = None,
+        ucx_threads: int = 0,
+        host_streams: int | None = None,
         device_kind: str = "cpu",
         name: str | None = None,
         engine: str = "auto",
@@ -456,6 +469,9 @@ class DecodeClient:
         self._scratch: Scratch | None = None  # the lane probe's destination (registration.py)
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
         nixl_memory = "cpu" if kv_buffer == "host_staged" else device_kind
+        # the same-node engine's reader threads for host memory (None: by this host's cores)
+        self.host_streams, self.host_streams_reason = host_copy_streams(
+            len(os.sched_getaffinity(0)), host_streams)
         self.agent = Agent(name or unique_name("decode"), binding, nixl_memory, ucx_threads)
         try:
             if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache

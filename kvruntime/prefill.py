@@ -109,7 +109,7 @@ class PrefillServer:
         port: int = 0,
         timeout: float = 5.0,
         on_release=None,
-        ucx_threads: int | None = None,
+        ucx_threads: int = 0,
         device_kind: str = "cpu",
         name: str | None = None,
         max_connections: int = 256,

@@ -276,8 +276,8 @@ class HostEngine:
     """Reads the prefill's host regions with process_vm_readv (zero-copy, one call per
     ``IOV_MAX`` runs) on worker threads, so a request is started without waiting. With
     ``streams`` > 1 a request's bytes are split over that many threads (one process_vm_readv
-    stream moves ~5.6 GB/s on the H100 host, against 10.4 for its memcpy); the count is the
-    one NIXL's UCX gets for host memory (transports.ucx_threads)."""
+    stream moves ~5.6 GB/s on the H100 host, against 10.4 for its memcpy); the count comes from
+    transports.host_copy_streams."""
 
     name = "samenode:process_vm_readv"
 

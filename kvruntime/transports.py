@@ -128,30 +128,27 @@ def offered_transports(timeout: float = 10.0) -> set[str] | None:
             if line.strip().startswith("# Transport:")}
 
 
-# NIXL's UCX thread pool for host memory: a request's descriptors (a staged run's region
-# pieces, scattered blocks) spread over this many UCX workers, each its own process_vm_readv
-# stream. Measured on the H100 host (16 cores; one cma stream 5.6 GB/s, memcpy 10.4 GB/s): a
-# staged 1 GiB pull took 243 ms with none, 109 ms with 4. Hosts with fewer cores keep none: the
-# threads would take the cores that the copies and the peer process need.
-HOST_COPY_THREADS, HOST_COPY_MIN_CPUS = 4, 8
+# Host memory between two processes of one host moves by process_vm_readv, one stream ~5.6 GB/s
+# on the H100 host (16 cores; its memcpy 10.4 GB/s). The same-node engine splits a request's
+# bytes over this many reader threads on hosts with the cores for it (1 GiB: 5.3 -> 19 GB/s
+# there). NIXL's own UCX thread pool (``ucx_threads``, cma over several workers: a staged 1 GiB
+# 243 -> 109 ms there) stays opt-in: with it, NIXL 1.5.1 (nixl-cu12) segfaulted in
+# get_new_notifs during a refused handshake in the test suite.
+HOST_COPY_STREAMS, HOST_COPY_MIN_CPUS = 4, 8
 
 
-def ucx_threads(nixl_memory: str, cpus: int, requested: int | None) -> tuple[int, str]:
-    """How many UCX threads NIXL's backend gets, and why — pure. ``requested`` (the caller's
-    ``ucx_threads``; None: choose) wins; host memory gets ``HOST_COPY_THREADS`` on hosts of
-    ``HOST_COPY_MIN_CPUS`` cores or more; device memory none (one IPC copy per descriptor)."""
+def host_copy_streams(cpus: int, requested: int | None) -> tuple[int, str]:
+    """Reader threads for the same-node engine's host copies, and why — pure. ``requested``
+    (None: choose) wins; ``HOST_COPY_STREAMS`` on hosts of ``HOST_COPY_MIN_CPUS`` cores or
+    more, else 1 (the cores go to the copies and the peer process)."""
     if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
-            raise TransportError(f"ucx_threads must be a non-negative integer or None (choose), "
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise TransportError(f"host_streams must be a positive integer or None (choose), "
                                  f"got {requested!r}")
         return requested, "yours"
-    if nixl_memory != "cpu":
-        return 0, f"{nixl_memory} memory: moved by the device's copy engines, not host threads"
     if cpus < HOST_COPY_MIN_CPUS:
-        return 0, (f"{cpus} cores (< {HOST_COPY_MIN_CPUS}): host copies stay on the caller's "
-                   f"thread, the cores go to the copies and the peer")
-    return HOST_COPY_THREADS, (f"host memory on {cpus} cores: a request's descriptors spread "
-                               f"over {HOST_COPY_THREADS} cma streams")
+        return 1, f"{cpus} cores (< {HOST_COPY_MIN_CPUS}): one copy stream"
+    return HOST_COPY_STREAMS, f"{cpus} cores: a request's bytes over {HOST_COPY_STREAMS} streams"
 
 
 def describe(added: Mapping[str, str], env: Mapping[str, str], device_kind: str) -> list[str]:

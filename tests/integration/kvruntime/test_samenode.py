@@ -91,7 +91,7 @@ def test_forced_samenode_moves_scattered_blocks_in_one_request(prefill, kind, st
     with prefill([layout], seed=21) as (_proc, ports):
         cache = KVCache.allocate_host(layout)
         cache.fill_value(0)
-        with DecodeClient(cache, engine="samenode", ucx_threads=streams) as client:
+        with DecodeClient(cache, engine="samenode", host_streams=streams) as client:
             peer = client.connect("127.0.0.1", ports[0])
             assert peer.engine == "samenode:process_vm_readv"
             if streams:

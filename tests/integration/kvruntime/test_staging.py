@@ -21,13 +21,13 @@ def small(kind, blocks=64):
     return KVLayout(kind, 2, blocks, 16, 4, 32, "float16")
 
 
-@pytest.mark.parametrize("op,threads", [("pull", None), ("push", None), ("pull", 2),
-                                        ("push", 2)])
+@pytest.mark.parametrize("op,threads", [("pull", 0), ("push", 0), ("pull", 2), ("push", 2)])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
 def test_staged_requests_are_bit_exact_and_the_caches_stay_unregistered(prefill, kind, op,
                                                                         threads):
-    """``threads``: NIXL's UCX thread pool on both sides (what a many-core host gets by
-    default, transports.ucx_threads), the run's region pieces spread over its workers."""
+    """``threads``: NIXL's UCX thread pool on both sides (opt-in: a staged 1 GiB took 109 ms
+    with 4 against 243 ms without on a 16-core host), the run's region pieces spread over its
+    workers."""
     layout = small(kind)
     with prefill([layout], seed=13, kv_buffer="host_staged", staging_blocks=24,
                  ucx_threads=threads) as (_p, ports):
@@ -36,8 +36,7 @@ def test_staged_requests_are_bit_exact_and_the_caches_stay_unregistered(prefill,
         zero = cache.block_digest(0)
         with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=24,
                           ucx_threads=threads) as client:
-            if threads is not None:
-                assert client.agent.ucx_threads == threads
+            assert client.agent.ucx_threads == threads
             # NIXL holds the staging pool, never the cache
             assert client.registration.cache is client.staging.cache
             assert client.staging.cache.layout.kind == CROSS_LAYER

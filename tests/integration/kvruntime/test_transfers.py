@@ -38,7 +38,10 @@ def test_bit_exact_pull_and_push(prefill, kind, engine):
                 assert res.engine.startswith(engine)
                 assert res.nbytes == len(src) * layout.block_bytes
                 assert res.runs == len(coalesce(src, dst))
-                assert res.descriptors == res.runs * layout.num_regions
+                # a run per region, or (host memory on a many-core host) cut per copy stream
+                streams = max(1, client.agent.ucx_threads)
+                assert res.runs * layout.num_regions <= res.descriptors <= \
+                    res.runs * layout.num_regions * streams
                 if res.nixl_descriptors is not None:
                     assert res.nixl_descriptors <= res.descriptors
                 assert peer.digests(src) == [cache.block_digest(b) for b in dst]
@@ -47,6 +50,26 @@ def test_bit_exact_pull_and_push(prefill, kind, engine):
                 assert [cache.block_digest(b) for b in untouched] == \
                     [zero.block_digest(b) for b in untouched]
                 zero.close()
+        cache.close()
+
+
+@pytest.mark.parametrize("kind,wanted", [(CROSS_LAYER, 4), (PER_LAYER, 6)])
+def test_host_reads_get_a_descriptor_per_copy_stream(prefill, kind, wanted):
+    """With 4 UCX threads (a many-core host's default for host memory) a pull of one run is
+    cut into 4 descriptors, so that NIXL can spread it over its threads; a per_layer request
+    already has one per region (6) and stays whole; an explicit split wins."""
+    layout = small(kind)
+    with prefill([layout], seed=12, ucx_threads=4) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl", ucx_threads=4) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            src, dst = list(range(10, 30)), list(range(40, 60))
+            cache.fill_value(0)
+            res = peer.pull(src, dst, timeout=20)
+            assert (res.runs, res.nixl_descriptors) == (1, wanted)
+            assert peer.digests(src) == cache.block_digests(dst)
+            assert peer.pull(src, dst, timeout=20, split=1).nixl_descriptors == \
+                layout.num_regions
         cache.close()
 
 

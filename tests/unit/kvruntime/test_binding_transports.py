@@ -5,7 +5,8 @@ import pytest
 from kvruntime.binding import CANDIDATES, as_str, load_nixl
 from kvruntime.errors import NixlNotFoundError, TransportError
 from kvruntime.transports import (admitted_am, apply_ucx_settings, shm_error_handling,
-                                  ucx_environment, ucx_settings, ucx_threads, usable_am)
+                                  host_copy_streams, ucx_environment, ucx_settings,
+                                  usable_am)
 
 
 def test_missing_module_names_what_was_tried(monkeypatch):
@@ -166,25 +167,22 @@ def test_offered_transports_from_this_hosts_ucx_info_or_none():
     assert got is None or "tcp" in got  # ucx_info lists tcp wherever it runs
 
 
-@pytest.mark.parametrize("memory,cpus,requested,threads", [
-    ("cpu", 16, None, 4),    # host memory on a many-core host: descriptors over 4 cma streams
-    ("cpu", 8, None, 4),
-    ("cpu", 2, None, 0),     # the CI host: the cores belong to the copies and the peer
-    ("cpu", 7, None, 0),
-    ("cuda", 16, None, 0),   # device memory: the copy engines move it
-    ("xpu", 64, None, 0),
-    ("cpu", 16, 0, 0),       # the caller's number wins either way
-    ("cpu", 2, 3, 3),
-    ("cuda", 16, 2, 2),
+@pytest.mark.parametrize("cpus,requested,streams", [
+    (16, None, 4),    # a many-core host: a request's bytes over 4 reader threads
+    (8, None, 4),
+    (7, None, 1),
+    (2, None, 1),     # the CI host: the cores belong to the copies and the peer
+    (16, 1, 1),       # the caller's number wins either way
+    (2, 3, 3),
 ])
-def test_ucx_threads_policy_table(memory, cpus, requested, threads):
-    chosen, why = ucx_threads(memory, cpus, requested)
-    assert chosen == threads and why
+def test_host_copy_streams_policy_table(cpus, requested, streams):
+    chosen, why = host_copy_streams(cpus, requested)
+    assert chosen == streams and why
     if requested is not None:
         assert why == "yours"
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "4", True])
-def test_ucx_threads_refuses_what_is_not_a_count(bad):
-    with pytest.raises(TransportError, match="ucx_threads must be a non-negative integer"):
-        ucx_threads("cpu", 16, bad)
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "4", True])
+def test_host_copy_streams_refuses_what_is_not_a_count(bad):
+    with pytest.raises(TransportError, match="host_streams must be a positive integer"):
+        host_copy_streams(16, bad)
