@@ -142,7 +142,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                "kv_buffer": cfg.kv_buffer}
     staged = cfg.kv_buffer == "host_staged"
     if staged:
-        cfg.engines, cfg.inflight = ["nixl"], []
+        cfg.inflight = []  # engines: nixl moves the staged run, samenode reads it (same host)
         # a pool of a little more than the largest request, on both sides
         options["staging_blocks"] = -(-max(cfg.sizes_mib) * 1024 // cfg.block_kib) + 1
     added = prepare_process(options)  # this process is the decode side: UCX before NIXL
@@ -201,6 +201,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                     "all": [round(h, 3) for h in hs]}
                 report.setdefault("engines", {})[f"{layout.kind}/{engine}"] = {
                     "engine": peer.engine, "reason": peer.engine_reason,
+                    "staged_copy": peer.staged_copy,
                     "ucx_threads": client.agent.ucx_threads,
                     "host_streams": [client.host_streams, client.host_streams_reason]}
                 for op in cfg.ops:
@@ -262,6 +263,7 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split)
     row = {
         "layout": layout.kind, "op": op, "pattern": pattern, "engine": res.engine,
         "split": split, "ucx_threads": peer.client.agent.ucx_threads, "memory": cache.mem_type,
+        "staged_copy": peer.staged_copy,
         "huge_pages": cfg.huge_pages, "size_bytes": res.nbytes, "block_size": layout.block_bytes,
         "batch_size": count, "runs": res.runs, "descriptors": res.descriptors,
         "nixl_descriptors": res.nixl_descriptors,

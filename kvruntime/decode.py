@@ -71,6 +71,8 @@ class PrefillPeer:
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
         self._engine = None  # a same-node engine (samenode.py) when one serves this peer
+        # host-staged and on this host: the engine that copies its pool's runs into ours
+        self._pool_engine = None
         self._planner: Planner | None = None  # made at the first request (plan.py)
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
         self.lanes = None  # UCX's protocols of our agent after the connect-time probe (ucxlog)
@@ -83,19 +85,39 @@ class PrefillPeer:
             return "host_staged"
         return self._engine.name if self._engine is not None else "nixl"
 
+    @property
+    def staged_copy(self) -> str | None:
+        """Host-staged: what moves a staged run from the prefill's pool into ours (NIXL, or
+        the same-node engine's reads); None for a direct peer."""
+        if self.client.staging is None:
+            return None
+        return self._pool_engine.name if self._pool_engine is not None else "nixl"
+
     def _open_samenode(self, required: bool) -> None:
-        """Ask the prefill for its same-node offer and open its memory; NIXL stays the path
-        (and the reason is kept) when that cannot be proved or opened."""
+        """Ask the prefill for its same-node offer and open its memory — for a host-staged
+        peer, its staging pool; NIXL stays the path (and the reason is kept) when that cannot
+        be proved or opened."""
+        staged = self.client.staging is not None
         try:
             offer = self._call({"type": "samenode"}, "samenode", self.client.timeout)
-            self._engine = open_engine(offer, self.client.cache, self.info.layout,
-                                       self.info.regions, self.client.host_streams)
-            self.engine_reason = "same host and user proved over the side channel"
+            engine = open_engine(offer, self.client.staging.cache if staged else
+                                 self.client.cache, self.info.layout, self.info.regions,
+                                 self.client.host_streams)
+            proved = "same host and user proved over the side channel"
+            if staged:
+                self._pool_engine = engine
+                n = engine.streams
+                self.engine_reason = (f"host-staged: pool to pool by process_vm_readv over {n} "
+                                      f"thread{'s' if n > 1 else ''} ({proved})")
+            else:
+                self._engine = engine
+                self.engine_reason = proved
         except KVRuntimeError as exc:
             if required:
                 raise SameNodeUnavailable(f"{self.name}: same-node engine unavailable: {exc}"
                                           ) from exc
-            self.engine_reason = f"NIXL: same-node engine unavailable: {exc}"
+            self.engine_reason = (f"{'host-staged: ' if staged else ''}NIXL: same-node engine "
+                                  f"unavailable: {exc}")
             log.info("%s: %s", self.name, self.engine_reason)
 
     def _check_engine_heads(self, info: PeerInfo, required: bool) -> None:
@@ -429,9 +451,10 @@ class PrefillPeer:
             self.sock.close()
         except OSError:
             pass
-        if self._engine is not None:  # opened memory lives exactly as long as the peer
-            self._engine.close()
-            self._engine = None
+        for engine in (self._engine, self._pool_engine):
+            if engine is not None:  # opened memory lives exactly as long as the peer
+                engine.close()
+        self._engine = self._pool_engine = None
         self.client._forget(self)
 
 
@@ -520,14 +543,13 @@ class DecodeClient:
             self._remove_agent(name)
             raise
         self._peers[address] = peer
-        if self.staging is not None:
-            peer.engine_reason = "host-staged: NIXL moves staging pool blocks (kv_buffer)"
-        elif self.engine == "nixl":
-            peer.engine_reason = "NIXL: forced (engine='nixl')"
+        if self.engine == "nixl":
+            peer.engine_reason = (f"{'host-staged: ' if self.staging else ''}NIXL: forced "
+                                  f"(engine='nixl')")
         else:
             try:
                 peer._open_samenode(required=self.engine == "samenode")
-                if peer.head_slice is not None:
+                if peer.head_slice is not None and self.staging is None:
                     peer._check_engine_heads(info, required=self.engine == "samenode")
             except BaseException:
                 peer.close()

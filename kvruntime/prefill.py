@@ -326,8 +326,8 @@ class PrefillServer:
         elif kind == "cancel":
             self._cancel_write(peer, frames.field(message, "request", str))
         elif kind == "samenode":  # a decode asks to open our memory directly (samenode.py)
-            offer = ({"type": "samenode", "unavailable": "the prefill is host-staged"}
-                     if self.staging else serve_offer(self.cache, self._token))
+            # host-staged: what a same-node decode may read is our staging pool
+            offer = serve_offer(self.staging.cache if self.staging else self.cache, self._token)
             peer.send({**offer, "request": message.get("request")}, self.timeout)
         elif kind == "stage":
             self._stage(peer, message)

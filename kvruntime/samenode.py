@@ -217,6 +217,12 @@ class _HostJob(CopyJob):
         hold the GIL that our worker thread needs to finish the copy."""
         self._ended.wait(seconds)
 
+    def abort(self) -> bool:
+        """A local read cannot be stopped, but it always ends (a memory copy): wait for it, so
+        that nothing writes into the destination once this returns."""
+        self._ended.wait()
+        return True
+
     def poll(self) -> str:
         if self.state == "PROC" and self._ended.is_set():
             self.end = time.perf_counter()
@@ -303,6 +309,11 @@ class HostEngine:
         local = (self.local[:, None] + dst).reshape(-1)  # region-major: order does not matter
         remote = (self.remote[:, None] + src).reshape(-1)
         lengths = np.tile(plan.run_count.astype(np.uint64) * chunk, len(self.local))
+        return self.read(op, plan, local, remote, lengths)
+
+    def read(self, op: str, plan: TransferPlan, local, remote, lengths) -> _HostJob:
+        """Start copying the peer's ``remote[i]`` into our ``local[i]``, ``lengths[i]`` bytes
+        each (uint64 arrays), over the engine's reader threads."""
         return _HostJob(op, plan, [self._pool.submit(read_remote, self.pid, *part) for part in
                                    split_ranges(local, remote, lengths, self.streams,
                                                 STREAM_PIECE)])

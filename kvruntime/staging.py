@@ -11,8 +11,9 @@ DRAM. A pull of blocks ``src`` into ``dst``:
                         in order, so a range of regions is one range of the run), answers
     prefill -> decode   staged   {request, start, count}       or stage_failed {request, error}
     decode              takes its own pool blocks, READs the prefill's run into them with NIXL
-                        in CHUNKS pieces of whole regions posted at once, scatters each piece
-                        into ``dst`` as it lands (overlapping the READs still running), frees
+                        (proved on the same host: process_vm_readv over the same-node engine's
+                        threads) in CHUNKS pieces of whole regions posted at once, scatters each
+                        piece into ``dst`` as it lands (overlapping the READs still running), frees
                         its blocks when the last scatter has passed
     decode  -> prefill  unstage  {request}     the prefill frees its pool blocks and the request
 
@@ -416,7 +417,8 @@ class StagedPull(CopyJob):
                 chunk.scattered = True
             elif st == "ERR":
                 chunk.xfer.finish()
-                self._fail("the NIXL READ of the staged blocks failed (prefill gone?)")
+                self._fail(f"the READ of the staged blocks failed (prefill gone?): "
+                           f"{getattr(chunk.xfer, 'error', None) or 'NIXL state ERR'}")
                 return self.state
         if self._chunks and all(c.scattered and done(c.event) for c in self._chunks):
             self._done("DONE")
@@ -441,8 +443,15 @@ class StagedPull(CopyJob):
         k = min(CHUNKS, regions)
         self._dst = pool.ids(self._dst)  # uploaded once for all the chunks' scatters
         bounds = [i * regions // k for i in range(k + 1)]
+        engine = self.peer._pool_engine  # same host: our reader threads instead of NIXL
         for a, b in zip(bounds, bounds[1:]):
             off, length = a * per_region, (b - a) * per_region
+            if engine is not None:
+                xfer = engine.read("READ", plan, np.array([local_base + off], dtype=np.uint64),
+                                   np.array([remote_base + off], dtype=np.uint64),
+                                   np.array([length], dtype=np.uint64))
+                self._chunks.append(_Chunk((a, b), xfer))
+                continue
             rows = Rows(np.array([[local_base + off, length, local.device_id]], dtype=np.uint64),
                         np.array([[remote_base + off, length, remote[2]]], dtype=np.uint64),
                         self.peer.agent, local.mem_type, self.peer.info.mem_type)

@@ -21,10 +21,14 @@ def small(kind, blocks=64):
     return KVLayout(kind, 2, blocks, 16, 4, 32, "float16")
 
 
-@pytest.mark.parametrize("op,threads", [("pull", 0), ("push", 0), ("pull", 2), ("push", 2)])
+@pytest.mark.parametrize("op,engine,threads", [
+    ("pull", "auto", 0), ("push", "auto", 0),   # same host: pool to pool by process_vm_readv
+    ("pull", "nixl", 0), ("push", "nixl", 0),   # NIXL moves the run (another host's case)
+    ("pull", "nixl", 2), ("push", "nixl", 2),
+])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
 def test_staged_requests_are_bit_exact_and_the_caches_stay_unregistered(prefill, kind, op,
-                                                                        threads):
+                                                                        engine, threads):
     """``threads``: NIXL's UCX thread pool on both sides (opt-in: a staged 1 GiB took 109 ms
     with 4 against 243 ms without on a 16-core host), the run's region pieces spread over its
     workers."""
@@ -34,7 +38,7 @@ def test_staged_requests_are_bit_exact_and_the_caches_stay_unregistered(prefill,
         cache = KVCache.allocate_host(small(kind, blocks=80))
         cache.fill_value(0)
         zero = cache.block_digest(0)
-        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=24,
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=24, engine=engine,
                           ucx_threads=threads) as client:
             assert client.agent.ucx_threads == threads
             # NIXL holds the staging pool, never the cache
@@ -42,6 +46,8 @@ def test_staged_requests_are_bit_exact_and_the_caches_stay_unregistered(prefill,
             assert client.staging.cache.layout.kind == CROSS_LAYER
             peer = client.connect("127.0.0.1", ports[0])
             assert peer.engine == "host_staged" and peer.info.kv_buffer == "host_staged"
+            assert peer.staged_copy == ("nixl" if engine == "nixl" else
+                                        "samenode:process_vm_readv"), peer.engine_reason
             src, dst = request_blocks(layout.num_blocks, 7)
             res = getattr(peer, op)(src, dst, timeout=20)
             assert res.engine == "host_staged" and res.nbytes == len(src) * layout.block_bytes
@@ -107,3 +113,36 @@ def test_direct_and_staged_peers_do_not_pair():
         assert err.value.fields == ["kv_buffer"]
     src.close()
     dst.close()
+
+
+def test_a_prefill_killed_while_staged_runs_are_read_fails_them_and_frees_our_pool(prefill):
+    """Same host: staged runs are read from the prefill's pool by process_vm_readv. Killed in
+    the middle of a stream of such requests, a request fails (the read's error or the lost
+    connection) well before its deadline, and our pool blocks are all free again."""
+    import os
+    import signal
+    import threading
+
+    from kvruntime.errors import TransferError
+
+    layout = KVLayout(CROSS_LAYER, 4, 256, 16, 8, 128, "float16")  # 256 KiB blocks, 64 MiB
+    with prefill([layout], kv_buffer="host_staged", staging_blocks=256) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        client = DecodeClient(cache, kv_buffer="host_staged", staging_blocks=256)
+        try:
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.staged_copy == "samenode:process_vm_readv", peer.engine_reason
+            blocks = list(range(256))
+            peer.pull(blocks, timeout=30)  # warm
+            killer = threading.Timer(0.3, os.kill, (proc.pid, signal.SIGKILL))
+            killer.start()
+            start = time.monotonic()
+            with pytest.raises((TransferError, KVRuntimeError)):
+                for _ in range(10000):
+                    peer.pull(blocks, timeout=5)
+            assert time.monotonic() - start < 30
+            killer.join()
+            assert client.staging.largest_free_run() == client.staging.units
+        finally:
+            client.close()
+            cache.close()
