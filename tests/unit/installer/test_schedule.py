@@ -2,6 +2,8 @@
 together, what waits, and how a failure ends the others."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 
@@ -84,3 +86,24 @@ def test_the_budget_is_held_by_one_build_phase_at_a_time():
     for t in threads:
         t.join(timeout=30)
     assert max(most) == 1 and not inside
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_every_component_and_raises_keyboardinterrupt(sig):
+    """Ctrl-C or SIGTERM while components build: each one's stop is set, all return, and
+    build_all raises KeyboardInterrupt once they have (the signal only sets a flag that the
+    scheduler reads between waits), then the previous handlers are back."""
+    comps, at_once = _components()
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stopped, gate = [], threading.Barrier(3, timeout=30)
+
+    def build_one(comp, stop):
+        gate.wait()  # ucx, abseil and asio all running
+        if comp.name == "ucx":
+            os.kill(os.getpid(), sig)
+        assert stop.wait(timeout=30), "never asked to stop"
+        stopped.append(comp.name)
+    with pytest.raises(KeyboardInterrupt):
+        build_all(comps, build_one, at_once=at_once)
+    assert sorted(stopped) == ["abseil", "asio", "ucx"]
+    assert {s: signal.getsignal(s) for s in before} == before
