@@ -118,7 +118,8 @@ def _bench(args, out) -> int:
               f"{'overhead us':>11}")
         for r in report.get("results", []):
             ovh = r.get("overhead_us")
-            say(f"{r['layout']:12} {r['engine']:26} {r['op']:5} {r['pattern']:10} {r['split']:5} "
+            engine = r["engine"] + (f" ({r['staged_copy']})" if r.get("staged_copy") else "")
+            say(f"{r['layout']:12} {engine:26} {r['op']:5} {r['pattern']:10} {r['split']:5} "
                   f"{r['size_bytes'] / 2**20:9.0f} {r['descriptors']:6} {r['avg_lat_us']:11.0f} "
                   f"{r['gbps']:7.2f} {r['ref_gbps']:7.2f} {r['ratio']:6.2f} "
                   f"{'' if ovh is None else f'{ovh:11.1f}'}")
