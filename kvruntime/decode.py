@@ -65,6 +65,7 @@ class PrefillPeer:
         self.handshake_seconds = handshake_seconds
         self.closed = False
         self._broken: str | None = None  # why the peer may not be used any more
+        self._losing = False  # _lose is failing our requests (their cleanup may send, fail, lose)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._pending: dict[str, TransferHandle] = {}  # request id -> handle awaiting frames
@@ -412,7 +413,12 @@ class PrefillPeer:
         self._broken = why
 
     def _lose(self, why: str) -> None:
-        """The side channel is unusable: fail what waits on it and close."""
+        """The side channel is unusable: fail what waits on it and close. Once: a request's
+        cleanup may send (a staged run's "unstage"), fail, and land here again while its
+        handle's lock is held."""
+        if self._losing:
+            return
+        self._losing = True
         self._broken = self._broken or why
         for handle in list(self._pending.values()):
             handle._on_peer_lost(why)

@@ -482,7 +482,7 @@ class StagedPull(CopyJob):
         elif not stopped:
             log.error("%s: a staged READ could not be aborted; %d staging units stay taken",
                       self.peer.name, self._remote[1])
-        if not self._unstaged:
+        if not self._unstaged and not self.peer._broken:  # gone: the prefill frees ours
             self._unstaged = True
             try:
                 self.peer._send({"type": "unstage", "request": self.request_id})
