@@ -31,7 +31,7 @@ class BenchConfig:
     ops: list = field(default_factory=lambda: ["pull", "push"])
     splits: list = field(default_factory=lambda: [None])  # None: the client's read_split
     ucx_threads: int = 0
-    host_streams: int | None = None  # None: the client chooses (transports.host_copy_streams)
+    host_streams: int | None = None  # None: the client chooses (samenode.host_copy_streams)
     huge_pages: bool = True
     iters: int = 5
     block_kib: int = 256
@@ -244,14 +244,12 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split)
     move = peer.pull if op == "pull" else peer.push
     count = max(1, (size << 20) // layout.block_bytes)
     src, dst = pick_blocks(pattern, count, layout.num_blocks, rnd)
-    if split is None:  # what the client chooses for a NIXL pull; one piece a run otherwise
-        split = (peer.read_split(make_plan(peer.info.layout, src, cache.layout, dst))
-                 if op == "pull" and peer.engine == "nixl" else 1)
-    move(src, dst, timeout=120, split=split)  # warm-up
+    opts = {"timeout": 120} if split is None else {"timeout": 120, "split": split}  # None: default
+    move(src, dst, **opts)  # warm-up
     rates, refs, lats, peer_rates, bare, res = [], [], [], [], [], None
     for _ in range(cfg.iters):
         refs.append(reference.gbps(count * layout.block_bytes))
-        res = move(src, dst, timeout=120, split=split)
+        res = move(src, dst, **opts)
         rates.append(res.gbps)
         if res.peer_seconds:
             peer_rates.append(res.nbytes / res.peer_seconds / 1e9)
@@ -262,7 +260,8 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split)
     pairs = [r / f for r, f in zip(rates, refs)]
     row = {
         "layout": layout.kind, "op": op, "pattern": pattern, "engine": res.engine,
-        "split": split, "ucx_threads": peer.client.agent.ucx_threads, "memory": cache.mem_type,
+        "split": "auto" if split is None else split, "ucx_threads": peer.client.agent.ucx_threads,
+        "memory": cache.mem_type,
         "staged_copy": peer.staged_copy,
         "huge_pages": cfg.huge_pages, "size_bytes": res.nbytes, "block_size": layout.block_bytes,
         "batch_size": count, "runs": res.runs, "descriptors": res.descriptors,
@@ -330,7 +329,7 @@ def _bare_read(peer, src, dst, split) -> float:
     client = peer.client
     nixl = client.agent.nixl
     plan = make_plan(peer.info.layout, src, client.cache.layout, dst)
-    src_idx, dst_idx = plan.nixl_indices(split)
+    src_idx, dst_idx = plan.nixl_indices(peer.read_split(plan) if split is None else split)
     local, remote = client.registration.local_dlist, client.registration.peer_dlist(peer.agent)
     t = time.perf_counter()
     # the same notification kvruntime's READ carries (the prefill ignores this one's prefix)

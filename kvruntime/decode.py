@@ -40,9 +40,9 @@ from .inflight import PENDING, TransferHandle
 from .memory import KVCache
 from .plan import Planner, TransferPlan, make_plan, merge_plans
 from .registration import Registration, Scratch
-from .samenode import ENGINES, SameNodeUnavailable, SharedJob, open_engine
+from .samenode import ENGINES, SameNodeUnavailable, SharedJob, host_copy_streams, open_engine
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
-from .transports import host_copy_streams, offered_transports
+from .transports import offered_transports
 from .tp import head_rows
 from .transfer import PostedTransfer, Rows, TransferResult, free_notification, parse_notification
 

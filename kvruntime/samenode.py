@@ -94,6 +94,29 @@ def read_remote(pid: int, local, remote, lengths) -> int:
     return done
 
 
+# Host memory between two processes of one host moves by process_vm_readv, one stream ~5.6 GB/s
+# on the H100 host (16 cores; its memcpy 10.4 GB/s). The same-node engine splits a request's
+# bytes over this many reader threads on hosts with the cores for it (1 GiB: 5.3 -> 19 GB/s
+# there). NIXL's own UCX thread pool (``ucx_threads``, cma over several workers: a staged 1 GiB
+# 243 -> 109 ms there) stays opt-in: with it, NIXL 1.5.1 (nixl-cu12) segfaulted in
+# get_new_notifs during a refused handshake in the test suite.
+HOST_COPY_STREAMS, HOST_COPY_MIN_CPUS = 4, 8
+
+
+def host_copy_streams(cpus: int, requested: int | None) -> tuple[int, str]:
+    """Reader threads for the same-node engine's host copies, and why — pure. ``requested``
+    (None: choose) wins; ``HOST_COPY_STREAMS`` on hosts of ``HOST_COPY_MIN_CPUS`` cores or
+    more, else 1 (the cores go to the copies and the peer process)."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+            raise KVRuntimeError(f"host_streams must be a positive integer or None (choose), "
+                                 f"got {requested!r}")
+        return requested, "yours"
+    if cpus < HOST_COPY_MIN_CPUS:
+        return 1, f"{cpus} cores (< {HOST_COPY_MIN_CPUS}): one copy stream"
+    return HOST_COPY_STREAMS, f"{cpus} cores: a request's bytes over {HOST_COPY_STREAMS} streams"
+
+
 def split_ranges(local, remote, lengths, parts: int, piece: int) -> list:
     """The copies ``(local[i], remote[i], lengths[i])`` (uint64 arrays) as at most ``parts``
     groups of about equal bytes, for one thread each: ranges longer than ``piece`` are cut into
@@ -283,7 +306,7 @@ class HostEngine:
     ``IOV_MAX`` runs) on worker threads, so a request is started without waiting. With
     ``streams`` > 1 a request's bytes are split over that many threads (one process_vm_readv
     stream moves ~5.6 GB/s on the H100 host, against 10.4 for its memcpy); the count comes from
-    transports.host_copy_streams."""
+    host_copy_streams."""
 
     name = "samenode:process_vm_readv"
 

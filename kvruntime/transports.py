@@ -128,29 +128,6 @@ def offered_transports(timeout: float = 10.0) -> set[str] | None:
             if line.strip().startswith("# Transport:")}
 
 
-# Host memory between two processes of one host moves by process_vm_readv, one stream ~5.6 GB/s
-# on the H100 host (16 cores; its memcpy 10.4 GB/s). The same-node engine splits a request's
-# bytes over this many reader threads on hosts with the cores for it (1 GiB: 5.3 -> 19 GB/s
-# there). NIXL's own UCX thread pool (``ucx_threads``, cma over several workers: a staged 1 GiB
-# 243 -> 109 ms there) stays opt-in: with it, NIXL 1.5.1 (nixl-cu12) segfaulted in
-# get_new_notifs during a refused handshake in the test suite.
-HOST_COPY_STREAMS, HOST_COPY_MIN_CPUS = 4, 8
-
-
-def host_copy_streams(cpus: int, requested: int | None) -> tuple[int, str]:
-    """Reader threads for the same-node engine's host copies, and why — pure. ``requested``
-    (None: choose) wins; ``HOST_COPY_STREAMS`` on hosts of ``HOST_COPY_MIN_CPUS`` cores or
-    more, else 1 (the cores go to the copies and the peer process)."""
-    if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-            raise TransportError(f"host_streams must be a positive integer or None (choose), "
-                                 f"got {requested!r}")
-        return requested, "yours"
-    if cpus < HOST_COPY_MIN_CPUS:
-        return 1, f"{cpus} cores (< {HOST_COPY_MIN_CPUS}): one copy stream"
-    return HOST_COPY_STREAMS, f"{cpus} cores: a request's bytes over {HOST_COPY_STREAMS} streams"
-
-
 def describe(added: Mapping[str, str], env: Mapping[str, str], device_kind: str) -> list[str]:
     """One line per setting in play: what kvruntime set and why, and what the user set (kept)."""
     lines = [f"{k}={v}: {REASONS.get(k, 'set by kvruntime')}" for k, v in sorted(added.items())]

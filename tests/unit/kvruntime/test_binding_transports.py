@@ -5,8 +5,7 @@ import pytest
 from kvruntime.binding import CANDIDATES, as_str, load_nixl
 from kvruntime.errors import NixlNotFoundError, TransportError
 from kvruntime.transports import (admitted_am, apply_ucx_settings, shm_error_handling,
-                                  host_copy_streams, ucx_environment, ucx_settings,
-                                  usable_am)
+                                  ucx_environment, ucx_settings, usable_am)
 
 
 def test_missing_module_names_what_was_tried(monkeypatch):
@@ -165,24 +164,3 @@ def test_offered_transports_from_this_hosts_ucx_info_or_none():
 
     got = offered_transports()
     assert got is None or "tcp" in got  # ucx_info lists tcp wherever it runs
-
-
-@pytest.mark.parametrize("cpus,requested,streams", [
-    (16, None, 4),    # a many-core host: a request's bytes over 4 reader threads
-    (8, None, 4),
-    (7, None, 1),
-    (2, None, 1),     # the CI host: the cores belong to the copies and the peer
-    (16, 1, 1),       # the caller's number wins either way
-    (2, 3, 3),
-])
-def test_host_copy_streams_policy_table(cpus, requested, streams):
-    chosen, why = host_copy_streams(cpus, requested)
-    assert chosen == streams and why
-    if requested is not None:
-        assert why == "yours"
-
-
-@pytest.mark.parametrize("bad", [0, -1, 1.5, "4", True])
-def test_host_copy_streams_refuses_what_is_not_a_count(bad):
-    with pytest.raises(TransportError, match="host_streams must be a positive integer"):
-        host_copy_streams(16, bad)

@@ -1,10 +1,12 @@
-"""Splitting a same-node host copy over several reader threads: every byte once, in order,
-ranges cut at piece boundaries, the groups about equal (pure numpy; no second process)."""
+"""Splitting a same-node host copy over several reader threads: how many (a policy table), and
+every byte once, in order, ranges cut at piece boundaries, the groups about equal (pure numpy;
+no second process)."""
 
 import numpy as np
 import pytest
 
-from kvruntime.samenode import split_ranges
+from kvruntime.errors import KVRuntimeError
+from kvruntime.samenode import host_copy_streams, split_ranges
 
 
 def _pieces(out):
@@ -44,3 +46,24 @@ def test_one_stream_keeps_the_ranges_whole():
     local, remote, lengths = [0, 100], [200, 300], [50, 60]
     (out,) = split_ranges(local, remote, lengths, 1, 8)
     assert [list(map(int, a)) for a in out] == [local, remote, lengths]
+
+
+@pytest.mark.parametrize("cpus,requested,streams", [
+    (16, None, 4),    # a many-core host: a request's bytes over 4 reader threads
+    (8, None, 4),
+    (7, None, 1),
+    (2, None, 1),     # the CI host: the cores belong to the copies and the peer
+    (16, 1, 1),       # the caller's number wins either way
+    (2, 3, 3),
+])
+def test_host_copy_streams_policy_table(cpus, requested, streams):
+    chosen, why = host_copy_streams(cpus, requested)
+    assert chosen == streams and why
+    if requested is not None:
+        assert why == "yours"
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "4", True])
+def test_host_copy_streams_refuses_what_is_not_a_count(bad):
+    with pytest.raises(KVRuntimeError, match="host_streams must be a positive integer"):
+        host_copy_streams(16, bad)
