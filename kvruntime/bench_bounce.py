@@ -1,6 +1,8 @@
 """The staged copies alone, per bounce-slot size: gather of random blocks (device cache -> pinned
 pool) and scatter back, beside one contiguous pinned copy of the same bytes in the same run, and
-where a gather's time goes (host: ids and fills; device: how long the copy stream is busy).
+where a gather's time goes (host: ids as int64 numpy, the fills' views, queueing the whole
+call, the ids' upload included; device: how long the copy stream is busy, from just before the
+call is queued to its last copy).
 
     python3 -m kvruntime.bench_bounce [--device cuda] [--mib 1024] [--slots-mib 4 16 32 64]
 
@@ -34,10 +36,10 @@ def _timeline(pool, blocks, iters: int) -> dict:
         fills = pieces(range(len(regions)), len(ids), math.prod(shape), pool._ring.slot_words)
         t2 = time.perf_counter()
         first, last = mod.Event(enable_timing=True), mod.Event(enable_timing=True)
-        first.record(pool._ring._copy)
+        first.record(pool._ring.streams.copy_stream)
         pool._ring.gather(fills, regions, ids, run, shape)
         t3 = time.perf_counter()
-        last.record(pool._ring._copy)
+        last.record(pool._ring.streams.copy_stream)
         last.synchronize()
         t4 = time.perf_counter()
         for key, value in (("ids_us", (t1 - t0) * 1e6), ("fills_us", (t2 - t1) * 1e6),

@@ -14,6 +14,8 @@ import logging
 
 import numpy as np
 
+from .cudart import enable_peer_access
+
 log = logging.getLogger("kvruntime")
 
 # Up to this many runs, per-run copy_ beats building index lists.
@@ -35,37 +37,6 @@ try:  # Triton is optional: CUDA builds of torch carry it
         tl.store(dst + d * words + offs, v, mask=mask)
 except Exception:  # ImportError, or a Triton that cannot compile here
     triton = None
-
-
-def _enable_peer_access(device, peer) -> str | None:
-    """cudaDeviceEnablePeerAccess(peer) from ``device``'s context; None when it is on."""
-    import ctypes
-    import glob
-    import os
-
-    import torch
-
-    if not torch.cuda.can_device_access_peer(device.index, peer.index):
-        return "the devices cannot access each other"
-    lib = None
-    libdir = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")
-    # the runtime torch already loaded (dlopen by soname returns it), else the wheel's copy
-    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    names += glob.glob(os.path.join(libdir, "**", "libcudart.so*"), recursive=True)
-    for name in names:
-        try:
-            lib = ctypes.CDLL(name)
-            break
-        except OSError:
-            continue
-    if lib is None:
-        return "no CUDA runtime library found to enable it"
-    with torch.cuda.device(device):
-        torch.cuda.current_stream(device)  # the context exists
-        err = lib.cudaDeviceEnablePeerAccess(ctypes.c_int(peer.index), ctypes.c_uint(0))
-        lib.cudaGetLastError()  # clear it: torch's next check would raise "already enabled"
-    # 0: enabled; 704: cudaErrorPeerAccessAlreadyEnabled
-    return None if err in (0, 704) else f"cudaDeviceEnablePeerAccess returned {err}"
 
 
 def _word_view(flat, chunk_bytes: int):
@@ -155,7 +126,7 @@ class BlockGather:
             # access is enabled from its context (torch's peer copies do not need it; without
             # it Triton refuses the pointer: "cannot be accessed from Triton").
             for s, d in {(s.device, d.device) for s, d in zip(src_regions, dst_regions)}:
-                why = _enable_peer_access(d, s)
+                why = enable_peer_access(d, s)
                 if why:
                     log.info("no peer access %s -> %s (%s): gathers take torch's two steps",
                              d, s, why)

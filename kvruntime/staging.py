@@ -247,21 +247,13 @@ class StagingPool:
                 return flat.view(dtype)
         return flat
 
-    def ids(self, blocks):
-        """Block ids (a list, a numpy array, or this method's own result) as an int64 tensor on
-        the cache's device, uploaded once per request whatever the copies that use it."""
+    @staticmethod
+    def ids(blocks):
+        """Block ids (a list or a numpy array; the roles pass the plan's validated arrays) as
+        int64 numpy: the ring uploads them itself, once per call, on its compute stream."""
         import numpy as np
-        import torch
 
-        device = self._device[0].device
-        if isinstance(blocks, torch.Tensor) and blocks.device == device:
-            return blocks
-        ids = torch.from_numpy(np.asarray(blocks, dtype=np.int64))
-        if device.type == "cpu":
-            return ids
-        ids = ids.to(device, non_blocking=True)
-        ids.record_stream(self._ring._compute)  # in use there after the call that queued it
-        return ids
+        return np.asarray(blocks, dtype=np.int64)
 
     def gather(self, blocks, start: int, heads: tuple[int, int] | None = None) -> int:
         """Heads ``heads`` (all by default) of device cache ``blocks`` -> the run at ``start``;
@@ -276,7 +268,7 @@ class StagingPool:
         if self._ring is None:  # a CPU cache: straight into the run, one pass
             run = self._run(start, n, hs)  # [regions][n][t][hs][words]
             for r, view in enumerate(regions):
-                torch.index_select(view, 0, ids, out=run[r])
+                torch.index_select(view, 0, torch.from_numpy(ids), out=run[r])
             return n * hs
         shape = self._row_shape(hs)
         fills = pieces(range(len(regions)), n, math.prod(shape), self._ring.slot_words)
@@ -300,7 +292,7 @@ class StagingPool:
         views = self._regions(heads)
         if self._ring is None:  # numpy copies whole rows; torch's CPU index ops element by element
             src = self._run(start, n, hs)
-            ids = self.ids(blocks).numpy()
+            ids = self.ids(blocks)
             for r in range(r0, r1):
                 views[r].numpy()[ids] = src[r].numpy()
             return None
@@ -441,7 +433,7 @@ class StagedPull(CopyJob):
         remote_base = remote[0] + self._remote[0] * unit
         plan = pool_plan(self.peer.info.layout, self._remote[0], pool.layout, self._local, units)
         k = min(CHUNKS, regions)
-        self._dst = pool.ids(self._dst)  # uploaded once for all the chunks' scatters
+        self._dst = pool.ids(self._dst)  # once for all the chunks' scatters
         bounds = [i * regions // k for i in range(k + 1)]
         engine = self.peer._pool_engine  # same host: our reader threads instead of NIXL
         for a, b in zip(bounds, bounds[1:]):

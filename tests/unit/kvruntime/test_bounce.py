@@ -5,6 +5,7 @@ BENCHMARKS.md); tests/integration/kvruntime/test_gpu.py runs the staged modes th
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,7 +46,7 @@ def test_gather_then_scatter_round_trips(heads, slot_rows):
     row = 3 * (h1 - h0) * 2
     ring = BounceRing(torch.device("cpu"), torch.int64, slot_rows * row)
     blocks = random.Random(slot_rows).sample(range(9), 6)
-    ids = torch.tensor(blocks)
+    ids = np.array(blocks, dtype=np.int64)
     run = torch.zeros(4, 6, 3, h1 - h0, 2, dtype=torch.int64)
     fills = list(pieces(range(4), 6, row, ring.slot_words))
     ring.gather(fills, views, ids, run.view(-1), run.shape[2:]).synchronize()
@@ -56,7 +57,7 @@ def test_gather_then_scatter_round_trips(heads, slot_rows):
     before = target.clone()
     dst = [v[:, :, h0:h1, :] for v in tviews]
     back = list(reversed(blocks))
-    ring.scatter(fills[len(fills) // 2:], run.view(-1), dst, torch.tensor(back), run.shape[2:]).synchronize()
+    ring.scatter(fills[len(fills) // 2:], run.view(-1), dst, np.array(back, dtype=np.int64), run.shape[2:]).synchronize()
     done = {p.region for fill in fills[len(fills) // 2:] for p in fill}
     for r in range(4):
         for i, b in enumerate(back):

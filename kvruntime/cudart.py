@@ -1,0 +1,127 @@
+"""The few CUDA runtime calls kvruntime makes itself, through ctypes on the runtime torch loaded:
+async copies and events on streams given by handle, and peer access.
+
+Each call costs ~1 µs. Through torch's Python layer an event, a stream switch or a small copy
+costs 10-40 µs on a slow host (H100 VM: 20-35 µs a ``torch.cuda.stream()`` context), and a
+staged gather of 1 GiB makes ~130 of them, the first ones before its first PCIe copy starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+
+from .errors import KVRuntimeError
+
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+EVENT_DISABLE_TIMING = 2
+NOT_READY = 600  # cudaErrorNotReady
+PEER_ALREADY_ENABLED = 704
+
+_lib = None
+_lock = threading.Lock()
+
+_SIGNATURES = {
+    "cudaMemcpyAsync": (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                        ctypes.c_void_p),
+    "cudaEventCreateWithFlags": (ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint),
+    "cudaEventRecord": (ctypes.c_void_p, ctypes.c_void_p),
+    "cudaStreamWaitEvent": (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint),
+    "cudaEventSynchronize": (ctypes.c_void_p,),
+    "cudaEventQuery": (ctypes.c_void_p,),
+    "cudaEventDestroy": (ctypes.c_void_p,),
+    "cudaDeviceEnablePeerAccess": (ctypes.c_int, ctypes.c_uint),
+    "cudaGetLastError": (),
+    "cudaGetErrorName": (ctypes.c_int,),
+}
+
+
+def runtime():
+    """libcudart, the copy torch already loaded (dlopen by soname returns it) else the wheel's;
+    None when there is none."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            import torch
+
+            names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+            libdir = os.path.join(os.path.dirname(torch.__file__), "..", "nvidia")
+            names += glob.glob(os.path.join(libdir, "**", "libcudart.so*"), recursive=True)
+            for name in names:
+                try:
+                    lib = ctypes.CDLL(name)
+                except OSError:
+                    continue
+                for fn, args in _SIGNATURES.items():
+                    getattr(lib, fn).argtypes = args
+                lib.cudaGetErrorName.restype = ctypes.c_char_p
+                _lib = lib
+                break
+        return _lib
+
+
+def _check(err: int, what: str) -> None:
+    if err:
+        name = _lib.cudaGetErrorName(err).decode(errors="replace")
+        raise KVRuntimeError(f"{what} failed: {name} (CUDA error {err})")
+
+
+def copy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """``nbytes`` from address ``src`` to ``dst`` (device or pinned host) queued on ``stream``."""
+    _check(_lib.cudaMemcpyAsync(dst, src, nbytes, MEMCPY_DEFAULT, stream), "cudaMemcpyAsync")
+
+
+def wait(stream: int, event: "Event") -> None:
+    """Work queued on ``stream`` after this starts once ``event``'s last record has passed."""
+    _check(_lib.cudaStreamWaitEvent(stream, event.handle, 0), "cudaStreamWaitEvent")
+
+
+class Event:
+    """A CUDA event without timing, created on the current device (that of the streams it is
+    recorded on). Re-recording it is allowed: a wait queued earlier keeps the record it saw."""
+
+    def __init__(self):
+        if runtime() is None:
+            raise KVRuntimeError("no CUDA runtime library found for kvruntime's copy streams")
+        handle = ctypes.c_void_p()
+        _check(_lib.cudaEventCreateWithFlags(ctypes.byref(handle), EVENT_DISABLE_TIMING),
+               "cudaEventCreateWithFlags")
+        self.handle = handle.value
+
+    def record(self, stream: int) -> "Event":
+        _check(_lib.cudaEventRecord(self.handle, stream), "cudaEventRecord")
+        return self
+
+    def synchronize(self) -> None:
+        """Until the last record has passed (that stream's work only, never the device)."""
+        _check(_lib.cudaEventSynchronize(self.handle), "cudaEventSynchronize")
+
+    def query(self) -> bool:
+        err = _lib.cudaEventQuery(self.handle)
+        if err == NOT_READY:
+            return False
+        _check(err, "cudaEventQuery")
+        return True
+
+    def __del__(self):
+        if self.__dict__.get("handle") and _lib is not None:
+            _lib.cudaEventDestroy(self.handle)
+
+
+def enable_peer_access(device, peer) -> str | None:
+    """cudaDeviceEnablePeerAccess(peer) from ``device``'s context; None when it is on, else why
+    not."""
+    import torch
+
+    if not torch.cuda.can_device_access_peer(device.index, peer.index):
+        return "the devices cannot access each other"
+    lib = runtime()
+    if lib is None:
+        return "no CUDA runtime library found to enable it"
+    with torch.cuda.device(device):
+        torch.cuda.current_stream(device)  # the context exists
+        err = lib.cudaDeviceEnablePeerAccess(peer.index, 0)
+        lib.cudaGetLastError()  # clear it: torch's next check would raise "already enabled"
+    return None if err in (0, PEER_ALREADY_ENABLED) else f"cudaDeviceEnablePeerAccess returned {err}"
