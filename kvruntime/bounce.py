@@ -107,40 +107,22 @@ class _TorchStreams:
 
 
 class _CudaStreams(_TorchStreams):
-    """The same on CUDA, with the ring's own calls (events, waits, copies) made through the
-    runtime directly (cudart.py): 1-5 µs each instead of torch's 5-40 on the H100 VM, and a
-    gather makes four a slot.
-
-    Block ids go up from pinned host buffers into device buffers, ``ID_SLOTS`` of each, owned
-    by the ring: torch's copy from pageable memory is staged by the driver, which may first
-    wait for the caller's stream, and with a device allocation and its stream bookkeeping it
-    cost 0.17-0.38 ms on the H100 VM before the first PCIe copy could start. A device buffer is
-    rewritten by a later upload on the same compute stream, so after the index ops that read
-    it; a host buffer once its upload has passed (an event)."""
-
-    ID_SLOTS, ID_CAPACITY = 8, 1 << 16
+    """The same on CUDA, with the ring's own calls (events, waits, copies, block id uploads)
+    made through the runtime directly (cudart.py): 1-5 µs each instead of torch's 5-40 on the
+    H100 VM, and a gather makes four a slot. The ids go up on the compute stream that reads
+    them (cudart.IdUploads)."""
 
     def __init__(self, device):
         import torch
 
         super().__init__(device)
-        self._ids_host = [torch.empty(self.ID_CAPACITY, dtype=torch.int64).pin_memory()
-                          for _ in range(self.ID_SLOTS)]
-        self._ids_np = [h.numpy() for h in self._ids_host]
-        self._ids_dev = torch.empty(self.ID_SLOTS, self.ID_CAPACITY, dtype=torch.int64,
-                                    device=device)
-        self._ids_next = 0
+        self._ids = cudart.IdUploads(device, self.compute)
         self._handles = {id(s): s.cuda_stream for s in (self.compute, self.copy_stream)}
-        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        self._caller_stream = ((lambda: raw(device.index)) if raw is not None else
-                               (lambda: torch.cuda.current_stream(device).cuda_stream))
         with torch.cuda.device(device):  # events live on the device of the streams they mark
             self._caller = cudart.Event()
-            self._ids_sent = [cudart.Event() for _ in range(self.ID_SLOTS)]
-        self._ids_used = [False] * self.ID_SLOTS
 
     def after_caller(self) -> None:
-        self._caller.record(self._caller_stream())
+        self._caller.record(cudart.current_stream(self.device))
         for s in (self.compute, self.copy_stream):
             cudart.wait(self._handles[id(s)], self._caller)
 
@@ -159,19 +141,7 @@ class _CudaStreams(_TorchStreams):
                           n * item, self._handles[id(self.copy_stream)])
 
     def upload(self, ids):
-        n = len(ids)
-        if n > self.ID_CAPACITY:  # one-off: larger than a slot
-            return super().upload(ids)
-        i, self._ids_next = self._ids_next, (self._ids_next + 1) % self.ID_SLOTS
-        if self._ids_used[i]:
-            self._ids_sent[i].synchronize()  # its last upload has left the host buffer
-        self._ids_np[i][:n] = ids
-        dev = self._ids_dev[i]
-        compute = self._handles[id(self.compute)]
-        cudart.copy_async(dev.data_ptr(), self._ids_host[i].data_ptr(), n * 8, compute)
-        self._ids_sent[i].record(compute)
-        self._ids_used[i] = True
-        return dev[:n]
+        return self._ids.upload(ids)[0]
 
 
 class BounceRing:

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 
-import numpy as np
-
+from . import cudart
 from .cudart import enable_peer_access
 
 log = logging.getLogger("kvruntime")
@@ -49,85 +48,26 @@ def _word_view(flat, chunk_bytes: int):
     return flat, chunk_bytes
 
 
-class _IdUploads:
-    """Block id lists to the device with no allocation per request (cudaHostAlloc costs
-    ~0.3 ms, and each torch allocation and event a few µs: with 32 small requests in flight
-    those were the whole cost): a ring of slots, each a pinned host buffer (written through its
-    numpy view) and a device buffer, with two events — the host side is rewritten once its
-    upload is done, the device side once the gathers that read it are. Uploads run on a stream
-    of their own so that they never queue behind the gathers they feed. Both id lists start
-    16-byte aligned whatever the request's length (one kernel specialization)."""
-
-    SLOTS, CAPACITY = 8, 1 << 16
-
-    def __init__(self, device):
-        import torch
-
-        self.device = device
-        self.stream = torch.cuda.Stream(device=device)
-        n = 2 * self.CAPACITY
-        self.host = [torch.empty(n, dtype=torch.int64).pin_memory() for _ in range(self.SLOTS)]
-        self.host_np = [h.numpy() for h in self.host]
-        self.dev = [torch.empty(n, dtype=torch.int64, device=device) for _ in range(self.SLOTS)]
-        self.uploaded = [torch.cuda.Event() for _ in range(self.SLOTS)]
-        self.read = [torch.cuda.Event() for _ in range(self.SLOTS)]  # its gathers are queued
-        self.used = [False] * self.SLOTS
-        self.next = 0
-
-    def upload(self, src_ids, dst_ids, consumer):
-        """(src ids, dst ids, slot) on the device, ready for work queued on ``consumer``; call
-        ``consumed(slot, stream)`` once the work reading them is queued."""
-        import torch
-
-        n, cap = len(src_ids), self.CAPACITY
-        if n > cap:  # one-off: a request larger than a slot gets buffers of its own
-            host = torch.from_numpy(np.concatenate((src_ids, dst_ids))).pin_memory()
-            with torch.cuda.stream(self.stream):
-                dev = host.to(self.device, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            consumer.wait_event(event)
-            dev.record_stream(consumer)  # freed only once the consumer's gathers are done
-            return dev[:n], dev[n:], None
-        i, self.next = self.next, (self.next + 1) % self.SLOTS
-        if self.used[i]:
-            self.uploaded[i].synchronize()  # its last upload has left the host buffer
-        off = (n + 1) & ~1  # destination ids 16-byte aligned, like the source ids
-        host = self.host_np[i]
-        host[:n] = src_ids
-        host[off:off + n] = dst_ids
-        dev = self.dev[i]
-        with torch.cuda.stream(self.stream):
-            if self.used[i]:
-                self.stream.wait_event(self.read[i])  # the gathers reading it are done
-            dev[:off + n].copy_(self.host[i][:off + n], non_blocking=True)
-            self.uploaded[i].record(self.stream)
-        self.used[i] = True
-        consumer.wait_event(self.uploaded[i])
-        return dev[:n], dev[off:off + n], i
-
-    def consumed(self, slot, stream) -> None:
-        """The work reading ``slot`` is queued on ``stream``: the slot's next upload waits
-        for it."""
-        if slot is not None:
-            self.read[slot].record(stream)
-
-
 class BlockGather:
+    """Copies of requests' blocks queued on ``stream`` (a torch CUDA stream; the caller makes
+    it current): runs by the CUDA runtime's copies, scattered blocks by one kernel a region."""
+
     def __init__(self, src_regions: list, dst_regions: list, chunk_bytes: int,
-                 src_blocks: int, dst_blocks: int):
+                 src_blocks: int, dst_blocks: int, stream):
         self.src = src_regions
         self.dst = dst_regions
         self.chunk = chunk_bytes
+        self.stream = stream
+        self._ptrs = [(s.data_ptr(), d.data_ptr()) for s, d in zip(src_regions, dst_regions)]
         self.same_device = all(s.device == d.device for s, d in zip(src_regions, dst_regions))
         self.use_triton = triton is not None
-        if not self.same_device and self.use_triton:
+        if not self.same_device:
             # A kernel on the decode's GPU reads the peer's memory over NVLink only once peer
-            # access is enabled from its context (torch's peer copies do not need it; without
-            # it Triton refuses the pointer: "cannot be accessed from Triton").
+            # access is enabled from its context (without it Triton refuses the pointer:
+            # "cannot be accessed from Triton"); the runtime's copies of runs use it too.
             for s, d in {(s.device, d.device) for s, d in zip(src_regions, dst_regions)}:
                 why = enable_peer_access(d, s)
-                if why:
+                if why and self.use_triton:
                     log.info("no peer access %s -> %s (%s): gathers take torch's two steps",
                              d, s, why)
                     self.use_triton = False
@@ -146,26 +86,19 @@ class BlockGather:
                       for s, d in zip(src_regions, dst_regions)]
 
     def copy(self, plan) -> str:
-        """Enqueue the copy of ``plan``'s blocks on the current stream; returns the method."""
+        """Queue the copy of ``plan``'s blocks on the stream; returns the method."""
         c = self.chunk
         if plan.num_runs <= RUN_COPY_MAX:
+            handle = self.stream.cuda_stream
             runs = plan.runs
-            for src, dst in zip(self.src, self.dst):
+            for src, dst in self._ptrs:
                 for r in runs:
-                    dst[r.dst * c:(r.dst + r.count) * c].copy_(src[r.src * c:(r.src + r.count) * c],
-                                                              non_blocking=True)
+                    cudart.copy_async(dst + r.dst * c, src + r.src * c, r.count * c, handle)
             return "copy"
-        import torch
-
-        device = self.dst[0].device
         if self._uploads is None:
-            self._uploads = _IdUploads(device)
-        stream = torch.cuda.current_stream(device)
-        s_ids, d_ids, slot = self._uploads.upload(*plan.block_ids(), stream)
-        try:
-            return self._launch(s_ids, d_ids, device)
-        finally:
-            self._uploads.consumed(slot, stream)  # the slot is rewritten after these gathers
+            self._uploads = cudart.IdUploads(self.dst[0].device, self.stream)
+        s_ids, d_ids = self._uploads.upload(*plan.block_ids())
+        return self._launch(s_ids, d_ids, self.dst[0].device)
 
     def _launch(self, s_ids, d_ids, device) -> str:
         n = len(s_ids)
