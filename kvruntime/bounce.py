@@ -126,6 +126,9 @@ class _CudaStreams(_TorchStreams):
         for s in (self.compute, self.copy_stream):
             cudart.wait(self._handles[id(s)], self._caller)
 
+    def on_compute(self):
+        return cudart.StreamScope(self.compute)
+
     def event(self):
         return cudart.Event()  # called with the ring's device current
 
@@ -141,7 +144,8 @@ class _CudaStreams(_TorchStreams):
                           n * item, self._handles[id(self.copy_stream)])
 
     def upload(self, ids):
-        return self._ids.upload(ids)[0]
+        buf, _ = self._ids.upload(ids)  # at offset 0
+        return buf[:len(ids)]
 
 
 class BounceRing:

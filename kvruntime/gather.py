@@ -25,11 +25,11 @@ try:  # Triton is optional: CUDA builds of torch carry it
     import triton.language as tl
 
     @triton.jit
-    def _gather_blocks(src, dst, src_ids, dst_ids, words, TILE: tl.constexpr):
+    def _gather_blocks(src, dst, ids, dst_at, words, TILE: tl.constexpr):
         i = tl.program_id(0)
         tile = tl.program_id(1)
-        s = tl.load(src_ids + i).to(tl.int64)
-        d = tl.load(dst_ids + i).to(tl.int64)
+        s = tl.load(ids + i).to(tl.int64)  # the source ids at 0, the destination's at dst_at
+        d = tl.load(ids + dst_at + i).to(tl.int64)
         offs = tile * TILE + tl.arange(0, TILE)
         mask = offs < words
         v = tl.load(src + s * words + offs, mask=mask)
@@ -97,20 +97,22 @@ class BlockGather:
             return "copy"
         if self._uploads is None:
             self._uploads = cudart.IdUploads(self.dst[0].device, self.stream)
-        s_ids, d_ids = self._uploads.upload(*plan.block_ids())
-        return self._launch(s_ids, d_ids, self.dst[0].device)
+        src_ids, dst_ids = plan.block_ids()
+        ids, (_, dst_at) = self._uploads.upload(src_ids, dst_ids)
+        return self._launch(ids, len(src_ids), dst_at, self.dst[0].device)
 
-    def _launch(self, s_ids, d_ids, device) -> str:
-        n = len(s_ids)
+    def _launch(self, ids, n: int, dst_at: int, device) -> str:
+        """Source ids ``ids[:n]``, destination ids ``ids[dst_at:dst_at + n]``."""
         if self.use_triton:
             try:
                 for sw, dw, words, tile, tiles in self._launches:
-                    _gather_blocks[(n, tiles)](sw, dw, s_ids, d_ids, words, TILE=tile,
+                    _gather_blocks[(n, tiles)](sw, dw, ids, dst_at, words, TILE=tile,
                                                num_warps=8)
                 return "triton"
             except Exception as exc:  # e.g. a source on another device Triton refuses
                 log.warning("Triton gather unavailable (%s); using torch index ops", exc)
                 self.use_triton = False
+        s_ids, d_ids = ids[:n], ids[dst_at:dst_at + n]
         for src_rows, dst_rows in self._rows:
             rows = src_rows.index_select(0, s_ids.to(src_rows.device))
             dst_rows.index_copy_(0, d_ids, rows.to(device, non_blocking=True))

@@ -382,15 +382,13 @@ class CudaEngine:
         return all(r.device == self.device for r in self.remote)
 
     def start(self, op: str, plan: TransferPlan, heads=None) -> _CudaJob:
-        import torch
-
         with self._lock:
             # our stream sees what the caller's stream did to the cache before this request
             # (the runtime's own calls: torch's cost 5-40 µs each on the H100 VM, and a small
             # request's whole GPU time is ~25 µs)
             self._caller.record(cudart.current_stream(self.device))
             cudart.wait(self._handle, self._caller)
-            with torch.cuda.stream(self.stream):  # the device too: Triton launches on it
+            with cudart.StreamScope(self.stream):  # the device too: Triton launches on it
                 if heads is None:
                     self.gather.copy(plan)
                 else:
