@@ -283,3 +283,34 @@ def test_bench_bounce_reports_gather_and_scatter_beside_pinned_copies():
     assert row["slot_mib"] == 4 and row["bytes"] == 16 << 20
     assert row["gather_gbps"] > 0 and row["scatter_gbps"] > 0
     assert row["gather_timeline"]["copy_stream_ms"] > 0
+
+
+def test_the_runtime_calls_order_work_like_torchs_own():
+    """cudart.StreamScope makes a stream torch's current one and gives the caller's back; an
+    IdUploads upload, a runtime copy and a runtime event on that stream are ordered with the
+    kernels queued there (a long kernel first: the copy must wait for it)."""
+    import numpy as np
+    import torch
+
+    from kvruntime import cudart
+
+    dev = torch.device("cuda", DEVICE_ID)
+    caller = torch.cuda.current_stream(dev)
+    s = torch.cuda.Stream(device=dev)
+    with cudart.StreamScope(s):
+        assert torch.cuda.current_stream(dev) == s
+    assert torch.cuda.current_stream(dev) == caller
+
+    ups = cudart.IdUploads(dev, s)
+    big = torch.ones(1 << 26, device=dev)
+    out = torch.zeros(8, dtype=torch.int64, device=dev)
+    with cudart.StreamScope(s):
+        for _ in range(20):
+            big.mul_(1.0001)  # queued first, on the stream
+        buf, at = ups.upload(np.arange(5), np.arange(10, 13))
+        cudart.copy_async(out.data_ptr(), buf.data_ptr() + at[1] * 8, 3 * 8, s.cuda_stream)
+        done = cudart.Event().record(s.cuda_stream)
+    done.synchronize()
+    assert out[:3].tolist() == [10, 11, 12] and out[3:].tolist() == [0] * 5
+    assert buf[:5].tolist() == [0, 1, 2, 3, 4] and at == [0, 6]
+    assert done.query()
