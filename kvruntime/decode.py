@@ -216,12 +216,13 @@ class PrefillPeer:
             # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
             # here, the prefill told it may free them) is the push's, at the pull's speed.
             return self._start_local(handle)
-        src, dst = (ids.tolist() for ids in plan.block_ids())
+        src, dst = plan.block_ids()
         self._pending[request_id] = handle
         self.client._track(handle)
         # The deadline travels as wall-clock time: the prefill refuses a push it reads after
         # it (a stalled prefill must not write into blocks the caller was told are free).
-        self._send({"type": "push", "request": request_id, "src": src, "dst": dst,
+        self._send({"type": "push", "request": request_id, "src": frames.pack_ids(src),
+                    "dst": frames.pack_ids(dst),
                     "timeout": timeout, "deadline": time.time() + timeout, "split": split})
         return handle
 
@@ -306,7 +307,8 @@ class PrefillPeer:
     # -- control calls -------------------------------------------------------------------------
     def digests(self, blocks, timeout: float = 60.0) -> list[str]:
         blocks = [int(b) for b in blocks]
-        reply = self._call({"type": "digests", "blocks": blocks}, "digests", timeout)
+        reply = self._call({"type": "digests", "blocks": frames.pack_ids(blocks)}, "digests",
+                           timeout)
         out = reply.get("digests")
         if not isinstance(out, list) or len(out) != len(blocks):
             raise PeerError("peer answered a digests request with the wrong number of digests")

@@ -3,7 +3,9 @@
 Header: 4 magic bytes ``KVRT`` and a big-endian u32 payload length. The length is checked
 against the maximum *before* any payload is read or allocated. The payload is a UTF-8 JSON
 object (typed, never pickle) with the protocol version ``v`` and a message ``type``; bytes travel
-as base64 text. Every malformed input raises ``FrameError``; nothing else escapes the decoder.
+as base64 text, and so do block id lists (little-endian int64: 4096 ids as JSON numbers took
+~2 ms to encode and ~1.7 ms to parse on a 2-core host, most of a 1 GiB push's extra time over a
+pull). Every malformed input raises ``FrameError``; nothing else escapes the decoder.
 """
 
 from __future__ import annotations
@@ -15,12 +17,16 @@ import socket
 import struct
 import time
 
+import numpy as np
+
 from .errors import FrameError, PeerError, ProtocolVersionError
 
 MAGIC = b"KVRT"
 HEADER = struct.Struct(">4sI")
 # 2: handshake proofs cover the whole transcript; asynchronous push/cancel/release.
-PROTOCOL_VERSION = 2
+# 3: block ids travel packed (pack_ids), not as JSON lists.
+PROTOCOL_VERSION = 3
+ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 
 
@@ -129,6 +135,21 @@ def unb64(text: object, what: str) -> bytes:
         return base64.b64decode(text.encode("ascii"), validate=True)
     except (binascii.Error, UnicodeEncodeError):
         raise FrameError(f"{what} is not valid base64") from None
+
+
+def pack_ids(ids) -> str:
+    """Block ids (an integer numpy array) for a frame: base64 of little-endian int64."""
+    return b64(np.ascontiguousarray(ids, dtype=ID).tobytes())
+
+
+def ids_field(message: dict, name: str) -> np.ndarray:
+    """A frame's packed block ids as int64 (values unchecked: the planner checks them against
+    the layout), or FrameError naming what is wrong."""
+    raw = unb64(message.get(name), f"{message.get('type')!r} frame field {name!r}")
+    if len(raw) % ID.itemsize:
+        raise FrameError(f"{message.get('type')!r} frame field {name!r} holds {len(raw)} bytes, "
+                         f"not whole {ID.itemsize}-byte block ids")
+    return np.frombuffer(raw, dtype=ID).astype(np.int64)
 
 
 def expect(message: dict, type_: str) -> dict:

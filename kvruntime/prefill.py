@@ -336,10 +336,10 @@ class PrefillServer:
         elif kind == "release":  # a same-node copy finished: the blocks may be freed
             self._release(peer.agent, frames.field(message, "request", str))
         elif kind == "digests":
-            blocks = frames.field(message, "blocks", list)
+            blocks = frames.ids_field(message, "blocks")
             make_plan(layout, blocks)  # validates the ids
             peer.send({"type": "digests", "request": message.get("request"),
-                       "digests": self.cache.block_digests(blocks)}, self.timeout)
+                       "digests": self.cache.block_digests(blocks.tolist())}, self.timeout)
         else:
             raise KVRuntimeError(f"unknown request type {kind!r}")
 
@@ -349,8 +349,8 @@ class PrefillServer:
         up on the request may already have reused the blocks (a stalled prefill reads the
         request late). The progress loop finishes it and answers."""
         request = frames.field(message, "request", str)
-        src = frames.field(message, "src", list)
-        dst = frames.field(message, "dst", list)
+        src = frames.ids_field(message, "src")
+        dst = frames.ids_field(message, "dst")
         timeout = float(frames.field(message, "timeout", (int, float)))
         deadline = float(frames.field(message, "deadline", (int, float)))
         split = message.get("split", 1)
@@ -394,7 +394,7 @@ class PrefillServer:
         blocks are free) serves the queue in order. Nothing here waits: the connection thread
         must go on reading, since the unstage frames that free blocks come through it."""
         request = frames.field(message, "request", str)
-        src = frames.field(message, "src", list)
+        src = frames.ids_field(message, "src")
         deadline = float(frames.field(message, "deadline", (int, float)))
         try:
             if self.staging is None:

@@ -35,6 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from . import frames
 from .bounce import SLOT_BYTES, BounceRing, pieces
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
@@ -363,8 +364,7 @@ class StagedPull(CopyJob):
         self._chunks: list[_Chunk] = []
         self._unstaged = False
         src, self._dst = plan.block_ids()
-        src = src.tolist()
-        self._message = {"type": "stage", "request": request_id, "src": src,
+        self._message = {"type": "stage", "request": request_id, "src": frames.pack_ids(src),
                          "deadline": deadline_wall}
         if self._src_heads is not None:
             self._message["heads"] = list(self._src_heads)

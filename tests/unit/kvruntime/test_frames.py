@@ -29,12 +29,34 @@ def _raw(payload: bytes, length=None, magic=frames.MAGIC) -> bytes:
     (_raw(b'{"v":1,"type":"x"', length=100), "announces 100"),
     (_raw(b"\xff\xfe"), "not valid UTF-8 JSON"),
     (_raw(b"[1,2]"), "not an object"),
-    (_raw(b'{"v":2}'), "no string 'type'"),
+    (_raw(b'{"v":%d}' % frames.PROTOCOL_VERSION), "no string 'type'"),
     (b"KVR", "truncated frame header"),
 ])
 def test_malformed(data, msg):
     with pytest.raises(FrameError, match=msg):
         frames.decode_frame(data)
+
+
+def test_block_ids_travel_packed_and_come_back_exact():
+    import numpy as np
+
+    ids = np.array([0, 7, 2**40, -3, 4095], dtype=np.int64)
+    out = frames.decode_frame(frames.encode_frame({"type": "push", "src": frames.pack_ids(ids)}))
+    got = frames.ids_field(out, "src")
+    assert got.dtype == np.int64 and got.tolist() == ids.tolist()
+    got[0] = 1  # a writable copy, not a view of the frame's bytes
+    assert frames.ids_field({"type": "push", "src": frames.pack_ids([])}, "src").size == 0
+
+
+@pytest.mark.parametrize("value,msg", [
+    ([1, 2, 3], "must be base64 text"),       # a JSON list: protocol 2's form
+    ("not base64!", "not valid base64"),
+    (frames.b64(b"\x01" * 12), "not whole 8-byte block ids"),
+    (None, "must be base64 text"),
+])
+def test_malformed_block_ids_are_frame_errors(value, msg):
+    with pytest.raises(FrameError, match=msg):
+        frames.ids_field({"type": "push", "src": value}, "src")
 
 
 def test_wrong_version_is_named():
