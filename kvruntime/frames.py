@@ -4,7 +4,7 @@ Header: 4 magic bytes ``KVRT`` and a big-endian u32 payload length. The length i
 against the maximum *before* any payload is read or allocated. The payload is a UTF-8 JSON
 object (typed, never pickle) with the protocol version ``v`` and a message ``type``; bytes travel
 as base64 text, and so do block id lists (little-endian int64: 4096 ids as JSON numbers took
-~2 ms to encode and ~1.7 ms to parse on a 2-core host, most of a 1 GiB push's extra time over a
+~2 ms to encode and ~1.7 ms to parse on a 2-core host, part of what a push paid over a
 pull). Every malformed input raises ``FrameError``; nothing else escapes the decoder.
 """
 
