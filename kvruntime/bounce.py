@@ -77,10 +77,13 @@ class _TorchStreams:
         the ring's)."""
         return self._mod.stream(self.compute)
 
-    def after_caller(self) -> None:
+    def caller(self):
+        """The caller's current stream, taken before the compute stream becomes current."""
+        return self._mod.current_stream(self.device)
+
+    def after(self, caller) -> None:
         """Both streams start after what the caller's stream queued so far (the engine's own
         writes into the cache, or its reads of blocks a scatter is about to overwrite)."""
-        caller = self._mod.current_stream(self.device)
         self.compute.wait_stream(caller)
         self.copy_stream.wait_stream(caller)
 
@@ -121,8 +124,11 @@ class _CudaStreams(_TorchStreams):
         with torch.cuda.device(device):  # events live on the device of the streams they mark
             self._caller = cudart.Event()
 
-    def after_caller(self) -> None:
-        self._caller.record(cudart.current_stream(self.device))
+    def caller(self) -> int:
+        return cudart.current_stream(self.device)
+
+    def after(self, caller: int) -> None:
+        self._caller.record(caller)  # with the ring's device current (0: its default stream)
         for s in (self.compute, self.copy_stream):
             cudart.wait(self._handles[id(s)], self._caller)
 
@@ -180,8 +186,9 @@ class BounceRing:
         stream before the first index stage. Returns an event after the last stage two."""
         st = self.streams
         with self._lock:
-            st.after_caller()  # before the compute stream becomes torch's current one
+            caller = st.caller()  # before the compute stream becomes torch's current one
             with st.on_compute():
+                st.after(caller)
                 dev_ids = None if copy_first else st.upload(ids)
                 first, then = ((st.copy_stream, st.compute) if copy_first else
                                (st.compute, st.copy_stream))

@@ -64,6 +64,7 @@ def runtime():
 
 def _check(err: int, what: str) -> None:
     if err:
+        _lib.cudaGetLastError()  # cleared, as torch does: its next launch check would raise it
         name = _lib.cudaGetErrorName(err).decode(errors="replace")
         raise KVRuntimeError(f"{what} failed: {name} (CUDA error {err})")
 
@@ -101,6 +102,7 @@ class Event:
     def query(self) -> bool:
         err = _lib.cudaEventQuery(self.handle)
         if err == NOT_READY:
+            _lib.cudaGetLastError()  # not an error; cleared as torch's own query does
             return False
         _check(err, "cudaEventQuery")
         return True
@@ -129,7 +131,8 @@ def enable_peer_access(device, peer) -> str | None:
 
 def current_stream(device) -> int:
     """The handle of torch's current stream on ``device`` (its raw getter, where this torch
-    has one, skips building a Stream object)."""
+    has one, skips building a Stream object). 0 is the legacy default stream *of the current
+    device*: use the handle with ``device`` current (inside a StreamScope of its stream)."""
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)

@@ -386,9 +386,10 @@ class CudaEngine:
             # our stream sees what the caller's stream did to the cache before this request
             # (the runtime's own calls: torch's cost 5-40 µs each on the H100 VM, and a small
             # request's whole GPU time is ~25 µs)
-            self._caller.record(cudart.current_stream(self.device))
-            cudart.wait(self._handle, self._caller)
+            caller = cudart.current_stream(self.device)
             with cudart.StreamScope(self.stream):  # the device too: Triton launches on it
+                self._caller.record(caller)  # with our device current (0: its default stream)
+                cudart.wait(self._handle, self._caller)
                 if heads is None:
                     self.gather.copy(plan)
                 else:
