@@ -56,8 +56,11 @@ def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
             peer = client.connect("127.0.0.1", ports[0])
             assert peer.info.mem_type == "VRAM"
             assert peer.engine == ("nixl" if engine == "nixl" else "samenode:cuda-ipc")
-            for n, op in enumerate(("pull", "push")):
-                src, dst = request_blocks(layout.num_blocks, 100 + n)
+            # scattered blocks (a gather kernel), then one run each way (the runtime's copies)
+            cases = [(op, *request_blocks(layout.num_blocks, 100 + n))
+                     for n, op in enumerate(("pull", "push"))]
+            cases += [(op, list(range(3, 13)), list(range(40, 50))) for op in ("pull", "push")]
+            for op, src, dst in cases:
                 cache.fill_value(0)
                 res = getattr(peer, op)(src, dst, timeout=30)
                 assert res.engine == peer.engine
