@@ -17,6 +17,7 @@ calls pipeline into each other and nothing ever waits for the whole device.
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from typing import Iterator, NamedTuple
 
 from . import cudart
@@ -72,22 +73,23 @@ class _TorchStreams:
         self.compute = self._mod.Stream(**kwargs)
         self.copy_stream = self._mod.Stream(**kwargs)
 
-    def on_compute(self):
-        """A context in which torch's index ops run on the compute stream (and the device is
-        the ring's)."""
-        return self._mod.stream(self.compute)
+    @contextmanager
+    def compute_after_caller(self):
+        """A context in which torch's index ops run on the compute stream (the device is the
+        ring's), and both streams start after what the caller's stream had queued (the
+        engine's own writes into the cache, or its reads of blocks a scatter is about to
+        overwrite)."""
+        caller = self._mod.current_stream(self.device)
+        with self._mod.stream(self.compute):
+            self.compute.wait_stream(caller)
+            self.copy_stream.wait_stream(caller)
+            yield
 
-    def caller(self):
-        """The caller's current stream, taken before the compute stream becomes current."""
-        return self._mod.current_stream(self.device)
-
-    def after(self, caller) -> None:
-        """Both streams start after what the caller's stream queued so far (the engine's own
-        writes into the cache, or its reads of blocks a scatter is about to overwrite)."""
-        self.compute.wait_stream(caller)
-        self.copy_stream.wait_stream(caller)
+    def events(self, n: int) -> list:
+        return [self._mod.Event() for _ in range(n)]
 
     def event(self):
+        """One event, inside compute_after_caller."""
         return self._mod.Event()
 
     def record(self, event, stream) -> None:
@@ -116,27 +118,25 @@ class _CudaStreams(_TorchStreams):
     them (cudart.IdUploads)."""
 
     def __init__(self, device):
-        import torch
-
         super().__init__(device)
         self._ids = cudart.IdUploads(device, self.compute)
         self._handles = {id(s): s.cuda_stream for s in (self.compute, self.copy_stream)}
-        with torch.cuda.device(device):  # events live on the device of the streams they mark
-            self._caller = cudart.Event()
+        (self._caller,) = self.events(1)
 
-    def caller(self) -> int:
-        return cudart.current_stream(self.device)
+    @contextmanager
+    def compute_after_caller(self):
+        with cudart.StreamScope(self.compute) as scope:
+            scope.after_caller(self._caller, *self._handles.values())
+            yield
 
-    def after(self, caller: int) -> None:
-        self._caller.record(caller)  # with the ring's device current (0: its default stream)
-        for s in (self.compute, self.copy_stream):
-            cudart.wait(self._handles[id(s)], self._caller)
+    def events(self, n: int) -> list:
+        import torch
 
-    def on_compute(self):
-        return cudart.StreamScope(self.compute)
+        with torch.cuda.device(self.device):  # events live on the device of the streams they mark
+            return [cudart.Event() for _ in range(n)]
 
     def event(self):
-        return cudart.Event()  # called with the ring's device current
+        return cudart.Event()  # inside compute_after_caller: the ring's device is current
 
     def record(self, event, stream) -> None:
         event.record(self._handles[id(stream)])
@@ -166,9 +166,8 @@ class BounceRing:
         self.streams = (_CudaStreams if device.type == "cuda" and cudart.runtime() is not None
                         else _TorchStreams)(device)
         self._buf = torch.empty(slots, slot_words, dtype=dtype, device=device)
-        with self.streams.on_compute():
-            self._filled = [self.streams.event() for _ in range(slots)]
-            self._free = [self.streams.event() for _ in range(slots)]  # passed: slot rewritable
+        self._filled = self.streams.events(slots)
+        self._free = self.streams.events(slots)  # passed: slot s may be rewritten
         self._used = [False] * slots
         self._next = 0
         self._lock = threading.Lock()
@@ -185,28 +184,25 @@ class BounceRing:
         which comes first (a scatter's). The block ids (int64 numpy) go up on the compute
         stream before the first index stage. Returns an event after the last stage two."""
         st = self.streams
-        with self._lock:
-            caller = st.caller()  # before the compute stream becomes torch's current one
-            with st.on_compute():
-                st.after(caller)
-                dev_ids = None if copy_first else st.upload(ids)
-                first, then = ((st.copy_stream, st.compute) if copy_first else
-                               (st.compute, st.copy_stream))
-                for fill in fills:
-                    s = self._slot()
-                    if self._used[s]:
-                        st.wait(first, self._free[s])
-                    stage_one(fill, self._buf[s], dev_ids)
-                    if dev_ids is None:  # a scatter's first copy is queued: now the ids
-                        dev_ids = st.upload(ids)
-                    st.record(self._filled[s], first)
-                    st.wait(then, self._filled[s])
-                    stage_two(fill, self._buf[s], dev_ids)
-                    st.record(self._free[s], then)
-                    self._used[s] = True
-                last = st.event()
-                st.record(last, then)
-                return last
+        with self._lock, st.compute_after_caller():
+            dev_ids = None if copy_first else st.upload(ids)
+            first, then = ((st.copy_stream, st.compute) if copy_first else
+                           (st.compute, st.copy_stream))
+            for fill in fills:
+                s = self._slot()
+                if self._used[s]:
+                    st.wait(first, self._free[s])
+                stage_one(fill, self._buf[s], dev_ids)
+                if dev_ids is None:  # a scatter's first copy is queued: now the ids
+                    dev_ids = st.upload(ids)
+                st.record(self._filled[s], first)
+                st.wait(then, self._filled[s])
+                stage_two(fill, self._buf[s], dev_ids)
+                st.record(self._free[s], then)
+                self._used[s] = True
+            last = st.event()
+            st.record(last, then)
+            return last
 
     def gather(self, fills: list[list[Piece]], regions: list, ids, run, shape) -> object:
         """Queue ``fills``: region views ``regions[p.region]`` (``[blocks][...]``) at block ids

@@ -1,5 +1,7 @@
 """The few CUDA runtime calls kvruntime makes itself, through ctypes on the runtime torch loaded:
-async copies and events on streams given by handle, and peer access.
+async copies and events on streams given by handle, block id uploads (IdUploads), torch's
+current stream set cheaply with the caller's stream ordered first (StreamScope), and peer
+access.
 
 Each call costs ~1 µs. Through torch's Python layer an event, a stream switch or a small copy
 costs 10-40 µs on a slow host (H100 VM: 20-35 µs a ``torch.cuda.stream()`` context), and a
@@ -129,16 +131,6 @@ def enable_peer_access(device, peer) -> str | None:
     return None if err in (0, PEER_ALREADY_ENABLED) else f"cudaDeviceEnablePeerAccess returned {err}"
 
 
-def current_stream(device) -> int:
-    """The handle of torch's current stream on ``device`` (its raw getter, where this torch
-    has one, skips building a Stream object). 0 is the legacy default stream *of the current
-    device*: use the handle with ``device`` current (inside a StreamScope of its stream)."""
-    import torch
-
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device.index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
-
-
 class IdUploads:
     """Block id arrays to the device with no allocation and no torch call per request, for
     the work of one stream (``stream``, a torch CUDA stream): ``SLOTS`` pinned host buffers
@@ -201,31 +193,44 @@ class IdUploads:
         return self._dev_slots[i], at
 
 
-class StreamScope:
-    """``with StreamScope(stream):`` torch's current CUDA stream (and device) is ``stream``,
-    the previous ones restored after. Through torch's own setters where this torch has them:
-    ``torch.cuda.stream()`` resolves device indices in Python, 20-80 µs a use on the H100 VM,
-    where a request's whole GPU time can be 25 µs. Else through ``torch.cuda.stream``."""
+_SETTERS = ("_cuda_getCurrentRawStream", "_cuda_getCurrentStream", "_cuda_setStream",
+            "_cuda_getDevice", "_cuda_setDevice")
+_fast_scope: bool | None = None  # this torch has all of _SETTERS (looked up once)
 
-    __slots__ = ("_stream", "_ids", "_prev", "_prev_device", "_ctx")
+
+class StreamScope:
+    """``with StreamScope(stream) as scope:`` torch's current CUDA stream (and device) is
+    ``stream``, the previous ones restored after; ``scope.caller`` is the handle of the stream
+    that was current on that device before. Through torch's own setters where this torch has
+    them: ``torch.cuda.stream()`` resolves device indices in Python, 20-80 µs a use on the H100
+    VM, where a request's whole GPU time can be 25 µs. Else through ``torch.cuda.stream``.
+    One use at a time per object."""
+
+    __slots__ = ("_stream", "_ids", "_prev", "_prev_device", "_ctx", "caller")
 
     def __init__(self, stream):
         self._stream = stream
         self._ids = (stream.stream_id, stream.device_index, stream.device_type)
         self._ctx = None
 
-    def __enter__(self):
+    def __enter__(self) -> "StreamScope":
+        global _fast_scope
         import torch
 
         c = torch._C
-        if not all(hasattr(c, f) for f in ("_cuda_getCurrentStream", "_cuda_setStream",
-                                           "_cuda_getDevice", "_cuda_setDevice")):
+        if _fast_scope is None:
+            _fast_scope = all(hasattr(c, f) for f in _SETTERS)
+        if not _fast_scope:
+            self.caller = torch.cuda.current_stream(self._stream.device).cuda_stream
             self._ctx = torch.cuda.stream(self._stream)
-            return self._ctx.__enter__()
+            self._ctx.__enter__()
+            return self
+        device = self._ids[1]
+        self.caller = c._cuda_getCurrentRawStream(device)
         self._prev_device = c._cuda_getDevice()
-        self._prev = c._cuda_getCurrentStream(self._ids[1])
+        self._prev = c._cuda_getCurrentStream(device)
         c._cuda_setStream(*self._ids)  # sets the device to the stream's as well
-        return self._stream
+        return self
 
     def __exit__(self, *exc):
         import torch
@@ -238,3 +243,13 @@ class StreamScope:
         if self._prev_device != self._ids[1]:
             c._cuda_setDevice(self._prev_device)
         return False
+
+    def after_caller(self, event: Event, *streams: int) -> None:
+        """Work queued next on ``streams`` (handles) starts after what ``caller`` had queued
+        when the scope began (``event`` is re-recorded for it). Called inside the scope: its
+        device is current there, and a caller handle of 0 (the legacy default stream) means
+        the *current* device's default stream to the runtime (on 2 GPUs, recorded outside it,
+        that was another device's: cudaErrorInvalidResourceHandle)."""
+        event.record(self.caller)
+        for s in streams:
+            wait(s, event)

@@ -386,10 +386,8 @@ class CudaEngine:
             # our stream sees what the caller's stream did to the cache before this request
             # (the runtime's own calls: torch's cost 5-40 µs each on the H100 VM, and a small
             # request's whole GPU time is ~25 µs)
-            caller = cudart.current_stream(self.device)
-            with cudart.StreamScope(self.stream):  # the device too: Triton launches on it
-                self._caller.record(caller)  # with our device current (0: its default stream)
-                cudart.wait(self._handle, self._caller)
+            with cudart.StreamScope(self.stream) as scope:  # the device too: Triton uses it
+                scope.after_caller(self._caller, self._handle)
                 if heads is None:
                     self.gather.copy(plan)
                 else:
