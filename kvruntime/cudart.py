@@ -204,13 +204,16 @@ class StreamScope:
     that was current on that device before. Through torch's own setters where this torch has
     them: ``torch.cuda.stream()`` resolves device indices in Python, 20-80 µs a use on the H100
     VM, where a request's whole GPU time can be 25 µs. Else through ``torch.cuda.stream``.
-    One use at a time per object."""
+    ``caller_device``: the device whose current stream is the caller's, when that is not the
+    stream's (work that runs on the GPU holding the memory it reads, for a caller on
+    another). One use at a time per object."""
 
-    __slots__ = ("_stream", "_ids", "_prev", "_prev_device", "_ctx", "caller")
+    __slots__ = ("_stream", "_ids", "_caller_device", "_prev", "_prev_device", "_ctx", "caller")
 
-    def __init__(self, stream):
+    def __init__(self, stream, caller_device: int | None = None):
         self._stream = stream
         self._ids = (stream.stream_id, stream.device_index, stream.device_type)
+        self._caller_device = stream.device_index if caller_device is None else caller_device
         self._ctx = None
 
     def __enter__(self) -> "StreamScope":
@@ -221,12 +224,12 @@ class StreamScope:
         if _fast_scope is None:
             _fast_scope = all(hasattr(c, f) for f in _SETTERS)
         if not _fast_scope:
-            self.caller = torch.cuda.current_stream(self._stream.device).cuda_stream
+            self.caller = torch.cuda.current_stream(self._caller_device).cuda_stream
             self._ctx = torch.cuda.stream(self._stream)
             self._ctx.__enter__()
             return self
         device = self._ids[1]
-        self.caller = c._cuda_getCurrentRawStream(device)
+        self.caller = c._cuda_getCurrentRawStream(self._caller_device)
         self._prev_device = c._cuda_getDevice()
         self._prev = c._cuda_getCurrentStream(device)
         c._cuda_setStream(*self._ids)  # sets the device to the stream's as well
@@ -249,7 +252,14 @@ class StreamScope:
         when the scope began (``event`` is re-recorded for it). Called inside the scope: its
         device is current there, and a caller handle of 0 (the legacy default stream) means
         the *current* device's default stream to the runtime (on 2 GPUs, recorded outside it,
-        that was another device's: cudaErrorInvalidResourceHandle)."""
-        event.record(self.caller)
+        that was another device's: cudaErrorInvalidResourceHandle). With a ``caller_device``
+        ``event`` is that device's, and recorded with it current."""
+        if self._caller_device == self._ids[1]:
+            event.record(self.caller)
+        else:
+            import torch
+
+            with torch.cuda.device(self._caller_device):
+                event.record(self.caller)
         for s in streams:
             wait(s, event)

@@ -353,7 +353,7 @@ class CudaEngine:
     def __init__(self, exported: list, local_cache, remote_layout: KVLayout):
         import torch
 
-        from .gather import BlockGather
+        from .gather import BlockGather, work_device
 
         self.layout = remote_layout
         self.remote = [open_cuda_ipc(e) for e in exported]
@@ -361,7 +361,10 @@ class CudaEngine:
         if not local or local[0].device.type != "cuda":
             raise SameNodeUnavailable("the decode cache is not in CUDA memory")
         self.device = local[0].device
-        self.stream = torch.cuda.Stream(device=self.device)
+        # the requests' work goes on a stream of the GPU that holds the peer's memory when a
+        # kernel must read it there (gather.py); the caller's stream is still ours
+        self.work_device = work_device({t.device for t in self.remote}, self.device)
+        self.stream = torch.cuda.Stream(device=self.work_device)
         self.local = [t.reshape(-1).view(torch.uint8) for t in local]
         self.local_layout = local_cache.layout
         # whole blocks (same TP on both sides); a head slice (mixed TP: blocks of another size
@@ -386,7 +389,8 @@ class CudaEngine:
             # our stream sees what the caller's stream did to the cache before this request
             # (the runtime's own calls: torch's cost 5-40 µs each on the H100 VM, and a small
             # request's whole GPU time is ~25 µs)
-            with cudart.StreamScope(self.stream) as scope:  # the device too: Triton uses it
+            # the stream's device current too (Triton launches there); the caller's on ours
+            with cudart.StreamScope(self.stream, self.device.index) as scope:
                 scope.after_caller(self._caller, self._handle)
                 if heads is None:
                     self.gather.copy(plan)
@@ -414,8 +418,9 @@ class CudaEngine:
     def close(self) -> None:
         import torch
 
-        if self.remote:
-            torch.cuda.synchronize(self.device)  # no copy may read memory we let go of
+        if self.remote:  # no copy may read memory we let go of
+            for device in {self.device, self.work_device}:
+                torch.cuda.synchronize(device)
         self.remote = []
         self.gather = None
 

@@ -31,6 +31,12 @@ def small(kind, blocks=64):
     return KVLayout(kind, 3, blocks, 16, 4, 64, "float16")
 
 
+def _has_triton() -> bool:
+    from kvruntime import gather
+
+    return gather.triton is not None
+
+
 def _pairs():
     import torch
 
@@ -56,10 +62,12 @@ def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
             peer = client.connect("127.0.0.1", ports[0])
             assert peer.info.mem_type == "VRAM"
             assert peer.engine == ("nixl" if engine == "nixl" else "samenode:cuda-ipc")
-            # scattered blocks (a gather kernel), then one run each way (the runtime's copies)
+            # scattered blocks, then one run each way (the runtime's copies)
             cases = [(op, *request_blocks(layout.num_blocks, 100 + n))
                      for n, op in enumerate(("pull", "push"))]
             cases += [(op, list(range(3, 13)), list(range(40, 50))) for op in ("pull", "push")]
+            # every other block: 20 runs, more than the runtime's copies take (the kernel's)
+            cases += [(op, list(range(0, 40, 2)), list(range(50, 70))) for op in ("pull", "push")]
             for op, src, dst in cases:
                 cache.fill_value(0)
                 res = getattr(peer, op)(src, dst, timeout=30)
@@ -72,6 +80,10 @@ def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
                 assert cache.block_digests(dst) == expected
                 untouched = sorted(set(range(80)) - set(dst))[:5]
                 assert cache.block_digests(untouched) == zero.block_digests(untouched)
+            if engine == "samenode":
+                # the many runs went through one kernel, not torch's two-step fallback (across
+                # GPUs the kernel runs on the prefill's GPU: there the IPC-opened memory is mapped)
+                assert peer._engine.gather.use_triton == _has_triton()
         zero.close()
         cache.close()
 
