@@ -15,6 +15,7 @@ is what bounds many small requests in flight).
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Sequence
@@ -47,6 +48,15 @@ def _read_ids(name: str, ids) -> np.ndarray:
     is ids: lists of ints (numpy and torch integer scalars included), integer numpy arrays,
     CPU torch tensors. Bools, floats, strings and anything else are refused (a list mixing
     bools into ints is read as numpy reads it: as 0 and 1)."""
+    if type(ids) is list and ids and type(ids[0]) is not bool:
+        # a list of ints (what engines pass) through array's C loop, which takes only what
+        # has __index__ (numpy's reading first discovers the type, a second pass): 4096 ids
+        # 206 -> 152 µs on the 2-core VM. Bools after an int are 0 and 1 either way; a list
+        # that starts with one goes to numpy, which refuses an all-bool list.
+        try:
+            return np.frombuffer(array("q", ids), dtype=np.int64)
+        except (TypeError, OverflowError):
+            pass  # not all ints: numpy reads it below and says what it is
     try:
         arr = np.asarray(ids)
     except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
