@@ -364,7 +364,10 @@ class CudaEngine:
         from .gather import BlockGather, work_device
 
         self.layout = remote_layout
-        self.remote = [open_cuda_ipc(e) for e in exported]
+        # each region opened on *our* index of its GPU: processes with other
+        # CUDA_VISIBLE_DEVICES (one GPU each, as deployments run) number GPUs differently
+        self.remote = [open_cuda_ipc({**e, "device": i})
+                       for e, i in zip(exported, local_indices(exported, visible_gpus()))]
         local = local_cache.tensors
         if not local or local[0].device.type != "cuda":
             raise SameNodeUnavailable("the decode cache is not in CUDA memory")
@@ -433,12 +436,41 @@ class CudaEngine:
         self.gather = None
 
 
+def visible_gpus() -> dict:
+    """This process's CUDA devices: {UUID: index}."""
+    import torch
+
+    return {str(torch.cuda.get_device_properties(i).uuid): i
+            for i in range(torch.cuda.device_count())}
+
+
+def local_indices(exported: list, visible: dict) -> list:
+    """Our device index of the GPU each exported region lives on, found by its UUID (a
+    device index means another GPU in a process with other CUDA_VISIBLE_DEVICES); refused
+    when the peer names none, or a GPU this process cannot see."""
+    out = []
+    for e in exported:
+        uuid = e.get("device_uuid") if isinstance(e, dict) else None
+        if not isinstance(uuid, str):
+            raise SameNodeUnavailable("the peer did not say which GPU its memory is on")
+        if uuid not in visible:
+            raise SameNodeUnavailable(f"the peer's memory is on GPU {uuid}, which this process "
+                                      f"does not see (CUDA_VISIBLE_DEVICES): NIXL moves it")
+        out.append(visible[uuid])
+    return out
+
+
 def export_cuda_ipc(tensor) -> dict:
-    """What a peer needs to open ``tensor``'s memory (torch's CUDA IPC reduction), as JSON."""
+    """What a peer needs to open ``tensor``'s memory (torch's CUDA IPC reduction), as JSON;
+    its GPU named by UUID too (indices are per process)."""
+    import torch
+
     storage = tensor.untyped_storage()
     (device, handle, size_bytes, offset_bytes, ref_handle, ref_offset, event_handle,
      event_sync) = storage._share_cuda_()
-    return {"device": int(device), "handle": frames.b64(bytes(handle)),
+    return {"device": int(device),
+            "device_uuid": str(torch.cuda.get_device_properties(int(device)).uuid),
+            "handle": frames.b64(bytes(handle)),
             "storage_bytes": int(size_bytes), "storage_offset": int(offset_bytes),
             "ref_handle": frames.b64(bytes(ref_handle)), "ref_offset": int(ref_offset),
             "event_handle": frames.b64(bytes(event_handle)) if event_handle else None,
@@ -447,7 +479,8 @@ def export_cuda_ipc(tensor) -> dict:
 
 
 def open_cuda_ipc(e: dict):
-    """Open an exported region as a flat uint8 tensor on the exporter's device."""
+    """Open an exported region as a flat uint8 tensor on device ``e["device"]`` (our index of
+    the exporter's GPU: local_indices)."""
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 

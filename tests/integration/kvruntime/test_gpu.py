@@ -329,3 +329,41 @@ def test_the_runtime_calls_order_work_like_torchs_own():
     assert out[:3].tolist() == [10, 11, 12] and out[3:].tolist() == [0] * 5
     assert buf[:5].tolist() == [0, 1, 2, 3, 4] and at == [0, 6]
     assert done.query()
+
+
+def test_the_peers_gpu_is_found_by_uuid_when_it_numbers_gpus_otherwise(prefill, monkeypatch):
+    """Deployments give each process its own CUDA_VISIBLE_DEVICES, so the prefill's cuda:0 is
+    our cuda:1 here. The same-node engine opens its memory on our index of its GPU (found by
+    UUID), for a decode on that GPU and on the other one; the bytes are checked by digest."""
+    import contextlib
+
+    import torch
+
+    from kvruntime.samenode import visible_gpus
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    torch.cuda.init()  # our device list is fixed now, before the prefill's environment changes
+    ours = os.environ.get("CUDA_VISIBLE_DEVICES")
+    second = ours.split(",")[1] if ours else "1"
+    uuids = visible_gpus()
+    assert len(uuids) == torch.cuda.device_count() and all(len(u) >= 32 for u in uuids)
+    layout = small(CROSS_LAYER)
+    with contextlib.ExitStack() as stack:
+        with monkeypatch.context() as env:
+            env.setenv("CUDA_VISIBLE_DEVICES", second)  # the prefill sees our cuda:1 alone
+            _proc, ports = stack.enter_context(
+                prefill([layout], seed=23, secret=b"k", device="cuda", device_id=0))
+        for here in (1, 0):
+            cache = stack.enter_context(contextlib.closing(
+                KVCache.allocate_device(small(CROSS_LAYER, blocks=80), "cuda", here)))
+            client = stack.enter_context(
+                DecodeClient(cache, secret=b"k", device_kind="cuda", engine="samenode"))
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.engine == "samenode:cuda-ipc"
+            assert {t.device.index for t in peer._engine.remote} == {1}
+            for op in ("pull", "push"):
+                src, dst = list(range(0, 40, 2)), list(range(50, 70))  # 20 runs: the kernel
+                cache.fill_value(0)
+                getattr(peer, op)(src, dst, timeout=30)
+                assert cache.block_digests(dst) == peer.digests(src)
