@@ -23,6 +23,7 @@ from typing import Any
 from . import binarycache, configcache, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
 from .cache import Cache
 from .errors import BinaryCacheError, HostError, InstallerError, VerifyError
+from .buildsys import pkgconfig
 from .extract import extract
 from .phases import PhaseLog
 from .plan import ComponentPlan, Plan
@@ -292,8 +293,15 @@ def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: 
     def autoconf_cache_keep(build_dir: Path) -> str:
         return configcache.save(plan.cache_dir, build_dir, autoconf_key())
 
+    def closure_targets(build_dir: Path, modules: str) -> str:
+        return pkgconfig.plan_targets(Path(build_dir), modules.split(","), env)
+
+    def closure_install(build_dir: Path, modules: str, install_dir: Path) -> str:
+        return pkgconfig.install(Path(build_dir), Path(install_dir), modules.split(","), env)
+
     return {"stage-subprojects": stage_subprojects, "copy-tree": copy_tree, "write-pkgconfig": write_pkgconfig,
-            "autoconf-cache-restore": autoconf_cache_restore, "autoconf-cache-keep": autoconf_cache_keep}
+            "autoconf-cache-restore": autoconf_cache_restore, "autoconf-cache-keep": autoconf_cache_keep,
+            "pkgconfig-closure": closure_targets, "pkgconfig-install": closure_install}
 
 
 def _fix_python_extensions(plan: Plan, env: dict[str, str]) -> None:

@@ -1,7 +1,10 @@
-"""CMake (Abseil, the Level Zero null driver): configure with Ninja, build, install."""
+"""CMake (Abseil, the Level Zero null driver): configure with Ninja, build, install. With
+`pkgconfig_modules`, only those modules and what they require are built and installed
+(installer/buildsys/pkgconfig.py)."""
 from __future__ import annotations
 
 from ..options import flags
+from .pkgconfig import TARGETS_FILE
 from .step import Step
 
 
@@ -10,12 +13,24 @@ def steps(comp) -> list[Step]:
     configure = ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
                  f"-DCMAKE_INSTALL_PREFIX={comp.install_dir}", "-DCMAKE_INSTALL_LIBDIR=lib",
                  *flags("cmake", comp.spec.get("defines", {}))]
+    out = [Step("configure", "cmake-configure", tuple(configure))]
+    modules = comp.spec.get("pkgconfig_modules", [])
+    if modules:
+        args = {"build_dir": build, "modules": ",".join(modules)}
+        return out + [
+            Step("configure", "pkgconfig-closure", action="pkgconfig-closure", args=args),
+            Step("build", "cmake-build", ("sh", "-c", f'exec cmake --build "$0" -j "$1" --target $(cat "$0/{TARGETS_FILE}")',
+                                          str(build), str(comp.jobs))),
+            # the top directory's rules only (headers and the like); the libraries come next
+            Step("install", "cmake-install-top", ("cmake", "-DCMAKE_INSTALL_LOCAL_ONLY=ON", "-P",
+                                                  str(build / "cmake_install.cmake"))),
+            Step("install", "install-closure", action="pkgconfig-install",
+                 args={**args, "install_dir": comp.install_dir})]
     targets = comp.spec.get("cmake_targets", [])
     build_cmd = ["cmake", "--build", str(build), "-j", str(comp.jobs)]
     for t in targets:
         build_cmd += ["--target", t]
-    out = [Step("configure", "cmake-configure", tuple(configure)),
-           Step("build", "cmake-build", tuple(build_cmd))]
+    out.append(Step("build", "cmake-build", tuple(build_cmd)))
     if not targets:
         out.append(Step("install", "cmake-install", ("cmake", "--install", str(build))))
     return out

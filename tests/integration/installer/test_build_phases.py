@@ -1,5 +1,6 @@
 """The build phases on small real projects — one each for autotools (autoreconf, configure with
---enable flags, libtool), meson (pkg-config dependency on a header-only component) and cmake —
+--enable flags, libtool), meson (pkg-config dependency on a header-only component) and cmake,
+and a cmake one built only as far as the pkg-config modules asked for (hello-parts) —
 through the whole installer: extract, configure, build, install, verify, prefix switch. Then what
 must not hurt an install: a re-run, a failing step, Ctrl-C/SIGTERM/SIGKILL mid-phase, a second
 installer. The projects live in projects/; their archives are made here and served from a local
@@ -50,7 +51,7 @@ def world(tmp_path_factory):
     if r.returncode:
         pytest.skip(f"cannot download the build tools' wheels from PyPI: {r.stderr.strip()[-200:]}")
     lines = ["schema_version = 1", 'description = "tests: small real projects"', ""]
-    for project in ("hello-autotools", "hello-headers", "hello-meson", "hello-cmake"):
+    for project in ("hello-autotools", "hello-headers", "hello-meson", "hello-cmake", "hello-parts"):
         name, digest = _tarball(project, mirror)
         lines += [f"[sources.{project}]", f'url = "https://example.invalid/{name}"', f'filename = "{name}"',
                   f'sha256 = "{digest}"', ""]
@@ -76,6 +77,11 @@ source = "hello-cmake"
 build = "cmake"
 defines = { CMAKE_BUILD_TYPE = "Release", HELLO_FAIL = false, HELLO_SLOW = false }
 
+[components.hello-parts]
+source = "hello-parts"
+build = "cmake"
+pkgconfig_modules = ["hello_greet"]
+
 [system_packages.debian]
 make = "autotools project"
 cmake = "cmake project"
@@ -92,7 +98,7 @@ kv_buffer = "host"
 
 [verify]
 files = ["hello-autotools/lib/libhowdy.so", "hello-headers/include/hello.h", "hello-meson/bin/greet",
-         "hello-cmake/lib/libhello.so"]
+         "hello-cmake/lib/libhello.so", "hello-parts/lib/libhello_greet.a"]
 """ % json.dumps(TOOLS)]
     (recipes / "defaults.toml").write_text("\n".join(lines))
     (recipes / "cpu.toml").write_text('platform = "cpu"\n')
@@ -144,6 +150,36 @@ def test_projects_build_install_and_verify(installed):
     out = subprocess.run([str(installed / "hello-meson/bin/greet")], capture_output=True, text=True)
     assert out.stdout.strip() == "greet 7"
     assert (installed / "env.sh").read_text().startswith("# kvstack cpu build")
+
+
+def test_only_the_pkgconfig_modules_asked_for_and_what_they_require_are_built(installed):
+    """hello-parts asks for hello_greet, which requires hello_base; hello_unused is never compiled.
+    Headers come from the top directory's install rules; the CMake package, which names every
+    library, is not left behind."""
+    build = installed.resolve()
+    parts = build / "hello-parts"
+    assert sorted(p.relative_to(parts).as_posix() for p in parts.rglob("*") if p.is_file()) == [
+        "include/hello/greet.h", "lib/libhello_base.a", "lib/libhello_greet.a",
+        "lib/pkgconfig/hello_base.pc", "lib/pkgconfig/hello_greet.pc"]
+    manifest = json.loads((installed / "manifest.json").read_text())
+    work = Path(manifest["kvstack_plan"]["work_dir"])
+    assert not list((work / "build" / "hello-parts").rglob("*unused*.o"))
+    closure = (build / "logs" / "hello-parts.pkgconfig-closure.log").read_text()
+    assert "1 modules asked for, 2 with what they require, 2 libraries to build: hello_base hello_greet" in closure
+    env = {**os.environ, "PKG_CONFIG_PATH": str(parts / "lib" / "pkgconfig")}
+    libs = subprocess.run(["pkg-config", "--static", "--libs", "hello_greet"], env=env, capture_output=True, text=True)
+    assert libs.stdout.split()[-3:] == ["-lhello_greet", "-lhello_base", "-lm"], libs.stderr
+
+
+def test_a_pkgconfig_module_the_project_lacks_is_one_line(world, installed, tmp_path):
+    before = installed.resolve()
+    r = _install(world, installed, "--recipe-overlay",
+                 _overlay(tmp_path, '[components.hello-parts]\npkgconfig_modules = ["hello_greeting"]\n'))
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert "pkg-config module 'hello_greeting' is not among the 3 .pc files" in last, r.stderr[-2000:]
+    assert "pkgconfig_modules" in last
+    assert installed.resolve() == before
 
 
 def test_rerun_with_nothing_changed_does_no_work(world, installed):
@@ -276,7 +312,7 @@ def test_a_failing_component_stops_the_one_building_beside_it(world, installed, 
     work = Path(plan["work_dir"])
     failed = json.loads((work / "manifest.failed.json").read_text())
     assert failed["phases"]["configure"]["components"]["hello-cmake"]["status"] == "stopped"
-    assert failed["components"]["at_once"] == 4
+    assert failed["components"]["at_once"] == 5   # every component of the world
     assert not list((work / "logs").glob("running-step.*.pid"))
     assert _sleeps_under(work) == []    # hello-cmake's configure was stopped, its sleep with it
     assert installed.resolve() == before and prefixmod.is_complete(before)
@@ -297,10 +333,11 @@ def test_side_by_side_and_one_at_a_time_give_the_same_bytes(world, installed, tm
     r = _install(world, prefix)
     assert r.returncode == 0, r.stderr
     second = json.loads((prefix / "manifest.json").read_text())
-    assert second["components"]["at_once"] == 4 and second["build_id"] == first["build_id"]
+    assert second["components"]["at_once"] == 5 and second["build_id"] == first["build_id"]
     same = buildcompare.compare(serial, prefix)
     assert same.identical, buildcompare.render(same, serial, prefix)
-    assert {"hello-autotools/lib/libhowdy.so.0.0.0", "hello-cmake/lib/libhello.so", "hello-meson/bin/greet"} <= set(same.same)
+    assert {"hello-autotools/lib/libhowdy.so.0.0.0", "hello-cmake/lib/libhello.so", "hello-meson/bin/greet",
+            "hello-parts/lib/libhello_greet.a"} <= set(same.same)
     # the CLI says the same; and of a build of the same recipe into another prefix, why it differs
     cli = [sys.executable, "-m", "installer", "compare"]
     r = subprocess.run([*cli, str(serial), str(prefix)], cwd=ROOT, capture_output=True, text=True)

@@ -1,0 +1,1 @@
+int hello_base(void) { return 40; }

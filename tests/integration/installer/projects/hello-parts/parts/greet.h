@@ -1,0 +1,1 @@
+int hello_greet(void);

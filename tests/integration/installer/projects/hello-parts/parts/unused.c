@@ -1,0 +1,1 @@
+int hello_unused(void) { return 0; }
