@@ -46,7 +46,7 @@ def _selftest(args, out) -> int:
 
     report = run_selftest(nixl_module=args.nixl_module, timeout=args.timeout,
                           secret=_secret(args), device_ids=tuple(args.device_ids),
-                          tp_pairs=args.tp_pairs)
+                          tp_pairs=args.tp_pairs, at_once=args.pairs_at_once)
     if args.json:
         report.pop("trace", None) if report.get("ok") else None
         say(json.dumps(report, indent=None if args.compact else 2))
@@ -81,6 +81,16 @@ class _Parser(argparse.ArgumentParser):
 def _transports(mode: dict) -> str:
     t = mode.get("transports")
     return f" [rma {','.join(t['rma']) or '-'}, am {','.join(t['am']) or '-'}]" if t else ""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return n
 
 
 def _tp_pairs(text: str):
@@ -177,6 +187,9 @@ def main(argv=None) -> int:
     st.add_argument("--tp-pairs", type=_tp_pairs, default="1x2,2x1,2x4,4x2", metavar="PxD,...",
                     help="mixed tensor-parallel pairs to prove on host memory, direct and staged "
                          "(default: 1x2,2x1,2x4,4x2; none: skip)")
+    st.add_argument("--pairs-at-once", type=_positive_int, default=None, metavar="N",
+                    help="process pairs run side by side (host, host staged, TP, each device's "
+                         "direct and staged; default: one per four CPUs)")
     b = sub.add_parser("bench", help="GB/s and descriptors per request vs memcpy")
     b.add_argument("--json", action="store_true")
     b.add_argument("--compact", action="store_true")
