@@ -45,6 +45,43 @@ except Exception:  # ImportError, or a Triton that cannot compile here
     triton = None
 
 
+def _launch_hooks_set() -> bool:
+    try:
+        from triton import knobs
+    except ImportError:
+        return True  # a Triton without knobs: launch through the JIT only
+    # a hook, or (Triton 3.5+) a chain of hooks, empty unless a profiler added one
+    return any(h is not None and bool(getattr(h, "calls", True))
+               for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+
+
+class _Launches:
+    """Compiled gather kernels launched directly. A call through Triton's JIT binds the
+    arguments, specializes them and looks the kernel up again every time (~40 µs a launch on
+    the H100 VM's CPU, more than the GPU time of a 32 MiB gather). The kernel one JIT launch
+    returns is kept per region and per the one argument property that varies between
+    requests (the destination ids' offset divisible by 16: Triton specializes on it; the
+    pointers and sizes of a region do not change), and later launches go to it. Where launch
+    hooks are set (a profiler), or this Triton's compiled kernels look otherwise, every launch
+    goes through the JIT."""
+
+    def __init__(self):
+        self._kernels: dict = {}
+        self.direct = 0  # launches that skipped the JIT (tests read it)
+
+    def launch(self, region: int, grid: tuple, stream: int, args: tuple, tile: int) -> None:
+        key = (region, args[3] % 16 == 0)
+        kernel = self._kernels.get(key)
+        if kernel is not None and not _launch_hooks_set():
+            kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *args, tile)
+            self.direct += 1
+            return
+        compiled = _gather_blocks[grid](*args, TILE=tile, num_warps=8)
+        if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) and compiled.function:
+            self._kernels[key] = compiled
+
+
 def _word_view(flat, chunk_bytes: int):
     """The widest integer view of a flat byte tensor whose element divides a chunk."""
     import torch
@@ -90,6 +127,7 @@ class BlockGather:
                              self.device, other, why)
                     self.use_triton = False
         self._uploads = None
+        self._kernels = None     # _Launches, made on the first kernel launch
         self._done_there = None  # the fallback's event on the destination GPU, made on use
         # what each request's launches need, made once: per region the word views, the words
         # of a block, the tile and the tiles per block (the grid's second axis)
@@ -124,9 +162,11 @@ class BlockGather:
         """Source ids ``ids[:n]``, destination ids ``ids[dst_at:dst_at + n]``."""
         if self.use_triton:
             try:
-                for sw, dw, words, tile, tiles in self._launches:
-                    _gather_blocks[(n, tiles)](sw, dw, ids, dst_at, words, TILE=tile,
-                                               num_warps=8)
+                if self._kernels is None:
+                    self._kernels = _Launches()
+                stream = self.stream.cuda_stream
+                for region, (sw, dw, words, tile, tiles) in enumerate(self._launches):
+                    self._kernels.launch(region, (n, tiles), stream, (sw, dw, ids, dst_at, words), tile)
                 return "triton"
             except Exception as exc:  # e.g. a source on another device Triton refuses
                 log.warning("Triton gather unavailable (%s); using torch index ops", exc)
