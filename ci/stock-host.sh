@@ -12,5 +12,5 @@ git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | d
     apt-get update -qq && apt-get install -y -qq --no-install-recommends python3 >/dev/null
     mkdir /src && cd /src && tar -xf -
     echo "python3: $(command -v python3) $(python3 --version) externally managed: $(ls /usr/lib/python3*/EXTERNALLY-MANAGED)"
-    bash ci/setup.sh --platform cpu --dry-run | head -5
+    bash ci/setup.sh --platform cpu --dry-run > /tmp/plan.txt && head -5 /tmp/plan.txt
     .venv/bin/python -m installer --platform cpu --dry-run --json | .venv/bin/python -c "import json,sys; print(\"plan ok:\", json.load(sys.stdin)[\"platform\"])"'
