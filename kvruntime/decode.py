@@ -221,8 +221,11 @@ class PrefillPeer:
         self.client._track(handle)
         # The deadline travels as wall-clock time: the prefill refuses a push it reads after
         # it (a stalled prefill must not write into blocks the caller was told are free).
-        self._send({"type": "push", "request": request_id, "src": frames.pack_ids(src),
-                    "dst": frames.pack_ids(dst),
+        if 3 * plan.num_runs < 2 * len(src):  # its runs are shorter than its ids: they go
+            blocks = {"runs": frames.pack_runs(plan.run_src, plan.run_dst, plan.run_count)}
+        else:
+            blocks = {"src": frames.pack_ids(src), "dst": frames.pack_ids(dst)}
+        self._send({"type": "push", "request": request_id, **blocks,
                     "timeout": timeout, "deadline": time.time() + timeout, "split": split})
         return handle
 

@@ -25,7 +25,8 @@ MAGIC = b"KVRT"
 HEADER = struct.Struct(">4sI")
 # 2: handshake proofs cover the whole transcript; asynchronous push/cancel/release.
 # 3: block ids travel packed (pack_ids), not as JSON lists.
-PROTOCOL_VERSION = 3
+# 4: a push may name its blocks by runs (pack_runs) where that is shorter than its ids.
+PROTOCOL_VERSION = 4
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 
@@ -150,6 +151,23 @@ def ids_field(message: dict, name: str) -> np.ndarray:
         raise FrameError(f"{message.get('type')!r} frame field {name!r} holds {len(raw)} bytes, "
                          f"not whole {ID.itemsize}-byte block ids")
     return np.frombuffer(raw, dtype=ID).astype(np.int64)
+
+
+def pack_runs(src, dst, count) -> str:
+    """A request's runs (source starts, destination starts, block counts: equal-length integer
+    arrays) for a frame: base64 of the three little-endian int64 arrays one after another."""
+    return b64(np.ascontiguousarray(np.stack((src, dst, count)), dtype=ID).tobytes())
+
+
+def runs_field(message: dict, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A frame's packed runs as three int64 arrays (values unchecked: the planner checks them),
+    or FrameError naming what is wrong."""
+    raw = unb64(message.get(name), f"{message.get('type')!r} frame field {name!r}")
+    if len(raw) % (3 * ID.itemsize):
+        raise FrameError(f"{message.get('type')!r} frame field {name!r} holds {len(raw)} bytes, "
+                         f"not whole runs of three {ID.itemsize}-byte integers")
+    src, dst, count = np.frombuffer(raw, dtype=ID).astype(np.int64).reshape(3, -1)
+    return src, dst, count
 
 
 def expect(message: dict, type_: str) -> dict:

@@ -247,6 +247,42 @@ class Planner:
                 self._refuse(ids)
         return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *runs)
 
+    def plan_runs(self, run_src, run_dst, run_count) -> TransferPlan:
+        """A request named by its runs (a peer's plan, sent by a push): ``run_count[i]``
+        blocks from ``run_src[i]`` on into ``run_dst[i]`` on (int64 arrays). The refusals of
+        ``plan``, checked on the runs before any id list is made (a hostile count cannot make
+        one large): no run, a count below one, a run reaching outside either cache, two runs
+        naming one block on one side."""
+        counts = np.asarray(run_count, dtype=np.int64)
+        r = len(counts)
+        if not r:
+            raise PlanError("a request must name at least one block")
+        if len(run_src) != r or len(run_dst) != r:
+            raise PlanError(f"{r} run counts but {len(run_src)} source and {len(run_dst)} destination starts")
+        if counts.min() < 1:
+            i = int(np.argmax(counts < 1))
+            raise PlanError(f"run {i} names {int(counts[i])} blocks; a run names at least one")
+        sides = (("source", np.asarray(run_src, dtype=np.int64), self.src_layout.num_blocks),
+                 ("destination", np.asarray(run_dst, dtype=np.int64), self.dst_layout.num_blocks))
+        for side, starts, limit in sides:
+            # starts and counts bounded first, so that start + count cannot overflow
+            outside = (starts < 0) | (counts > limit) | (starts > limit - np.minimum(counts, limit))
+            if outside.any():
+                i = int(np.argmax(outside))
+                raise PlanError(f"{side} run of {int(counts[i])} blocks at {int(starts[i])} reaches outside "
+                                f"0..{limit - 1}")
+            order = np.argsort(starts, kind="stable")
+            first, ends = starts[order], (starts + counts)[order]
+            overlap = first[1:] < ends[:-1]
+            if overlap.any():
+                raise PlanError(f"{side} block id {int(first[1:][overlap][0])} appears twice in one request")
+        src, dst = sides[0][1], sides[1][1]
+        ids = np.empty((2, int(counts.sum())), dtype=np.int64)
+        ids[0], ids[1] = _ranges(src, counts), _ranges(dst, counts)
+        if r > 1:  # runs one peer split where both sides go on are one run here
+            return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *_run_arrays(ids))
+        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], src, dst, counts)
+
     def _refuse(self, ids: np.ndarray) -> None:
         """Raise PlanError naming the first bad id, source side first, in request order."""
         _check_ids("source", ids[0], self.src_layout.num_blocks)

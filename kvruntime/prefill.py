@@ -349,8 +349,10 @@ class PrefillServer:
         up on the request may already have reused the blocks (a stalled prefill reads the
         request late). The progress loop finishes it and answers."""
         request = frames.field(message, "request", str)
-        src = frames.ids_field(message, "src")
-        dst = frames.ids_field(message, "dst")
+        if "runs" in message:  # a few runs instead of many ids: planned from them, not again
+            runs, src, dst = frames.runs_field(message, "runs"), None, None
+        else:
+            runs, src, dst = None, frames.ids_field(message, "src"), frames.ids_field(message, "dst")
         timeout = float(frames.field(message, "timeout", (int, float)))
         deadline = float(frames.field(message, "deadline", (int, float)))
         split = message.get("split", 1)
@@ -367,7 +369,8 @@ class PrefillServer:
             return
         try:
             s, rows = peer.head_slice, None
-            plan = peer.planner(self.cache.layout).plan(src, dst)
+            planner = peer.planner(self.cache.layout)
+            plan = planner.plan(src, dst) if runs is None else planner.plan_runs(*runs)
             if s is not None:  # mixed TP, direct: the decode rank's heads of each token row
                 src_ids, dst_ids = plan.block_ids()
                 rows = Rows(head_rows(self.cache.layout, self.registration.region_triples(),

@@ -103,6 +103,37 @@ def test_push_to_a_stalled_prefill_fails_at_its_deadline_and_never_lands(prefill
         cache.close()
 
 
+def test_a_push_sent_as_runs_is_checked_by_the_prefill(prefill, monkeypatch):
+    """A push of few runs travels as runs (three integers each), not as two id lists, and the
+    prefill plans from them. Runs naming one block twice — a hostile or broken decode — are
+    refused there with the planner's line, and nothing is written."""
+    from kvruntime import decode as decode_mod
+    from kvruntime.errors import TransferError
+
+    layout = small()
+    zero = _zero_digest(layout)
+    real, sent = decode_mod.frames.pack_runs, []
+    with prefill([layout], seed=9) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0)
+        with DecodeClient(cache, engine="nixl") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            monkeypatch.setattr(decode_mod.frames, "pack_runs",
+                                lambda s, d, c: sent.append((s.tolist(), d.tolist(), c.tolist())) or real(s, d, c))
+            res = peer.push([4, 5, 6, 9], [20, 21, 22, 30], timeout=20)
+            assert sent == [([4, 9], [20, 30], [3, 1])]
+            assert res.nbytes == 4 * layout.block_bytes
+            assert peer.digests([4, 5, 6, 9]) == [cache.block_digest(b) for b in (20, 21, 22, 30)]
+            peer.push([1, 7, 3], [60, 90, 70], timeout=20)  # three runs: the ids are shorter
+            assert len(sent) == 1
+            monkeypatch.setattr(decode_mod.frames, "pack_runs", lambda s, d, c: real([4, 5], [40, 50], [2, 2]))
+            with pytest.raises(TransferError, match="source block id 5 appears twice in one request"):
+                peer.push([4, 5, 6, 9], [40, 41, 42, 50], timeout=20)
+            assert [cache.block_digest(b) for b in range(40, 52)] == [zero] * 12
+            assert peer.push([8], [99], timeout=20).nbytes == layout.block_bytes  # still usable
+        cache.close()
+
+
 def test_wait_shorter_than_the_request_leaves_it_running(prefill, stall):
     layout = small(blocks=512)
     with prefill([layout], seed=4) as (proc, ports):

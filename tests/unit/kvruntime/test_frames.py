@@ -59,6 +59,25 @@ def test_malformed_block_ids_are_frame_errors(value, msg):
         frames.ids_field({"type": "push", "src": value}, "src")
 
 
+def test_runs_travel_packed_and_come_back_exact():
+    import numpy as np
+
+    src, dst, count = np.array([0, 9, 2**40]), np.array([5, 1, 3]), np.array([4, 1, 2])
+    out = frames.decode_frame(frames.encode_frame({"type": "push", "runs": frames.pack_runs(src, dst, count)}))
+    got = frames.runs_field(out, "runs")
+    assert [a.tolist() for a in got] == [src.tolist(), dst.tolist(), count.tolist()]
+    assert all(a.dtype == np.int64 for a in got)
+
+
+@pytest.mark.parametrize("value,msg", [
+    (frames.b64(b"\x01" * 16), "not whole runs of three 8-byte integers"),
+    ([[1, 2, 3]], "must be base64 text"),
+])
+def test_malformed_runs_are_frame_errors(value, msg):
+    with pytest.raises(FrameError, match=msg):
+        frames.runs_field({"type": "push", "runs": value}, "runs")
+
+
 def test_wrong_version_is_named():
     with pytest.raises(ProtocolVersionError, match="version 99"):
         frames.decode_frame(_raw(json.dumps({"v": 99, "type": "hello"}).encode()))

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kvruntime.errors import PlanError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
-from kvruntime.plan import make_plan, merge_plans
+from kvruntime.plan import Planner, make_plan, merge_plans
 
 
 # -- the reference: one Python step per id, the rules as DESIGN §4 states them ---------------
@@ -164,3 +164,47 @@ def test_merge_refuses_a_destination_named_twice():
         merge_plans([a, b])
     merged = merge_plans([a, make_plan(LAYOUT, [3], LAYOUT, [5])])
     assert [x.tolist() for x in merged.block_ids()] == [[1, 2, 3], [3, 4, 5]]
+
+
+# -- a request named by its runs (what a push sends when that is shorter than its ids) -------
+@settings(max_examples=300, deadline=None)
+@given(requests())
+def test_a_plan_from_its_runs_is_the_plan_from_its_ids(req):
+    """Good requests give the same ids and runs either way; what ``plan`` refuses, the runs
+    of it (where they can be formed) are refused too."""
+    kind, ns, nd, src, dst = req
+    planner = Planner(lay(kind, ns), lay(kind, nd))
+    try:
+        want = planner.plan(src, dst)
+    except PlanError:
+        runs = np.array(reference_runs(src, dst), dtype=np.int64).reshape(-1, 3).T
+        if len(src) == len(dst) and len(runs[0]):
+            with pytest.raises(PlanError):
+                planner.plan_runs(*runs)
+        return
+    got = planner.plan_runs(want.run_src, want.run_dst, want.run_count)
+    assert [a.tolist() for a in got.block_ids()] == [a.tolist() for a in want.block_ids()]
+    assert got.runs == want.runs
+
+
+def test_runs_split_where_both_sides_go_on_are_one_run():
+    got = Planner(LAYOUT).plan_runs(np.array([2, 4]), np.array([5, 7]), np.array([2, 1]))
+    assert got.runs == ((2, 5, 3),)
+
+
+@pytest.mark.parametrize("runs,line", [
+    (([], [], []), "a request must name at least one block"),
+    (([1], [1, 2], [1]), "1 run counts but 1 source and 2 destination starts"),
+    (([1], [1], [0]), "run 0 names 0 blocks; a run names at least one"),
+    (([1, 2], [3, 4], [1, -5]), "run 1 names -5 blocks; a run names at least one"),
+    (([8], [0], [3]), "source run of 3 blocks at 8 reaches outside 0..9"),
+    (([-1], [0], [1]), "source run of 1 blocks at -1 reaches outside 0..9"),
+    (([0], [2 ** 62], [1]), "destination run of 1 blocks at 4611686018427387904 reaches outside 0..9"),
+    (([0], [0], [2 ** 62]), "source run of 4611686018427387904 blocks at 0 reaches outside 0..9"),
+    (([0, 3], [0, 5], [4, 1]), "source block id 3 appears twice in one request"),
+    (([0, 6], [2, 0], [3, 3]), "destination block id 2 appears twice in one request"),
+])
+def test_bad_runs_refused_with_one_line_before_any_ids_are_made(runs, line):
+    with pytest.raises(PlanError) as info:
+        Planner(LAYOUT).plan_runs(*(np.array(a, dtype=np.int64) for a in runs))
+    assert str(info.value) == line
