@@ -41,12 +41,20 @@ $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
 $PY -m pip install -q --disable-pip-version-check -e ".[test]" numpy
 $PY -m pip install -q --disable-pip-version-check --no-deps nixl-cu12
 
-# pytest exits 5 when a selection holds no test: that is a failure here, never a pass.
-run_pytest() { $PY -m pytest -p no:cacheprovider "$@"; }
+# pytest exits 5 when a selection holds no test: that is a failure here, never a pass. Each step's
+# temporary files (real builds among them) go to a folder of its own, removed when the step
+# passes (the container step needs the disk) and kept, with the logs a failure names, when not.
+tmp=$(mktemp -d "${TMPDIR:-/tmp}/kvstack-tests.XXXX")
+run_pytest() {
+  local name=$1; shift
+  $PY -m pytest -p no:cacheprovider --basetemp "$tmp/$name" "$@"
+  rm -rf "${tmp:?}/$name"
+}
 
 step "unit and integration tests"
 # tests/integration/containers build images against a daemon: CI's container step (ci/containers.sh) runs them
-run_pytest -m "not build" --ignore=tests/integration/containers "$@"
+run_pytest unit -m "not build" --ignore=tests/integration/containers "$@"
 
 step "real builds (UCX from Debian's source package through the installer)"
-run_pytest -m build "$@"
+run_pytest builds -m build "$@"
+rmdir "$tmp"
