@@ -138,7 +138,8 @@ def _bench(args, out) -> int:
                 f"from {r['decode_peers']} decode peers {r['aggregate_gbps']:.2f} GB/s "
                 f"({r['batched_gbps']:.2f} batched per peer) vs one request "
                 f"{r['one_request_gbps']:.2f} GB/s: ratio {r['ratio']:.2f} "
-                f"({r['ratio_batched']:.2f} batched)")
+                f"({r['ratio_batched']:.2f} batched); each peer a process of its own "
+                f"{r['processes_gbps']:.2f} GB/s: ratio {r['ratio_processes']:.2f}")
         for c in report.get("staging_copies", []):
             say(f"staging ({c['layout']}, {c['blocks']} random blocks): gather "
                 f"{c['gather_gbps']:.1f} GB/s vs pinned D2H {c['d2h_pinned_gbps']:.1f} "
@@ -227,7 +228,8 @@ def main(argv=None) -> int:
                         "host-staged (e.g. 1x2,2x1,2x4,4x2; default: none)")
     b.add_argument("--inflight", type=int, nargs=2, metavar=("PEERS", "REQUESTS"),
                    default=[4, 32], help="decode peers and requests kept in flight on one "
-                   "prefill, beside one request of the same bytes (0 0: skip)")
+                   "prefill, beside one request of the same bytes: the peers as clients of "
+                   "this process, and as decode processes of their own (0 0: skip)")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.inflight == [0, 0]:
         args.inflight = None

@@ -215,7 +215,9 @@ def run_bench(cfg: BenchConfig) -> dict:
                 report["engines"][f"{layout.kind}/{engine}"]["transports"] = \
                     client.agent.transports()
                 if cfg.inflight and engine == cfg.engines[-1]:
-                    report.setdefault("inflight", []).append(_inflight(
+                    from .bench_inflight import run_inflight
+
+                    report.setdefault("inflight", []).append(run_inflight(
                         cfg, binding, layout, port, decode_options, engine, rnd))
         if cfg.tp_pairs:
             from .bench_tp import run_tp
@@ -342,65 +344,6 @@ def _bare_read(peer, src, dst, split) -> float:
     if state != "DONE":
         raise RuntimeError(f"bare NIXL READ ended in state {state}")
     return seconds
-
-
-def _inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dict:
-    """``peers`` decode clients (own caches, one process) keep ``requests`` pulls of random
-    blocks in flight on one prefill; their aggregate rate beside one request of the same
-    total bytes from one client, same run."""
-    from .decode import DecodeClient
-    from .roles import allocate_cache
-
-    n_peers, n_requests = cfg.inflight
-    total_blocks = min(layout.num_blocks, max(cfg.sizes_mib) * 1024 // cfg.block_kib)
-    n_requests = max(1, min(n_requests, total_blocks))
-    per_request = max(1, total_blocks // n_requests)
-    clients, caches, peers = [], [], []
-    try:
-        for _ in range(n_peers):
-            cache = allocate_cache(layout, decode_options)
-            caches.append(cache)
-            client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads,
-                                  host_streams=cfg.host_streams,
-                                  device_kind=cfg.device, engine=engine)
-            clients.append(client)
-            peers.append(client.connect("127.0.0.1", port))
-        blocks = rnd.sample(range(layout.num_blocks), per_request * n_requests)
-        requests = [blocks[i * per_request:(i + 1) * per_request] for i in range(n_requests)]
-        for r in requests[:n_peers]:  # warm-up, every peer
-            peers[requests.index(r) % n_peers].pull(r, timeout=120)
-        nbytes = per_request * n_requests * layout.block_bytes
-        agg, batched, one = [], [], []
-        for _ in range(cfg.iters):
-            t = time.perf_counter()
-            handles = [peers[i % n_peers].start_pull(r, timeout=120)
-                       for i, r in enumerate(requests)]
-            for h in handles:
-                h.wait()
-            agg.append(nbytes / (time.perf_counter() - t) / 1e9)
-            # the same requests as one batch per decode peer (an engine step's worth)
-            t = time.perf_counter()
-            handles = [h for p, peer in enumerate(peers) for h in peer.start_pulls(
-                [(r, None, None) for r in requests[p::n_peers]], timeout=120)]
-            for h in handles:
-                h.wait()
-            batched.append(nbytes / (time.perf_counter() - t) / 1e9)
-            one.append(peers[0].pull(blocks, timeout=120).gbps)
-        a, b, o = (statistics.median(agg), statistics.median(batched),
-                   statistics.median(one))
-        return {"layout": layout.kind, "engine": peers[0].engine, "decode_peers": n_peers,
-                "requests_in_flight": n_requests, "blocks_per_request": per_request,
-                "bytes_total": per_request * n_requests * layout.block_bytes,
-                "aggregate_gbps": round(a, 3), "one_request_gbps": round(o, 3),
-                "ratio": round(a / o, 3), "batched_gbps": round(b, 3),
-                "ratio_batched": round(b / o, 3),
-                "spread": {"aggregate": _range(agg), "batched": _range(batched),
-                           "one": _range(one)}}
-    finally:
-        for client in clients:
-            client.close()
-        for cache in caches:
-            cache.close()
 
 
 def _range(values) -> list:

@@ -192,6 +192,10 @@ def test_bench_reports_medians_spread_and_ucx_settings():
     assert inflight["requests_in_flight"] * inflight["blocks_per_request"] <= 21
     assert inflight["aggregate_gbps"] > 0 and inflight["one_request_gbps"] > 0
     assert inflight["batched_gbps"] > 0
+    # the same requests from decode processes of their own, on the same engine
+    assert inflight["processes_gbps"] > 0 and inflight["processes_engines"] == [inflight["engine"]]
+    lo, hi = inflight["spread"]["processes"]
+    assert lo <= inflight["processes_gbps"] <= hi
     for row in report["results"]:
         spread = row["spread"]
         assert spread["gbps"][0] <= row["gbps"] <= spread["gbps"][1] == row["gbps_max"]
