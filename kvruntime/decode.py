@@ -38,7 +38,7 @@ from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, TransferHandle
 from .memory import KVCache
-from .plan import Planner, TransferPlan, make_plan, merge_plans
+from .plan import Planner, TransferPlan, make_plan
 from .registration import Registration, Scratch
 from .samenode import ENGINES, SameNodeUnavailable, SharedJob, host_copy_streams, open_engine
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
@@ -240,13 +240,15 @@ class PrefillPeer:
         """
         requests = list(requests)
         t0 = time.perf_counter()
-        admitted = [self._admit(src, dst, rid, timeout) for src, dst, rid in requests]
-        if not admitted:
+        if not requests:
             return []
-        ids = {rid for _plan, rid in admitted}
-        if len(ids) != len(admitted):
+        self._check_request(timeout)
+        # the batch planned at once (plan.py): its checks are each request's and "no block
+        # written twice", its host cost a few numpy calls, not a plan per request
+        plans, merged = self._planner_now().plan_many([(src, dst) for src, dst, _ in requests])
+        admitted = list(zip(plans, [self._request_id(rid) for _, _, rid in requests]))
+        if len({rid for _plan, rid in admitted}) != len(admitted):
             raise KVRuntimeError("a request id appears twice in one batch")
-        merged = merge_plans([plan for plan, _rid in admitted])  # refuses shared destinations
         if self._engine is None:
             return [self._post_read(self._handle("pull", rid, plan, timeout, t0), 1)
                     for plan, rid in admitted]
@@ -288,9 +290,15 @@ class PrefillPeer:
         return self.start_push(src_blocks, dst_blocks, request_id, timeout, split).wait()
 
     def _admit(self, src_blocks, dst_blocks, request_id, timeout):
+        self._check_request(timeout)
+        return self._planner_now().plan(src_blocks, dst_blocks), self._request_id(request_id)
+
+    def _check_request(self, timeout) -> None:
         self._check_usable()
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+    def _planner_now(self) -> Planner:
         if self._planner is None:  # once per peer: the layouts stay what the connect found
             if self.client.staging is not None or self.head_slice is not None:
                 # staged or mixed TP: the caches may differ in heads (and kind, staged); source
@@ -300,12 +308,14 @@ class PrefillPeer:
             else:
                 src_layout = self.info.cache_layout
             self._planner = Planner(src_layout, self.client.cache.layout)
-        plan = self._planner.plan(src_blocks, dst_blocks)
+        return self._planner
+
+    def _request_id(self, request_id) -> str:
         if request_id is None:
-            request_id = self._new_request()
-        elif not isinstance(request_id, str) or not request_id or len(request_id) > 256:
+            return self._new_request()
+        if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
             raise KVRuntimeError("request_id must be a non-empty string of at most 256 chars")
-        return plan, request_id
+        return request_id
 
     # -- control calls -------------------------------------------------------------------------
     def digests(self, blocks, timeout: float = 60.0) -> list[str]:

@@ -82,15 +82,19 @@ def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
         raise PlanError(f"{name} block id {int(ids[again.min()])} appears twice in one request")
 
 
-def _run_arrays(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _run_arrays(ids: np.ndarray, cuts: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(starts in src, starts in dst, counts) of the runs of consecutive (src, dst) pairs of
-    ``ids`` (2 x n: source ids, destination ids)."""
+    ``ids`` (2 x n: source ids, destination ids); ``cuts``: positions where a run must start
+    whatever the ids (the first pair of each request of a batch)."""
     n = ids.shape[1]
     # (step of src - 1) | (step of dst - 1) is zero exactly where a run goes on (in place:
     # a few numpy calls whatever the length)
     steps = ids[:, 1:] - ids[:, :-1]
     steps -= 1
     breaks = steps[0] | steps[1]
+    if cuts is not None:
+        breaks[cuts - 1] = 1
     starts = breaks.nonzero()[0]
     bounds = np.empty(len(starts) + 2, np.int64)
     bounds[0], bounds[-1] = 0, n
@@ -282,6 +286,62 @@ class Planner:
         if r > 1:  # runs one peer split where both sides go on are one run here
             return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *_run_arrays(ids))
         return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], src, dst, counts)
+
+    def plan_many(self, requests) -> tuple[list[TransferPlan], TransferPlan]:
+        """Plans for a batch of requests (an engine step's worth: ``(src_blocks, dst_blocks or
+        None)`` pairs) and one plan moving all of them, in batch order. The refusals of
+        ``plan`` for every request, and a destination block named by two requests (two writes
+        of one block), checked once over the whole batch in a few numpy calls; when a check
+        fails, the requests are planned one by one so that the error is the one ``plan`` or
+        ``merge_plans`` gives. A request's runs are its own: a run never spans two requests."""
+        if not requests:
+            raise PlanError("a batch must hold at least one request")
+        read = []
+        for src_blocks, dst_blocks in requests:
+            src = _read_ids("source", src_blocks)
+            dst = src if dst_blocks is None else _read_ids("destination", dst_blocks)
+            if not len(src) or len(dst) != len(src):  # the first bad request's error
+                for earlier in (*read, (src, dst)):
+                    self.plan(*earlier)
+            read.append((src, dst))
+        bounds = np.zeros(len(read) + 1, dtype=np.int64)
+        np.cumsum([len(src) for src, _ in read], out=bounds[1:])
+        n = int(bounds[-1])
+        ids = np.empty((2, n), dtype=np.int64)
+        ids[0] = np.concatenate([src for src, _ in read])
+        ids[1] = np.concatenate([dst for _, dst in read])
+        if not self._batch_ok(ids, bounds):
+            merge_plans([self.plan(src, dst) for src, dst in read])  # the first bad request's error
+            raise AssertionError("a bad batch passed the per-request checks")
+        rs, rd, rc = _run_arrays(ids, bounds[1:-1])
+        firsts = np.cumsum(rc) - rc
+        per = np.searchsorted(firsts, bounds).tolist()  # each request's runs: per[k]..per[k+1]
+        at = bounds.tolist()
+        plans = [TransferPlan(self.src_layout, self.dst_layout, ids[0, a:b], ids[1, a:b],
+                              rs[r:q], rd[r:q], rc[r:q])
+                 for a, b, r, q in zip(at, at[1:], per, per[1:])]
+        return plans, TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], rs, rd, rc)
+
+    def _batch_ok(self, ids: np.ndarray, bounds: np.ndarray) -> bool:
+        """Every id in range, no destination block twice in the batch, no source block twice
+        in one request (a block may be read by two requests)."""
+        if np.count_nonzero(ids.view(np.uint64) >= self._limits):
+            return False
+        nd, ns, n = self.dst_layout.num_blocks, self.src_layout.num_blocks, ids.shape[1]
+        seen = np.zeros(nd, dtype=np.bool_)
+        seen[ids[1]] = True
+        if np.count_nonzero(seen) != n:
+            return False
+        k = len(bounds) - 1
+        if k == 1:
+            keys = ids[0]
+        else:  # (request, source id) as one number: equal only within one request
+            keys = np.repeat(np.arange(k, dtype=np.int64) * ns, np.diff(bounds)) + ids[0]
+        if k * ns <= 1 << 24:
+            seen = np.zeros(k * ns, dtype=np.bool_)
+            seen[keys] = True
+            return np.count_nonzero(seen) == n
+        return len(np.unique(keys)) == n
 
     def _refuse(self, ids: np.ndarray) -> None:
         """Raise PlanError naming the first bad id, source side first, in request order."""

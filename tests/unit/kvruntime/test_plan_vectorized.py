@@ -166,6 +166,66 @@ def test_merge_refuses_a_destination_named_twice():
     assert [x.tolist() for x in merged.block_ids()] == [[1, 2, 3], [3, 4, 5]]
 
 
+# -- a batch planned at once (start_pulls) ---------------------------------------------------
+@st.composite
+def batches(draw):
+    """A few requests on one pair of caches: mostly good, some with a bad id, a block read or
+    written twice within a request, a destination shared by two requests, an empty or uneven
+    one; the destination sometimes left out (the same ids on both sides)."""
+    kind = draw(st.sampled_from([CROSS_LAYER, PER_LAYER]))
+    ns, nd = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    free = draw(st.permutations(range(nd)))
+    out = []
+    for _ in range(draw(st.integers(1, 5))):
+        n = draw(st.integers(1, 8))
+        unique = draw(st.booleans())
+        src = draw(st.lists(st.integers(0, ns - 1), min_size=min(n, ns) if unique else n,
+                            max_size=min(n, ns) if unique else n, unique=unique))
+        if draw(st.booleans()) and len(free) >= n:  # distinct destinations, batch-wide
+            dst, free = list(free[:n]), free[n:]
+        else:
+            dst = draw(st.lists(st.integers(-2, nd + 1), min_size=0, max_size=n + 1))
+        if draw(st.integers(0, 5)) == 0:
+            dst = None
+        out.append((src, dst))
+    return kind, ns, nd, out
+
+
+@settings(max_examples=400, deadline=None)
+@given(batches())
+def test_a_batch_is_planned_as_its_requests_one_by_one(batch):
+    """plan_many gives each request the plan ``plan`` gives it, and one plan of them all, or
+    the error that planning them one by one and merging gives."""
+    kind, ns, nd, reqs = batch
+    planner = Planner(lay(kind, ns), lay(kind, nd))
+    try:
+        want = [planner.plan(src, dst) for src, dst in reqs]
+        merge_plans(want)
+    except PlanError as exc:
+        with pytest.raises(PlanError) as got:
+            planner.plan_many(reqs)
+        assert str(got.value) == str(exc)
+        return
+    plans, merged = planner.plan_many(reqs)
+    assert len(plans) == len(want)
+    for got, w in zip(plans, want):
+        assert [a.tolist() for a in got.block_ids()] == [a.tolist() for a in w.block_ids()]
+        assert got.runs == w.runs and got.descriptor_count == w.descriptor_count
+    assert [a.tolist() for a in merged.block_ids()] == [
+        np.concatenate([p.block_ids()[i] for p in want]).tolist() for i in (0, 1)]
+    assert merged.runs == tuple(r for p in want for r in p.runs)  # no run spans two requests
+
+
+def test_two_requests_may_read_one_block_but_not_write_one():
+    planner = Planner(LAYOUT)
+    plans, merged = planner.plan_many([([1, 2], [3, 4]), ([2], [5])])
+    assert [p.runs for p in plans] == [((1, 3, 2),), ((2, 5, 1),)]
+    with pytest.raises(PlanError, match="destination block id 4 appears twice"):
+        planner.plan_many([([1, 2], [3, 4]), ([5], [4])])
+    with pytest.raises(PlanError, match="a batch must hold at least one request"):
+        planner.plan_many([])
+
+
 # -- a request named by its runs (what a push sends when that is shorter than its ids) -------
 @settings(max_examples=300, deadline=None)
 @given(requests())
