@@ -40,7 +40,8 @@ from .inflight import PENDING, TransferHandle
 from .memory import KVCache
 from .plan import Planner, TransferPlan, make_plan
 from .registration import Registration, Scratch
-from .samenode import ENGINES, SameNodeUnavailable, SharedJob, host_copy_streams, open_engine
+from .samenode import (ENGINES, BatchRelease, SameNodeUnavailable, SharedJob, host_copy_streams,
+                       open_engine)
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import head_rows
@@ -253,10 +254,11 @@ class PrefillPeer:
             return [self._post_read(self._handle("pull", rid, plan, timeout, t0), 1)
                     for plan, rid in admitted]
         job = self._engine.start("READ", merged, self.head_slice)
+        batch = BatchRelease([rid for _plan, rid in admitted])
         handles = []
         for plan, rid in admitted:
             handle = self._handle("pull", rid, plan, timeout, t0)
-            handle._attach(SharedJob(job, plan))
+            handle._attach(SharedJob(job, plan, batch))
             self.client._track(handle)
             handles.append(handle)
         return handles
@@ -274,12 +276,14 @@ class PrefillPeer:
         self.client._track(handle)
         return handle
 
-    def _send_release(self, request_id: str) -> None:
+    def _send_release(self, request_ids: list) -> None:
+        """Tell the prefill that same-node copies of ``request_ids`` are done: it may free
+        their blocks (one frame for a batch's requests)."""
         try:
-            self._send({"type": "release", "request": request_id})
+            self._send({"type": "release", "requests": request_ids})
         except KVRuntimeError as exc:
-            log.warning("%s: telling the prefill to free request %s: %s", self.name,
-                        request_id, exc)
+            log.warning("%s: telling the prefill to free requests %s: %s", self.name,
+                        ", ".join(request_ids), exc)
 
     def pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
              timeout: float = 30.0, split: int | None = None) -> TransferResult:

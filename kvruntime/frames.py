@@ -26,7 +26,8 @@ HEADER = struct.Struct(">4sI")
 # 2: handshake proofs cover the whole transcript; asynchronous push/cancel/release.
 # 3: block ids travel packed (pack_ids), not as JSON lists.
 # 4: a push may name its blocks by runs (pack_runs) where that is shorter than its ids.
-PROTOCOL_VERSION = 4
+# 5: a release names a list of requests (a same-node batch's, in one frame).
+PROTOCOL_VERSION = 5
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 
@@ -178,6 +179,18 @@ def expect(message: dict, type_: str) -> dict:
     if got != type_:
         raise FrameError(f"expected a {type_!r} frame, got {got!r}")
     return message
+
+
+def names_field(message: dict, name: str) -> list[str]:
+    """A frame's list of request ids: at least one, each a non-empty string of at most 256
+    characters (what a decode accepts as a request id), or FrameError naming what is wrong."""
+    names = field(message, name, list)
+    bad = next((n for n in names if not isinstance(n, str) or not 0 < len(n) <= 256), None)
+    if not names or bad is not None:
+        raise FrameError(f"{message.get('type')!r} frame field {name!r} must list request ids "
+                         f"(strings of 1-256 characters), got "
+                         f"{'none' if not names else repr(bad)[:80]}")
+    return names
 
 
 def field(message: dict, name: str, kind: type | tuple[type, ...]) -> object:

@@ -151,9 +151,8 @@ class TransferHandle:
             xfer.finish()
             # its clock started at the caller's start (_attach): planning and the launch count
             self._finish(xfer.result())
-            if not nixl and not getattr(xfer, "releases_itself", False):
-                # NIXL's READ notifies the prefill itself; the same-node engine tells it here
-                self.peer._send_release(self.request_id)
+            if not nixl:  # NIXL's READ notifies the prefill itself; a local copy tells it here
+                xfer.release(self.peer, self.request_id)
         elif state == "ERR":
             xfer.finish()
             why = ("the prefill is gone or refused the memory access" if nixl

@@ -333,8 +333,9 @@ class PrefillServer:
             self._stage(peer, message)
         elif kind == "unstage":
             self._unstage(peer.agent, frames.field(message, "request", str))
-        elif kind == "release":  # a same-node copy finished: the blocks may be freed
-            self._release(peer.agent, frames.field(message, "request", str))
+        elif kind == "release":  # same-node copies finished: their blocks may be freed
+            for request in frames.names_field(message, "requests"):
+                self._release(peer.agent, request)
         elif kind == "digests":
             blocks = frames.ids_field(message, "blocks")
             make_plan(layout, blocks)  # validates the ids

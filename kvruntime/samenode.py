@@ -206,6 +206,10 @@ class CopyJob:
     def finish(self) -> None:
         self.released = True
 
+    def release(self, peer, request_id: str) -> None:
+        """The copy of ``request_id`` is done: tell the prefill it may free the blocks."""
+        peer._send_release([request_id])
+
     def abort(self) -> bool:
         """A local copy cannot be stopped; True once it has ended (then nothing writes)."""
         return self.poll() != "PROC"
@@ -276,13 +280,30 @@ class _CudaJob(CopyJob):
             time.sleep(0)
 
 
+class BatchRelease:
+    """The requests of one batch's gather: the first of them to see it done tells the prefill
+    about all of them, in one frame (a frame per request was ~12 % of a small request's host
+    time on the H100 VM)."""
+
+    def __init__(self, request_ids: list):
+        self._ids = request_ids
+        self._lock = threading.Lock()
+
+    def send(self, peer) -> None:
+        with self._lock:
+            ids, self._ids = self._ids, None
+        if ids:
+            peer._send_release(ids)
+
+
 class SharedJob:
     """One request's view of a gather that moves a whole batch: polled, finished and aborted
     through the batch's job; its result counts its own bytes."""
 
-    def __init__(self, job: CopyJob, plan: TransferPlan):
+    def __init__(self, job: CopyJob, plan: TransferPlan, batch: BatchRelease):
         self.job = job
         self.plan = plan
+        self.batch = batch
         self.engine = job.engine
         self.start = job.start  # each request's own clock (TransferHandle._attach)
         self.block = getattr(job, "block", None)
@@ -296,6 +317,9 @@ class SharedJob:
 
     def finish(self) -> None:
         self.job.finish()
+
+    def release(self, peer, _request_id: str) -> None:
+        self.batch.send(peer)
 
     def abort(self) -> bool:
         return self.job.abort()

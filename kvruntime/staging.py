@@ -348,7 +348,9 @@ class StagedPull(CopyJob):
     """Decode side of one staged request, polled like a PostedTransfer (see module doc)."""
 
     engine = "host_staged"
-    releases_itself = True  # it sends "unstage"; the handle sends no "release"
+
+    def release(self, peer, request_id: str) -> None:
+        """Nothing to say: the request's "unstage" frees the prefill's pool blocks."""
 
     def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float):
         super().__init__("READ", plan)

@@ -121,6 +121,23 @@ def test_samenode_pull_releases_the_blocks_on_the_prefill():
         peer.push([5], [6], request_id="r2")
         assert server.wait_released("r1", 5) and server.wait_released("r2", 5)
         assert dst_cache.block_digests([1, 2, 6]) == src_cache.block_digests([1, 2, 5])
+        # a batch is one copy: its requests are released together, once, whichever handle
+        # sees it done first
+        sent = []
+        send = peer._send
+
+        def spy(message):
+            sent.append(message)
+            send(message)
+
+        peer._send = spy
+        handles = peer.start_pulls([([7], [8], "b1"), ([9, 10], [11, 12], "b2"), ([3], None, "b3")])
+        client.wait_all(handles[::-1], timeout=10)
+        for rid in ("b1", "b2", "b3"):
+            assert server.wait_released(rid, 5)
+        assert [m for m in sent if m["type"] == "release"] == [
+            {"type": "release", "requests": ["b1", "b2", "b3"]}]
+        assert dst_cache.block_digests([8, 11, 12, 3]) == src_cache.block_digests([7, 9, 10, 3])
     src_cache.close()
     dst_cache.close()
 

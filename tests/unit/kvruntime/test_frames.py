@@ -165,3 +165,12 @@ def test_fuzz_over_a_socket_never_hangs():
             frames.read_frame(b, timeout=1.0, max_size=1 << 16)
         t.join()
         a.close(), b.close()
+
+
+def test_a_release_names_request_ids():
+    assert frames.names_field({"type": "release", "requests": ["a", "b" * 256]}, "requests") == [
+        "a", "b" * 256]
+    for bad, line in [([], "got none"), (["a", ""], "got ''"), (["a", 7], "got 7"),
+                      (["x" * 257], "got 'xxx"), ("a", "must be list")]:
+        with pytest.raises(FrameError, match=line):
+            frames.names_field({"type": "release", "requests": bad}, "requests")
