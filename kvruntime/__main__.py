@@ -74,6 +74,12 @@ def _selftest(args, out) -> int:
 
 
 class _Parser(argparse.ArgumentParser):
+    """One-line errors; no abbreviated options (``selftest --device cuda`` would be read as
+    ``--device-ids`` and fail with a message about ids)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str):  # one line, and exit 64 as the module's docstring says
         self.exit(64, f"{self.prog}: {message} (see {self.prog} --help)\n")
 

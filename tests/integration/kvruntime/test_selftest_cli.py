@@ -46,6 +46,16 @@ def test_bad_pairs_at_once_is_one_line(bad):
     assert "is not a whole number of at least 1" in r.stderr
 
 
+def test_an_option_is_never_taken_for_a_longer_one():
+    """selftest has --device-ids, not --device: a bench option given to selftest is refused as
+    what it is, not read as the start of --device-ids and refused for its ids."""
+    r = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--device", "cuda"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 64
+    assert "unrecognized arguments: --device cuda" in r.stderr and "expected 2" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("bad", ["2", "0x1", "ax2", "1x2,"])
 def test_bad_tp_pairs_are_one_line(bad):
     r = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--tp-pairs", bad],
