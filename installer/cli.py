@@ -29,6 +29,12 @@ DEFAULT_VERB = "install"  # `python -m installer --prefix P` (no verb) installs,
 
 
 class _Parser(argparse.ArgumentParser):
+    """No abbreviated options: ``--recipe`` would be ambiguous, ``--mirr`` would silently mean
+    ``--mirror``, and an option added later could change what an old command line means."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str):  # one line and our usage exit code, not argparse's
         raise UsageError(message, fix=f"see `{self.prog} --help`")
 

@@ -9,7 +9,7 @@ from . import image
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m installer image",
+    p = argparse.ArgumentParser(prog="python -m installer image", allow_abbrev=False,
                                 description="Build the kvstack container image for a platform.")
     p.add_argument("--platform", required=True, choices=image.PLATFORMS)
     p.add_argument("--tag")

@@ -63,3 +63,9 @@ def test_output_that_cannot_be_a_directory(tmp_path):
 
 def test_bad_option_is_a_usage_error(tmp_path):
     _one_line(_wheel("--nope"), 2, "unrecognized arguments")
+
+
+def test_an_abbreviated_option_is_a_usage_error(tmp_path):
+    """--pre is not taken for --prefix: a command line means what it says, whatever options
+    are added later."""
+    _one_line(_wheel("--pre", tmp_path / "p"), 2, "unrecognized arguments: --pre")
