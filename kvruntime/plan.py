@@ -308,8 +308,10 @@ class Planner:
         np.cumsum([len(src) for src, _ in read], out=bounds[1:])
         n = int(bounds[-1])
         ids = np.empty((2, n), dtype=np.int64)
-        ids[0] = np.concatenate([src for src, _ in read])
-        ids[1] = np.concatenate([dst for _, dst in read])
+        # into int64 directly: numpy would join uint64 and int64 arrays as float64 (uint64 ids
+        # above the int64 range were refused by _read_ids)
+        np.concatenate([src for src, _ in read], out=ids[0])
+        np.concatenate([dst for _, dst in read], out=ids[1])
         if not self._batch_ok(ids, bounds):
             merge_plans([self.plan(src, dst) for src, dst in read])  # the first bad request's error
             raise AssertionError("a bad batch passed the per-request checks")

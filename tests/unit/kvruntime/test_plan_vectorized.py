@@ -216,6 +216,17 @@ def test_a_batch_is_planned_as_its_requests_one_by_one(batch):
     assert merged.runs == tuple(r for p in want for r in p.runs)  # no run spans two requests
 
 
+def test_a_batch_mixing_integer_arrays_keeps_its_ids_exact():
+    big = 2**53 + 1  # not a float64; refused as out of range, by its own value
+    _plans, merged = Planner(LAYOUT).plan_many([
+        (np.array([1, 2], np.uint64), np.array([3, 4], np.int32)),
+        ([7], np.array([9], np.int16))])
+    assert merged.block_ids()[0].dtype == np.int64
+    assert [a.tolist() for a in merged.block_ids()] == [[1, 2, 7], [3, 4, 9]]
+    with pytest.raises(PlanError, match=f"source block id {big} is outside"):
+        Planner(LAYOUT).plan_many([(np.array([big], np.uint64), [1]), (np.array([2], np.int64), [3])])
+
+
 def test_two_requests_may_read_one_block_but_not_write_one():
     planner = Planner(LAYOUT)
     plans, merged = planner.plan_many([([1, 2], [3, 4]), ([2], [5])])
