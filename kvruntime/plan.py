@@ -263,6 +263,8 @@ class Planner:
             raise PlanError("a request must name at least one block")
         if len(run_src) != r or len(run_dst) != r:
             raise PlanError(f"{r} run counts but {len(run_src)} source and {len(run_dst)} destination starts")
+        if r == 1:  # one run (a contiguous push): the same checks on three Python ints
+            return self._plan_one_run(int(run_src[0]), int(run_dst[0]), int(counts[0]))
         if counts.min() < 1:
             i = int(np.argmax(counts < 1))
             raise PlanError(f"run {i} names {int(counts[i])} blocks; a run names at least one")
@@ -344,6 +346,20 @@ class Planner:
             seen[keys] = True
             return np.count_nonzero(seen) == n
         return len(np.unique(keys)) == n
+
+    def _plan_one_run(self, src: int, dst: int, count: int) -> TransferPlan:
+        if count < 1:
+            raise PlanError(f"run 0 names {count} blocks; a run names at least one")
+        for side, start, limit in (("source", src, self.src_layout.num_blocks),
+                                   ("destination", dst, self.dst_layout.num_blocks)):
+            if start < 0 or start + count > limit:  # Python ints: no overflow
+                raise PlanError(f"{side} run of {count} blocks at {start} reaches outside "
+                                f"0..{limit - 1}")
+        ids = np.empty((2, count), dtype=np.int64)
+        ids[0] = np.arange(src, src + count)
+        ids[1] = np.arange(dst, dst + count)
+        run = np.array([[src], [dst], [count]], dtype=np.int64)
+        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], run[0], run[1], run[2])
 
     def _refuse(self, ids: np.ndarray) -> None:
         """Raise PlanError naming the first bad id, source side first, in request order."""
