@@ -267,7 +267,7 @@ class Planner:
             return self._plan_one_run(int(run_src[0]), int(run_dst[0]), int(counts[0]))
         if counts.min() < 1:
             i = int(np.argmax(counts < 1))
-            raise PlanError(f"run {i} names {int(counts[i])} blocks; a run names at least one")
+            raise _short_run(i, int(counts[i]))
         sides = (("source", np.asarray(run_src, dtype=np.int64), self.src_layout.num_blocks),
                  ("destination", np.asarray(run_dst, dtype=np.int64), self.dst_layout.num_blocks))
         for side, starts, limit in sides:
@@ -275,8 +275,7 @@ class Planner:
             outside = (starts < 0) | (counts > limit) | (starts > limit - np.minimum(counts, limit))
             if outside.any():
                 i = int(np.argmax(outside))
-                raise PlanError(f"{side} run of {int(counts[i])} blocks at {int(starts[i])} reaches outside "
-                                f"0..{limit - 1}")
+                raise _outside_run(side, int(counts[i]), int(starts[i]), limit)
             order = np.argsort(starts, kind="stable")
             first, ends = starts[order], (starts + counts)[order]
             overlap = first[1:] < ends[:-1]
@@ -349,12 +348,11 @@ class Planner:
 
     def _plan_one_run(self, src: int, dst: int, count: int) -> TransferPlan:
         if count < 1:
-            raise PlanError(f"run 0 names {count} blocks; a run names at least one")
+            raise _short_run(0, count)
         for side, start, limit in (("source", src, self.src_layout.num_blocks),
                                    ("destination", dst, self.dst_layout.num_blocks)):
             if start < 0 or start + count > limit:  # Python ints: no overflow
-                raise PlanError(f"{side} run of {count} blocks at {start} reaches outside "
-                                f"0..{limit - 1}")
+                raise _outside_run(side, count, start, limit)
         ids = np.empty((2, count), dtype=np.int64)
         ids[0] = np.arange(src, src + count)
         ids[1] = np.arange(dst, dst + count)
@@ -366,6 +364,14 @@ class Planner:
         _check_ids("source", ids[0], self.src_layout.num_blocks)
         _check_ids("destination", ids[1], self.dst_layout.num_blocks)
         raise AssertionError("a bad request passed the per-side checks")
+
+
+def _short_run(i: int, count: int) -> PlanError:
+    return PlanError(f"run {i} names {count} blocks; a run names at least one")
+
+
+def _outside_run(side: str, count: int, start: int, limit: int) -> PlanError:
+    return PlanError(f"{side} run of {count} blocks at {start} reaches outside 0..{limit - 1}")
 
 
 def make_plan(
