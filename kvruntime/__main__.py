@@ -66,6 +66,8 @@ def _selftest(args, out) -> int:
                 say(f"FAIL {m['mode']:28} {m.get('reason')}")
         if report.get("error"):
             print(f"error: {report['error']}", file=sys.stderr)
+        if report.get("id_reader"):
+            say(f"block-id lists: {report['id_reader']}")
         say(("OK" if report.get("ok") else "FAILED") + f" in {report.get('seconds')} s "
               f"(NIXL module: {report.get('nixl_module')})")
     if report.get("ok"):
@@ -166,6 +168,8 @@ def _bench(args, out) -> int:
             later = hs["median_later"]
             say(f"handshake ms ({kind}): first {hs['first']:.1f}"
                 + (f", median later {later:.1f}" if later is not None else ""))
+        if report.get("id_reader"):
+            say(f"block-id lists: {report['id_reader']}")
         if report.get("device"):
             say(f"device: {report['device']}; reference: "
                 f"{(report.get('results') or [{}])[0].get('ref')}")

@@ -18,6 +18,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from . import native
 from .layout import KVLayout
 from .memory import HostBuffer, device_unavailable, thp_mode
 from .plan import make_plan
@@ -147,6 +148,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         options["staging_blocks"] = -(-max(cfg.sizes_mib) * 1024 // cfg.block_kib) + 1
     added = prepare_process(options)  # this process is the decode side: UCX before NIXL
     report["ucx_env"] = ucx_environment()  # what the figures ran under (both sides)
+    report["id_reader"] = native.status()  # block-id lists: the native scan, or array('q')
     from .transports import describe
 
     report["ucx_policy"] = describe(added, report["ucx_env"], cfg.device)  # what, and why

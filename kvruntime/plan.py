@@ -22,6 +22,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from . import native
 from .errors import PlanError
 from .layout import KVLayout
 
@@ -49,10 +50,16 @@ def _read_ids(name: str, ids) -> np.ndarray:
     CPU torch tensors. Bools, floats, strings and anything else are refused (a list mixing
     bools into ints is read as numpy reads it: as 0 and 1)."""
     if type(ids) is list and ids and type(ids[0]) is not bool:
-        # a list of ints (what engines pass) through array's C loop, which takes only what
-        # has __index__ (numpy's reading first discovers the type, a second pass): 4096 ids
-        # 206 -> 152 µs on the 2-core VM. Bools after an int are 0 and 1 either way; a list
-        # that starts with one goes to numpy, which refuses an all-bool list.
+        # a list of plain ints (what engines pass) in one C pass (native.py) where it could be
+        # built, else through array's C loop, which takes only what has __index__ (numpy's
+        # reading first discovers the type, a second pass): 4096 ids 206 -> 152 µs on the
+        # 2-core VM. Bools after an int are 0 and 1 either way; a list that starts with one
+        # goes to numpy, which refuses an all-bool list.
+        scan = native.id_scan()
+        if scan is not None:
+            out = np.empty(len(ids), dtype=np.int64)
+            if scan(ids, out) is not None:
+                return out
         try:
             return np.frombuffer(array("q", ids), dtype=np.int64)
         except (TypeError, OverflowError):
@@ -225,24 +232,32 @@ class Planner:
         self._limits = np.array([[ns], [nd]], dtype=np.uint64)
         self._offsets = np.array([[0], [ns]], dtype=np.int64)  # one "seen" array, both sides
         self._slots = ns + nd
+        native.id_scan()  # built or loaded now (once a process), not in a request's time
 
     def plan(self, src_blocks, dst_blocks=None) -> TransferPlan:
         """Plan moving ``src_blocks`` into ``dst_blocks`` (lists of ints, integer numpy arrays
         or CPU tensors; the plan keeps its own copy). Refuses, before anything moves, an empty
         request, unequal lengths, and any id out of range or named twice on one side."""
-        src = _read_ids("source", src_blocks)
-        dst = src if dst_blocks is None else _read_ids("destination", dst_blocks)
-        n = len(src)
-        if not n:
-            raise PlanError("a request must name at least one block")
-        if len(dst) != n:
-            raise PlanError(f"{n} source blocks but {len(dst)} destination blocks")
-        ids = np.empty((2, n), dtype=np.int64)
-        ids[0], ids[1] = src, dst
-        # one comparison for both sides and both ends: a negative id, seen unsigned, is larger
-        # than any count
-        if np.count_nonzero(ids.view(np.uint64) >= self._limits):
-            self._refuse(ids)
+        ids = self._read_lists(src_blocks, dst_blocks)
+        if ids is None:
+            src = _read_ids("source", src_blocks)
+            dst = src if dst_blocks is None else _read_ids("destination", dst_blocks)
+            n = len(src)
+            if not n:
+                raise PlanError("a request must name at least one block")
+            if len(dst) != n:
+                raise PlanError(f"{n} source blocks but {len(dst)} destination blocks")
+            ids = np.empty((2, n), dtype=np.int64)
+            ids[0], ids[1] = src, dst
+            # one comparison for both sides and both ends: a negative id, seen unsigned, is
+            # larger than any count
+            if np.count_nonzero(ids.view(np.uint64) >= self._limits):
+                self._refuse(ids)
+        elif type(ids) is tuple:  # consecutive on both sides: one run, checked on its ends
+            ids, n = ids[0], ids[0].shape[1]
+            return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1],
+                                ids[0, :1], ids[1, :1], np.full(1, n, dtype=np.int64))
+        n = ids.shape[1]
         runs = _run_arrays(ids)
         if len(runs[2]) > 1:  # one run names distinct ids on both sides by construction
             seen = np.zeros(self._slots, dtype=np.bool_)
@@ -250,6 +265,34 @@ class Planner:
             if np.count_nonzero(seen) != 2 * n:
                 self._refuse(ids)
         return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *runs)
+
+    def _read_lists(self, src_blocks, dst_blocks):
+        """Lists of plain ints read by the native scan (native.py), their ranges checked on
+        the lowest and highest id it saw: the 2 x n ids, or ``(ids,)`` when both sides are
+        consecutive (one run). None: not such lists, or no native scan; ``plan`` reads them
+        its general way (and words any refusal)."""
+        scan = native.id_scan()
+        if scan is None or type(src_blocks) is not list or (
+                dst_blocks is not None and type(dst_blocks) is not list):
+            return None
+        n = len(src_blocks)
+        if not n or (dst_blocks is not None and len(dst_blocks) != n):
+            return None
+        ids = np.empty((2, n), dtype=np.int64)
+        s = scan(src_blocks, ids[0])
+        if s is None:
+            return None
+        if dst_blocks is None:
+            ids[1] = ids[0]
+            d = s
+        else:
+            d = scan(dst_blocks, ids[1])
+            if d is None:
+                return None
+        if (s[0] < 0 or s[1] >= self.src_layout.num_blocks or d[0] < 0
+                or d[1] >= self.dst_layout.num_blocks):
+            self._refuse(ids)
+        return (ids,) if s[2] and d[2] else ids
 
     def plan_runs(self, run_src, run_dst, run_count) -> TransferPlan:
         """A request named by its runs (a peer's plan, sent by a push): ``run_count[i]``

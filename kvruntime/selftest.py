@@ -15,6 +15,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
+from . import native
 from .layout import CROSS_LAYER, PER_LAYER, KVLayout
 from .memory import device_unavailable
 from .roles import allocate_cache, device_of, prefill_main, prepare_process, reap
@@ -333,6 +334,8 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
     try:
         workers = at_once or _pairs_at_once(len(jobs))
         report["pairs_at_once"] = workers
+        # block-id lists read natively or by array('q'): built here, once, before the pairs load it
+        report["id_reader"] = native.status()
         with ThreadPoolExecutor(max_workers=workers) as pool:
             done = dict(zip([n for n, _ in jobs], pool.map(lambda job: _run_pair(*job[1]), jobs)))
         host = done["host"]

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvruntime import native
 from kvruntime.errors import PlanError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.plan import Planner, make_plan, merge_plans
@@ -54,6 +55,18 @@ def reference_indices(runs, regions, ns, nd, split):
                 src_idx.extend(range(region * ns + rs + off, region * ns + rs + off + cnt))
                 dst_idx.extend(range(region * nd + rd + off, region * nd + rd + off + cnt))
     return src_idx, dst_idx
+
+
+@pytest.fixture(scope="module", autouse=True, params=["native", "array"])
+def id_reader(request):
+    """Every test here twice: lists read by the native scan (native.py), and by array('q') as
+    on a host without a C compiler; the plans and the refusals must be the same."""
+    if request.param == "native" and native.id_scan() is None:
+        pytest.skip(f"native id reader: {native.status()}")
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "array":
+            mp.setattr(native, "_state", {"scan": None, "how": "off (test)"})
+        yield request.param
 
 
 def lay(kind, blocks, layers=2):
@@ -135,12 +148,30 @@ LAYOUT = KVLayout(CROSS_LAYER, 2, 10, 16, 4, 32, "float16")
     ([1, None], None, "source block ids must be integers, got ids read as object"),
     (np.zeros(0, np.int64), None, "a request must name at least one block"),
     ([1, 2, 3], [4, 5], "3 source blocks but 2 destination blocks"),
+    # lists of plain ints, consecutive or not (the native reader's one-run and general paths)
+    (list(range(8, 11)), None, "source block id 10 is outside 0..9"),
+    ([-1, 0], None, "source block id -1 is outside 0..9"),
+    ([1, 2], [9, 10], "destination block id 10 is outside 0..9"),
+    ([5, 3, 5], [0, 1, 2], "source block id 5 appears twice in one request"),
+    ([1, 2], [2 ** 63 - 1, 0], "destination block id 9223372036854775807 is outside 0..9"),
+    ([1, 2.5], None, "source block ids must be integers, got ids read as float64"),
+    ([], [], "a request must name at least one block"),
 ])
 def test_bad_ids_refused_with_one_line(src, dst, line):
     with pytest.raises(PlanError) as info:
         make_plan(LAYOUT, src, None, dst)
     assert str(info.value) == line
     assert "\n" not in str(info.value)
+
+
+def test_consecutive_lists_are_one_run_and_keep_their_ids():
+    plan = make_plan(LAYOUT, [2, 3, 4], None, [7, 8, 9])
+    assert plan.runs == ((2, 7, 3),) and plan.num_runs == 1
+    assert [a.tolist() for a in plan.block_ids()] == [[2, 3, 4], [7, 8, 9]]
+    same = make_plan(LAYOUT, [4, 5])
+    assert same.runs == ((4, 4, 2),) and same.block_ids()[1].tolist() == [4, 5]
+    bools = make_plan(LAYOUT, [3, True])  # read as numpy reads it: 3, 1
+    assert bools.block_ids()[0].tolist() == [3, 1]
 
 
 def test_torch_tensors_are_ids():

@@ -1,0 +1,140 @@
+"""The native block-id reader (kvruntime/csrc/idscan.c, built by native.py): it reads what
+``array('q')`` reads, says None for everything else, and is built, cached, refused and switched
+off as native.py promises. Real compiler, real builds into a temporary cache."""
+
+import os
+import shutil
+import stat
+import sys
+import sysconfig
+from array import array
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvruntime import native
+
+HAVE_TOOLS = shutil.which("cc") is not None and os.path.isfile(
+    os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+needs_tools = pytest.mark.skipif(not HAVE_TOOLS, reason="no cc or no Python.h on this host")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("KVRUNTIME_CACHE_DIR", str(folder))
+    monkeypatch.delenv("KVRUNTIME_NATIVE", raising=False)
+    monkeypatch.delenv("CC", raising=False)
+    return folder
+
+
+@needs_tools
+def test_built_once_then_loaded_from_the_cache(cache):
+    scan, how = native._load()
+    assert scan is not None and how.startswith("built ")
+    (lib,) = cache.glob("_kvr_idscan-*.so")
+    first = lib.stat().st_mtime_ns
+    scan, how = native._load()
+    assert scan is not None and how == f"loaded {lib}"
+    assert lib.stat().st_mtime_ns == first
+    assert stat.S_IMODE(cache.stat().st_mode) & 0o022 == 0
+
+
+def test_off_when_switched_off(cache, monkeypatch):
+    monkeypatch.setenv("KVRUNTIME_NATIVE", "0")
+    assert native._load() == (None, "off (KVRUNTIME_NATIVE=0): block-id lists are read by "
+                                    "array('q')")
+
+
+def test_off_without_a_compiler(cache, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    scan, how = native._load()
+    assert scan is None and how.startswith("off: no C compiler (/nonexistent/cc)")
+    assert not cache.exists() or not list(cache.iterdir())
+
+
+def test_a_failed_build_says_why_and_keeps_its_log(cache, monkeypatch, tmp_path):
+    cc = tmp_path / "badcc"
+    cc.write_text("#!/bin/sh\necho 'idscan.c:1: error: this compiler refuses everything' >&2\n"
+                  "exit 1\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    scan, how = native._load()
+    assert scan is None
+    assert "failed (idscan.c:1: error: this compiler refuses everything); log: " in how
+    log = how.rsplit("log: ", 1)[1]
+    assert "refuses everything" in open(log).read()
+    assert not list(cache.glob("*.so")) and not list(cache.glob(".*.so"))  # nothing half-built
+
+
+@needs_tools
+def test_a_cache_others_can_write_is_not_used(cache):
+    cache.mkdir(mode=0o700)
+    cache.chmod(0o777)
+    scan, how = native._load()
+    assert scan is None and how == (f"off: {cache} is writable by others (mode 777); "
+                                    f"chmod go-w it")
+    cache.chmod(0o700)
+    assert native._load()[0] is not None
+    (lib,) = cache.glob("_kvr_idscan-*.so")
+    lib.chmod(0o777)  # a library someone else could have replaced
+    scan, how = native._load()
+    assert scan is None and "is writable by others" in how
+
+
+@pytest.fixture(scope="module")
+def scan():
+    if not HAVE_TOOLS:
+        pytest.skip("no cc or no Python.h on this host")
+    fn = native.id_scan()
+    assert fn is not None, native.status()
+    return fn
+
+
+class Sub(int):
+    pass
+
+
+items = st.one_of(st.integers(-2 ** 63, 2 ** 63 - 1), st.integers(-10, 10),
+                  st.integers(2 ** 63, 2 ** 70), st.booleans(), st.floats(0, 10),
+                  st.integers(0, 9).map(Sub), st.integers(0, 9).map(np.int64))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.one_of(st.lists(items, max_size=12),
+                 st.integers(-5, 2 ** 63 - 20).flatmap(
+                     lambda a: st.integers(1, 12).map(lambda n: list(range(a, a + n)))),
+                 st.lists(st.integers(-3, 3), min_size=1, max_size=8)))
+def test_scan_reads_what_array_reads_and_nothing_else(scan, ids):
+    out = np.full(len(ids) + 1, 7, dtype=np.int64)
+    got = scan(ids, out)
+    plain = bool(ids) and all(type(v) is int and -2 ** 63 <= v < 2 ** 63 for v in ids)
+    if not plain:
+        assert got is None
+        return
+    assert out[:-1].tolist() == array("q", ids).tolist() and out[-1] == 7
+    consecutive = all(b == a + 1 for a, b in zip(ids, ids[1:]))
+    assert got == (min(ids), max(ids), consecutive)
+
+
+def test_scan_refuses_a_short_or_odd_buffer(scan):
+    with pytest.raises(ValueError, match="len\\(ids\\) 8-byte items"):
+        scan([1, 2, 3], np.zeros(2, np.int64))
+    with pytest.raises(ValueError, match="8-byte items"):
+        scan([1, 2], np.zeros(4, np.int32))
+    with pytest.raises(BufferError):
+        scan([1], bytes(8))  # read-only
+    assert scan((1, 2), np.zeros(2, np.int64)) is None  # a tuple: the general reader's
+    assert scan([], np.zeros(0, np.int64)) is None
+
+
+def test_a_long_list_is_read_whole_and_its_items_left_as_they_were(scan):
+    ids = list(range(10 ** 6, 10 ** 6 + 5000))
+    out = np.empty(5000, np.int64)
+    refs = [sys.getrefcount(ids[i]) for i in (0, 4999)]
+    for _ in range(3):
+        assert scan(ids, out) == (10 ** 6, 10 ** 6 + 4999, True)
+    assert [sys.getrefcount(ids[i]) for i in (0, 4999)] == refs  # no reference taken or lost
+    assert np.array_equal(out, np.arange(10 ** 6, 10 ** 6 + 5000))
