@@ -68,7 +68,11 @@ step "containers: inside the cpu image: installer verify, kvruntime selftest (tw
 # cma (process_vm_readv) needs CAP_SYS_PTRACE under docker's default seccomp profile
 docker run --rm --network none --cap-add SYS_PTRACE "$tag" bash -c \
   'source /opt/kvstack/env.sh && python -m installer verify --prefix /opt/kvstack && python -m kvruntime selftest' |
-  grep -vE '^SKIP (cuda|xpu)/'
+  grep -vE '^SKIP (cuda|xpu)/' | tee _work/ci-image-selftest.txt
+# the runtime stage has no compiler: the id reader must be the one the build stage cached
+grep -q '^block-id lists: loaded /opt/kvruntime-cache/' _work/ci-image-selftest.txt || {
+  echo "error: kvruntime in the image did not load the block-id reader built in its build stage:" \
+       "$(grep '^block-id lists:' _work/ci-image-selftest.txt || echo 'no line')" >&2; exit 1; }
 
 step "containers: installer image through the Docker SDK (tests/integration/containers)"
 "$PY" -m pytest -p no:cacheprovider -q tests/integration/containers

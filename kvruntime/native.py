@@ -1,15 +1,17 @@
 """kvruntime's one native helper, ``csrc/idscan.c``: block-id lists read in one C pass.
 
 Built on first use with the host's C compiler against this Python's headers, the way Triton
-builds its launchers, and kept in a per-user cache keyed by the source, the Python and the
-compiler; a later process loads it in about a millisecond. Where no compiler or no headers are
-found, or ``KVRUNTIME_NATIVE=0``, it is off and plan.py reads lists through ``array('q')``:
-slower, same results (tests/unit/test_native.py holds both to that).
+builds its launchers, and kept in a cache keyed by the source and the Python (version and ABI:
+the library calls nothing but Python's C API); a later process loads it in about a millisecond,
+with or without a compiler. So an image builds it once where compilers are and carries the
+cache to where they are not (Containerfile). Where it is neither cached nor buildable, or
+``KVRUNTIME_NATIVE=0``, it is off and plan.py reads lists through ``array('q')``: slower, same
+results (tests/unit/kvruntime/test_native.py holds both to that).
 
 The cache is ``$KVRUNTIME_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvruntime``, else
-``~/.cache/kvruntime``. A library there is loaded only when this user owns it and its folder
-and neither is writable by anyone else: whoever can replace it could run code in every process
-that plans a transfer.
+``~/.cache/kvruntime``. A library there is loaded only when it and its folder belong to this
+user or to root and neither is writable by anyone else: whoever can replace it could run code
+in every process that plans a transfer.
 """
 
 from __future__ import annotations
@@ -75,34 +77,34 @@ def _load():
         source = SOURCE.read_bytes()
     except OSError as exc:
         return None, f"off: cannot read {SOURCE} ({exc.strerror})"
-    compiler = shlex.split(os.environ.get("CC") or "cc")
-    found = shutil.which(compiler[0]) if compiler else None
-    include = sysconfig.get_paths().get("include") or ""
-    if found is None:
-        return None, (f"off: no C compiler ({compiler[0] if compiler else 'CC is empty'}); "
-                      f"install one (e.g. apt-get install gcc) to read block-id lists faster")
-    if not os.path.isfile(os.path.join(include, "Python.h")):
-        return None, (f"off: no Python.h under {include or '?'}; install this Python's headers "
-                      f"(e.g. apt-get install python3-dev) to read block-id lists faster")
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    key = hashlib.sha256(b"\0".join([
-        source, sys.version.encode(), suffix.encode(), include.encode(),
-        " ".join([os.path.realpath(found), *compiler[1:]]).encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([source, sys.version.encode(), suffix.encode()])).hexdigest()[:16]
     folder = cache_dir()
     target = folder / f"{MODULE}-{key}{suffix}"
     try:
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        why = _untrusted(folder)
-        if why:
-            return None, f"off: {why}"
-        if not target.exists():
+        if target.exists():
+            how = f"loaded {target}"
+        else:
+            compiler = shlex.split(os.environ.get("CC") or "cc")
+            found = shutil.which(compiler[0]) if compiler else None
+            include = sysconfig.get_paths().get("include") or ""
+            if found is None:
+                return None, (f"off: no C compiler ({compiler[0] if compiler else 'CC is empty'}) "
+                              f"and no {target.name} in {folder}; install one (e.g. apt-get "
+                              f"install gcc) to read block-id lists faster")
+            if not os.path.isfile(os.path.join(include, "Python.h")):
+                return None, (f"off: no Python.h under {include or '?'}; install this Python's "
+                              f"headers (e.g. apt-get install python3-dev) to read block-id "
+                              f"lists faster")
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            why = _untrusted(folder)
+            if why:
+                return None, f"off: {why}"
             built = _build([found, *compiler[1:]], include, folder, target)
             if built is not None:
                 return None, built
             how = f"built {target}"
-        else:
-            how = f"loaded {target}"
-        why = _untrusted(target)
+        why = _untrusted(folder) or _untrusted(target)
         if why:
             return None, f"off: {why}"
         spec = importlib.util.spec_from_file_location(
@@ -143,8 +145,8 @@ def _build(cc: list, include: str, folder: Path, target: Path) -> str | None:
 def _untrusted(path: Path) -> str | None:
     """Why ``path`` must not be loaded from (or built into), or None."""
     st = path.stat()
-    if st.st_uid != os.getuid():
-        return f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    if st.st_uid not in (os.getuid(), 0):
+        return f"{path} belongs to uid {st.st_uid}, neither this user ({os.getuid()}) nor root"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); chmod go-w it"
     return None

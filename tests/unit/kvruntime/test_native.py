@@ -42,6 +42,38 @@ def test_built_once_then_loaded_from_the_cache(cache):
     assert stat.S_IMODE(cache.stat().st_mode) & 0o022 == 0
 
 
+@needs_tools
+def test_a_cached_library_needs_no_compiler(cache, monkeypatch):
+    """How an image carries it: built where compilers are, loaded where they are not."""
+    assert native._load()[0] is not None
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    scan, how = native._load()
+    assert scan is not None and how.startswith(f"loaded {cache}/_kvr_idscan-")
+
+
+@needs_tools
+def test_another_source_is_another_library(cache, monkeypatch, tmp_path):
+    assert native._load()[0] is not None
+    changed = tmp_path / "csrc" / "idscan.c"
+    changed.parent.mkdir()
+    changed.write_text(native.SOURCE.read_text() + "\n/* a change */\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    scan, how = native._load()
+    assert scan is not None and how.startswith("built ")
+    assert len(list(cache.glob("_kvr_idscan-*.so"))) == 2
+
+
+@needs_tools
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_library_of_another_user_is_not_loaded(cache):
+    assert native._load()[0] is not None
+    (lib,) = cache.glob("_kvr_idscan-*.so")
+    os.chown(lib, 12345, 12345)
+    scan, how = native._load()
+    assert scan is None
+    assert how == f"off: {lib} belongs to uid 12345, neither this user (0) nor root"
+
+
 def test_off_when_switched_off(cache, monkeypatch):
     monkeypatch.setenv("KVRUNTIME_NATIVE", "0")
     assert native._load() == (None, "off (KVRUNTIME_NATIVE=0): block-id lists are read by "
