@@ -328,7 +328,8 @@ def _staging_copies(pool, layout, rnd, cfg) -> dict:
 
 def _bare_read(peer, src, dst, split) -> float:
     """Seconds of a NIXL READ of the same descriptors driven directly (prepped lists made
-    once, as kvruntime has them): make_prepped_xfer, transfer, check_xfer_state until DONE."""
+    once, as kvruntime has them; no notification, as kvruntime posts it): make_prepped_xfer,
+    transfer, check_xfer_state until DONE."""
 
     client = peer.client
     nixl = client.agent.nixl
@@ -336,8 +337,7 @@ def _bare_read(peer, src, dst, split) -> float:
     src_idx, dst_idx = plan.nixl_indices(peer.read_split(plan) if split is None else split)
     local, remote = client.registration.local_dlist, client.registration.peer_dlist(peer.agent)
     t = time.perf_counter()
-    # the same notification kvruntime's READ carries (the prefill ignores this one's prefix)
-    handle = nixl.make_prepped_xfer("READ", local, dst_idx, remote, src_idx, b"kvr:bare:0")
+    handle = nixl.make_prepped_xfer("READ", local, dst_idx, remote, src_idx, b"")
     state = nixl.transfer(handle)
     while state == "PROC":
         state = nixl.check_xfer_state(handle)

@@ -14,6 +14,7 @@ is not trusted with new requests until it settles or is reconnected.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import replace
@@ -27,9 +28,10 @@ if TYPE_CHECKING:
     from .decode import PrefillPeer
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
-# wait(): poll without sleeping this long (a short request ends within it: a sleep costs ~60 µs
-# of timer slack, more than the whole host cost of a request), then nap, doubling up to a cap
-SPIN_SECONDS = 0.0005
+# wait(): poll without sleeping this long, yielding the core and the GIL between polls (a sleep
+# ends its timer slack late, ~50 µs, naps.py: a nap after the spin was up to a quarter of a
+# 1 GiB READ's time on the H100 VM), then nap, doubling up to a cap
+SPIN_SECONDS = 0.002
 NAP_FIRST, NAP_MAX = 0.00002, 0.0002
 
 
@@ -81,10 +83,10 @@ class TransferHandle:
         running (a ``TransferTimeout`` means the request itself missed its deadline)."""
         until = None if timeout is None else time.monotonic() + timeout
         own_thread = getattr(self._xfer, "block", None)  # a copy that a thread of ours runs
-        # spin first where our polls drive the copy (a READ, a staged copy's READs); not where
-        # another thread of ours needs the GIL, nor where the prefill does all the work (a push
-        # over NIXL: on a 2-core host a spinning decode takes the core the prefill needs)
-        spins = own_thread is None and self._xfer is not None
+        # spin first, yielding, where our polls drive the transfer: a READ, a staged copy's
+        # READs, and a push, whose WRITE completes only as our UCX worker progresses (a nap
+        # held it back); not where a thread of ours runs the copy (it has its own wait)
+        spins = own_thread is None
         spin_until = time.perf_counter() + (SPIN_SECONDS if spins else 0.0)
         nap = NAP_FIRST
         while self.poll() == PENDING:
@@ -92,6 +94,7 @@ class TransferHandle:
                 raise WaitTimeout(f"{self.op} request {self.request_id} still in flight after "
                                   f"{timeout:.3f}s (its own deadline is {self.timeout:.3f}s)")
             if time.perf_counter() < spin_until:
+                os.sched_yield()
                 continue
             # a long request: give a core back to UCX's progress and the peer (2-core hosts),
             # napping longer the longer it runs, but waking as soon as what we wait for ends
@@ -151,7 +154,9 @@ class TransferHandle:
             xfer.finish()
             # its clock started at the caller's start (_attach): planning and the launch count
             self._finish(xfer.result())
-            if not nixl:  # NIXL's READ notifies the prefill itself; a local copy tells it here
+            if nixl:  # a READ carries no notification (decode.py): the prefill is told here
+                self.peer._send_release([self.request_id])
+            else:
                 xfer.release(self.peer, self.request_id)
         elif state == "ERR":
             xfer.finish()
