@@ -49,6 +49,7 @@ from .transfer import PostedTransfer, Rows, TransferResult, parse_notification
 
 log = logging.getLogger("kvruntime")
 _request_ids = itertools.count()
+RELEASE_FRAME_IDS = 1024  # request ids a release frame names at most (frames stay small)
 # How long a prefill may leave a cancel unanswered before its peer is treated as unusable.
 SETTLE_SECONDS = 5.0
 
@@ -72,6 +73,9 @@ class PrefillPeer:
         self._pending: dict[str, TransferHandle] = {}  # request id -> handle awaiting frames
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
+        # requests done here whose blocks the prefill may free, sent by _flush_releases
+        self._releases: list[str] = []
+        self._releases_lock = threading.Lock()
         self._engine = None  # a same-node engine (samenode.py) when one serves this peer
         # host-staged and on this host: the engine that copies its pool's runs into ours
         self._pool_engine = None
@@ -279,14 +283,25 @@ class PrefillPeer:
         self.client._track(handle)
         return handle
 
-    def _send_release(self, request_ids: list) -> None:
-        """Tell the prefill that same-node copies of ``request_ids`` are done: it may free
-        their blocks (one frame for a batch's requests)."""
-        try:
-            self._send({"type": "release", "requests": request_ids})
-        except KVRuntimeError as exc:
-            log.warning("%s: telling the prefill to free requests %s: %s", self.name,
-                        ", ".join(request_ids), exc)
+    def _release_later(self, request_ids: list) -> None:
+        """``request_ids`` are done here (a pull's READ, a same-node copy): the prefill may
+        free their blocks. Sent by the next ``_flush_releases``, which every poll of a handle
+        and every ``get_finished`` ends with: requests seen done together go in one frame."""
+        with self._releases_lock:
+            self._releases.extend(request_ids)
+
+    def _flush_releases(self) -> None:
+        if not self._releases:
+            return
+        with self._releases_lock:
+            ids, self._releases = self._releases, []
+        for i in range(0, len(ids), RELEASE_FRAME_IDS):
+            chunk = ids[i:i + RELEASE_FRAME_IDS]
+            try:
+                self._send({"type": "release", "requests": chunk})
+            except KVRuntimeError as exc:
+                log.warning("%s: telling the prefill to free requests %s: %s", self.name,
+                            ", ".join(chunk), exc)
 
     def pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
              timeout: float = 30.0, split: int | None = None) -> TransferResult:
@@ -467,6 +482,8 @@ class PrefillPeer:
     def close(self) -> None:
         if self.closed:
             return
+        if not self._losing:  # what finished before the close still frees its blocks there
+            self._flush_releases()
         self.closed = True
         for handle in [h for h in self.client._inflight_handles() if h.peer is self]:
             handle._on_peer_lost(self._broken or "the connection was closed")
@@ -643,6 +660,8 @@ class DecodeClient:
             handle._advance()
             if handle.state != PENDING:
                 finished.append(handle)
+        for peer in {h.peer for h in finished}:  # one release frame a peer for all of them
+            peer._flush_releases()
         with self._lock:
             for handle in finished:
                 self._inflight.pop(id(handle), None)

@@ -75,6 +75,7 @@ class TransferHandle:
             self._advance()
             if self.state == FAILED and not self.uses_peer:
                 self.peer._pump()  # a failed copy: notice at once if the peer's connection died
+            self.peer._flush_releases()
         return self.state
 
     def wait(self, timeout: float | None = None) -> TransferResult:
@@ -155,7 +156,7 @@ class TransferHandle:
             # its clock started at the caller's start (_attach): planning and the launch count
             self._finish(xfer.result())
             if nixl:  # a READ carries no notification (decode.py): the prefill is told here
-                self.peer._send_release([self.request_id])
+                self.peer._release_later([self.request_id])
             else:
                 xfer.release(self.peer, self.request_id)
         elif state == "ERR":

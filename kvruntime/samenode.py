@@ -208,7 +208,7 @@ class CopyJob:
 
     def release(self, peer, request_id: str) -> None:
         """The copy of ``request_id`` is done: tell the prefill it may free the blocks."""
-        peer._send_release([request_id])
+        peer._release_later([request_id])
 
     def abort(self) -> bool:
         """A local copy cannot be stopped; True once it has ended (then nothing writes)."""
@@ -304,7 +304,7 @@ class BatchRelease:
         with self._lock:
             ids, self._ids = self._ids, None
         if ids:
-            peer._send_release(ids)
+            peer._release_later(ids)
 
 
 class SharedJob:

@@ -235,6 +235,48 @@ def test_release_ids_are_per_peer_consumed_and_collected():
         c.close()
 
 
+@pytest.mark.parametrize("engine", ["nixl", "samenode"])
+def test_requests_collected_together_release_in_one_frame(engine, monkeypatch):
+    """get_finished hands back the requests that finished since the last call, and the
+    prefill hears of all of one peer's in one release frame (a frame a request before), then
+    frees every one of them. A NIXL READ carries no notification: the frame is its release.
+    Prefill and decode in one process (real agents); the server's frames counted by type."""
+    layout = small()
+    src_cache, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src_cache.fill_random(4)
+    seen = []
+    handle = PrefillServer._handle
+
+    def counted(self, peer, message):
+        seen.append(message.get("type"))
+        return handle(self, peer, message)
+
+    monkeypatch.setattr(PrefillServer, "_handle", counted)
+    with PrefillServer(src_cache) as server, DecodeClient(dst, engine=engine) as client:
+        peer = client.connect(*server.address)
+        ids = [f"r{i}" for i in range(8)]
+        for i, r in enumerate(ids):
+            peer.start_pull([i], [i], request_id=r)
+        time.sleep(0.5)  # the copies end meanwhile; nothing has polled them
+        finished, batches, deadline = [], 0, time.monotonic() + 30
+        while len(finished) < 8 and time.monotonic() < deadline:
+            got = client.get_finished()
+            finished += got
+            batches += bool(got)
+        assert sorted(h.request_id for h in finished) == ids and all(h.ok for h in finished)
+        released = []
+        while len(released) < 8 and time.monotonic() < deadline:
+            released += server.get_released()
+            time.sleep(0.01)
+        assert sorted(released) == sorted((client.agent.name, r) for r in ids)
+        assert batches < 8  # requests were collected together (else this proves nothing)
+        assert seen.count("release") == batches, seen
+        assert [src_cache.block_digest(i) for i in range(8)] == \
+            [dst.block_digest(i) for i in range(8)]
+    for c in (src_cache, dst):
+        c.close()
+
+
 def test_an_idle_connection_stays_open_past_the_servers_timeout():
     """Before: the prefill's reads 'without timeout' inherited the 5 s its own replies set on
     the socket, so a decode idle for 5 s (while it served another peer) found its connection
