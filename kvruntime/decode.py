@@ -45,7 +45,7 @@ from .samenode import (ENGINES, BatchRelease, SameNodeUnavailable, SharedJob, ho
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import head_rows
-from .transfer import PostedTransfer, Rows, TransferResult, parse_notification
+from .transfer import PostedTransfer, Rows, TransferResult
 
 log = logging.getLogger("kvruntime")
 _request_ids = itertools.count()
@@ -212,7 +212,8 @@ class PrefillPeer:
     def start_push(self, src_blocks, dst_blocks=None, request_id: str | None = None,
                    timeout: float = 30.0, split: int = 1) -> TransferHandle:
         """Ask the prefill side to WRITE its ``src_blocks`` into our ``dst_blocks``. Done when
-        the prefill's reply and the WRITE's notification (proof the data landed) are both in."""
+        the prefill's reply is in: it sends it once NIXL has flushed the WRITE (NIXL flushes
+        every connection of a transfer before calling it done), i.e. the data has landed."""
         t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
         if request_id in self._pending:
@@ -244,7 +245,7 @@ class PrefillPeer:
         request is checked as by ``start_pull``, and no destination block may appear in two of
         them. On the same-node engine the whole batch is one gather (one id upload, one launch
         per region): a request's host cost is then its planning alone. Over NIXL each request
-        is posted as its own READ (its notification frees its own blocks on the prefill).
+        is posted as its own READ (released by the poll that sees it done).
         """
         requests = list(requests)
         t0 = time.perf_counter()
@@ -432,13 +433,6 @@ class PrefillPeer:
             self._send({"type": "cancel", "request": handle.request_id})
         except KVRuntimeError:
             pass  # the connection is gone: nothing of ours is left on the prefill
-
-    def _on_notification(self, request: str) -> bool:
-        handle = self._pending.get(request)
-        if handle is None or handle.op != "push":
-            return False
-        handle._on_notification()
-        return True
 
     def _settled(self, handle: TransferHandle) -> None:
         """``handle`` expects nothing more from the prefill (finished, or failed and settled)."""
@@ -702,8 +696,9 @@ class DecodeClient:
             return list(self._inflight.values())
 
     def _pump_notifications(self) -> None:
-        """Hand the NIXL notifications that arrived (push WRITEs done) to their requests. This
-        call is also what makes our UCX worker progress while a prefill WRITEs into us."""
+        """Make our UCX worker progress: over a transport that needs the target's help (tcp),
+        a prefill's WRITE into us completes only as we call into the worker. Peers of protocol
+        6 send no notifications; any that come are only logged."""
         if not self._notif_lock.acquire(blocking=False):
             return
         try:
@@ -712,17 +707,9 @@ class DecodeClient:
             except KVRuntimeError as exc:
                 log.warning("polling notifications: %s", exc)
                 return
-            if not notifs:
-                return
-            by_agent = {p.agent: p for p in self._peers.values()}
-            for agent, messages in notifs.items():
-                agent = agent.decode() if isinstance(agent, bytes) else agent
-                peer = by_agent.get(agent)
-                for message in messages:
-                    request = parse_notification(message)
-                    if request is None or peer is None or not peer._on_notification(request):
-                        log.warning("notification %r from %s matches no push in flight "
-                                    "(a push that finished after its deadline?)", message, agent)
+            for agent, messages in (notifs or {}).items():
+                log.warning("ignoring %d NIXL notification(s) from %s: kvruntime peers answer "
+                            "by frame", len(messages), agent)
         finally:
             self._notif_lock.release()
 

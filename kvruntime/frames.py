@@ -27,7 +27,9 @@ HEADER = struct.Struct(">4sI")
 # 3: block ids travel packed (pack_ids), not as JSON lists.
 # 4: a push may name its blocks by runs (pack_runs) where that is shorter than its ids.
 # 5: a release names a list of requests (a same-node batch's, in one frame).
-PROTOCOL_VERSION = 5
+# 6: no NIXL notifications: a pull's READ is released by a frame, and a push is proved by the
+#    prefill's reply, sent once NIXL has flushed its WRITE (remote completion).
+PROTOCOL_VERSION = 6
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 

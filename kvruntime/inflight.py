@@ -57,9 +57,8 @@ class TransferHandle:
         self._lock = threading.Lock()
         self._xfer: PostedTransfer | None = None  # pull: our READ
         self._reply: dict | None = None  # push: the prefill's "pushed" frame
-        self._noted = False  # push: the WRITE's notification reached us
-        # whether progress needs the side channel and NIXL's notifications (a push, a staged
-        # copy); a READ or a same-node copy moves by polling its own transfer alone
+        # whether progress needs the side channel (a push, a staged copy); a READ or a
+        # same-node copy moves by polling its own transfer alone
         self.uses_peer = op == "push"
         self.reported = False
 
@@ -179,7 +178,7 @@ class TransferHandle:
                 self.peer._distrust(f"READ of request {self.request_id} could not be aborted")
 
     def _advance_push(self) -> None:
-        if self._reply is not None and self._noted:
+        if self._reply is not None:  # sent once NIXL flushed the WRITE: it has landed
             r = self._reply
             self._finish(TransferResult(
                 "WRITE", self.nbytes, time.perf_counter() - self.started,
@@ -195,7 +194,7 @@ class TransferHandle:
                 f"{self.timeout:.3f}s deadline; cancel sent (the prefill refuses the request "
                 f"once its deadline has passed)"), settled=False)
 
-    # -- events from the peer (frames, notifications) --------------------------------------------
+    # -- events from the peer (frames) ----------------------------------------------------------
     def _on_reply(self, message: dict) -> None:
         kind = message.get("type")
         if kind in ("staged", "stage_failed"):  # for the staged job this handle polls
@@ -215,10 +214,6 @@ class TransferHandle:
                 if self.state == PENDING:
                     self._fail(TransferError(f"prefill refused push of request "
                                              f"{self.request_id}: {message.get('error')}"))
-
-    def _on_notification(self) -> None:
-        with self._lock:
-            self._noted = True
 
     def _on_peer_lost(self, why: str) -> None:
         """The side channel broke: pending requests fail. A push's WRITE cannot outlive the

@@ -6,8 +6,10 @@ peer's agent, prepared list and WRITEs in flight; the server keeps serving the o
 
 Pushes are asynchronous here too: the connection thread posts the WRITE and goes back to
 reading, so one decode can keep many pushes in flight; a progress thread polls the WRITEs and
-answers each (``pushed`` or ``push_failed``) when it ends, and turns NIXL notifications
-(``kvr:free:<request>``) from decode READs into released request ids, per decode agent. A push
+answers each (``pushed`` or ``push_failed``) when it ends. Released request ids, per decode
+agent, come from the decodes' release frames (pulls and same-node copies) and from our own
+WRITEs that ended (pushes). No NIXL notification is sent or expected: one would keep a
+transfer from completing until the other side's UCX worker progressed. A push
 whose deadline (the decode's wall clock) has passed when it is read is refused, and a WRITE
 still running at its deadline is aborted: a decode told that a push failed never finds it
 written later.
@@ -36,13 +38,11 @@ from .samenode import NodeToken, serve_offer
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import HeadSlice, direct_slice, head_rows
-from .transfer import PostedTransfer, Rows, free_notification, parse_notification
+from .transfer import PostedTransfer, Rows
 
 log = logging.getLogger("kvruntime")
 
 
-# How long the progress loop keeps polling tightly after the last WRITE ended.
-LINGER_SECONDS = 0.005
 # Released request ids kept for wait_released/get_released when nobody collects them.
 RELEASED_KEPT = 65536
 
@@ -384,7 +384,7 @@ class PrefillServer:
                     raise KVRuntimeError(f"request {request!r} is already in flight")
                 xfer = PostedTransfer(self.agent, "WRITE", plan, self.registration.local_dlist,
                                       self.registration.peer_dlist(peer.agent), False,
-                                      free_notification(request), split, rows)
+                                      b"", split, rows)
                 self._writes[key] = _Write(peer, request, xfer,
                                            time.monotonic() + min(left, timeout))
         except KVRuntimeError as exc:
@@ -546,13 +546,13 @@ class PrefillServer:
 
     # -- completion --------------------------------------------------------------------------
     def _progress_loop(self) -> None:
-        """NIXL notifications (decode READs done: their blocks may be freed) and our WRITEs in
-        flight. Polls tightly while WRITEs are in flight, every millisecond otherwise; its
-        naps end on time (this thread's timer slack is 1 µs, not 50: naps.py)."""
+        """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls tightly
+        while WRITEs are in flight, every millisecond otherwise (a new push wakes it); its naps
+        end on time (this thread's timer slack is 1 µs, not 50: naps.py)."""
         tighten_timer_slack()
-        busy, linger_until = False, 0.0
+        busy = False
         while not self._stop.is_set():
-            if busy or self._stage_queue or time.monotonic() < linger_until:
+            if busy or self._stage_queue:
                 time.sleep(0.00005)
             else:
                 self._work.wait(0.001)
@@ -563,27 +563,22 @@ class PrefillServer:
                     self._expire_staged()
                 if self._stage_queue:
                     self._serve_stages()
+                # our UCX worker's progress (WRITEs in flight, peers' requests); nothing of
+                # ours sends notifications (protocol 6), so any that come are only logged
                 notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
             except Exception as exc:
                 if not self._stop.is_set():
                     log.warning("polling notifications: %s", exc)
                 notifs = {}
             for agent, messages in notifs.items():
-                agent = agent.decode() if isinstance(agent, bytes) else agent
-                for msg in messages:
-                    request = parse_notification(msg)
-                    if request is not None:
-                        self._release(agent, request)
+                log.warning("ignoring %d NIXL notification(s) from %s: kvruntime peers release "
+                            "blocks by frame", len(messages), agent)
             try:
-                was_busy, busy = busy, self._progress_writes()
+                busy = self._progress_writes()
             except Exception:
                 if not self._stop.is_set():
                     log.exception("progressing WRITEs")
-                was_busy, busy = busy, False
-            if was_busy and not busy:
-                # a finished WRITE's notification is still on its way out: UCX sends it only
-                # while we keep calling into the worker
-                linger_until = time.monotonic() + LINGER_SECONDS
+                busy = False
 
     def _release(self, agent: str, request: str) -> None:
         with self._released_cv:

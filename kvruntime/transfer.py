@@ -21,9 +21,6 @@ from .plan import TransferPlan
 
 log = logging.getLogger("kvruntime")
 
-NOTIF_PREFIX = b"kvr:free:"
-
-
 @dataclass(frozen=True)
 class TransferResult:
     op: str
@@ -38,18 +35,6 @@ class TransferResult:
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
-def free_notification(request_id: str) -> bytes:
-    return NOTIF_PREFIX + request_id.encode()
-
-
-def parse_notification(message: bytes) -> str | None:
-    if isinstance(message, str):
-        message = message.encode()
-    if message.startswith(NOTIF_PREFIX):
-        return message[len(NOTIF_PREFIX):].decode(errors="replace")
-    return None
 
 
 @dataclass(frozen=True)
