@@ -392,9 +392,9 @@ class PrefillPeer:
             pass
 
     def _pump(self) -> None:
-        """Read whatever frames the prefill has sent and hand them out; collect NIXL
-        notifications. Non-blocking; a thread already reading makes this a no-op."""
-        self.client._pump_notifications()
+        """Read whatever frames the prefill has sent and hand them out; make our UCX worker
+        progress. Non-blocking; a thread already reading makes this a no-op."""
+        self.client._progress_worker()
         if self.closed or not self._recv_lock.acquire(blocking=False):
             return
         try:
@@ -526,7 +526,7 @@ class DecodeClient:
         self._closed = False
         self._inflight: dict[int, TransferHandle] = {}
         self._lock = threading.Lock()
-        self._notif_lock = threading.Lock()
+        self._progress_lock = threading.Lock()
         self.staging: StagingPool | None = None
         self._scratch: Scratch | None = None  # the lane probe's destination (registration.py)
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
@@ -695,11 +695,11 @@ class DecodeClient:
         with self._lock:
             return list(self._inflight.values())
 
-    def _pump_notifications(self) -> None:
+    def _progress_worker(self) -> None:
         """Make our UCX worker progress: over a transport that needs the target's help (tcp),
         a prefill's WRITE into us completes only as we call into the worker. Peers of protocol
         6 send no notifications; any that come are only logged."""
-        if not self._notif_lock.acquire(blocking=False):
+        if not self._progress_lock.acquire(blocking=False):
             return
         try:
             try:
@@ -711,7 +711,7 @@ class DecodeClient:
                 log.warning("ignoring %d NIXL notification(s) from %s: kvruntime peers answer "
                             "by frame", len(messages), agent)
         finally:
-            self._notif_lock.release()
+            self._progress_lock.release()
 
     def _log_late(self, handle: TransferHandle, what: str) -> None:
         log.error("push request %s to %s reported failed, but %s", handle.request_id,

@@ -238,8 +238,12 @@ class Planner:
         """Plan moving ``src_blocks`` into ``dst_blocks`` (lists of ints, integer numpy arrays
         or CPU tensors; the plan keeps its own copy). Refuses, before anything moves, an empty
         request, unequal lengths, and any id out of range or named twice on one side."""
-        ids = self._read_lists(src_blocks, dst_blocks)
-        if ids is None:
+        read = self._read_lists(src_blocks, dst_blocks)
+        if read is not None:
+            ids, one_run = read
+            if one_run:  # consecutive on both sides: checked on its ends by _read_lists
+                return self._one_run(ids)
+        else:
             src = _read_ids("source", src_blocks)
             dst = src if dst_blocks is None else _read_ids("destination", dst_blocks)
             n = len(src)
@@ -253,10 +257,6 @@ class Planner:
             # larger than any count
             if np.count_nonzero(ids.view(np.uint64) >= self._limits):
                 self._refuse(ids)
-        elif type(ids) is tuple:  # consecutive on both sides: one run, checked on its ends
-            ids, n = ids[0], ids[0].shape[1]
-            return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1],
-                                ids[0, :1], ids[1, :1], np.full(1, n, dtype=np.int64))
         n = ids.shape[1]
         runs = _run_arrays(ids)
         if len(runs[2]) > 1:  # one run names distinct ids on both sides by construction
@@ -268,9 +268,9 @@ class Planner:
 
     def _read_lists(self, src_blocks, dst_blocks):
         """Lists of plain ints read by the native scan (native.py), their ranges checked on
-        the lowest and highest id it saw: the 2 x n ids, or ``(ids,)`` when both sides are
-        consecutive (one run). None: not such lists, or no native scan; ``plan`` reads them
-        its general way (and words any refusal)."""
+        the lowest and highest id it saw: (the 2 x n ids, whether both sides are consecutive,
+        i.e. one run). None: not such lists, or no native scan; ``plan`` reads them its
+        general way (and words any refusal)."""
         scan = native.id_scan()
         if scan is None or type(src_blocks) is not list or (
                 dst_blocks is not None and type(dst_blocks) is not list):
@@ -292,7 +292,7 @@ class Planner:
         if (s[0] < 0 or s[1] >= self.src_layout.num_blocks or d[0] < 0
                 or d[1] >= self.dst_layout.num_blocks):
             self._refuse(ids)
-        return (ids,) if s[2] and d[2] else ids
+        return ids, s[2] and d[2]
 
     def plan_runs(self, run_src, run_dst, run_count) -> TransferPlan:
         """A request named by its runs (a peer's plan, sent by a push): ``run_count[i]``
@@ -399,8 +399,12 @@ class Planner:
         ids = np.empty((2, count), dtype=np.int64)
         ids[0] = np.arange(src, src + count)
         ids[1] = np.arange(dst, dst + count)
-        run = np.array([[src], [dst], [count]], dtype=np.int64)
-        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], run[0], run[1], run[2])
+        return self._one_run(ids)
+
+    def _one_run(self, ids: np.ndarray) -> TransferPlan:
+        """The plan of checked 2 x n ids consecutive on both sides: one run from their first."""
+        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], ids[0, :1],
+                            ids[1, :1], np.full(1, ids.shape[1], dtype=np.int64))
 
     def _refuse(self, ids: np.ndarray) -> None:
         """Raise PlanError naming the first bad id, source side first, in request order."""

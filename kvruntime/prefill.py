@@ -334,7 +334,7 @@ class PrefillServer:
             self._stage(peer, message)
         elif kind == "unstage":
             self._unstage(peer.agent, frames.field(message, "request", str))
-        elif kind == "release":  # same-node copies finished: their blocks may be freed
+        elif kind == "release":  # pulls and same-node copies done: their blocks may be freed
             for request in frames.names_field(message, "requests"):
                 self._release(peer.agent, request)
         elif kind == "digests":
