@@ -36,7 +36,7 @@ from .agent import Agent, unique_name
 from .binding import NixlBinding
 from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
-from .inflight import PENDING, TransferHandle
+from .inflight import PENDING, Pace, TransferHandle
 from .memory import KVCache
 from .plan import Planner, TransferPlan, make_plan
 from .registration import Registration, Scratch
@@ -80,6 +80,7 @@ class PrefillPeer:
         # host-staged and on this host: the engine that copies its pool's runs into ours
         self._pool_engine = None
         self._planner: Planner | None = None  # made at the first request (plan.py)
+        self.pace = Pace()  # how fast it has moved requests: how long a wait spins (inflight.py)
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
         self.lanes = None  # UCX's protocols of our agent after the connect-time probe (ucxlog)
         self.engine_reason = "not asked"  # why the engine in use was chosen

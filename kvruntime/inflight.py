@@ -28,11 +28,38 @@ if TYPE_CHECKING:
     from .decode import PrefillPeer
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
-# wait(): poll without sleeping this long, yielding the core and the GIL between polls (a sleep
-# ends its timer slack late, ~50 µs, naps.py: a nap after the spin was up to a quarter of a
-# 1 GiB READ's time on the H100 VM), then nap, doubling up to a cap
+# wait(): poll without sleeping, yielding the core and the GIL between polls, for as long as the
+# request should take (Pace), at least SPIN_SECONDS; then nap, doubling up to a cap. A sleep
+# ends its timer slack late, ~50 µs (naps.py), and a nap's wake-up up to ~0.2 ms on the VMs: a
+# 1 GiB READ over NVLink (3 ms) that outlived a fixed 2 ms spin ended ~0.3 ms late.
 SPIN_SECONDS = 0.002
+SPIN_MARGIN, SPIN_CAP = 1.5, 0.05  # spin this many times the expected time, at most this long
 NAP_FIRST, NAP_MAX = 0.00002, 0.0002
+
+
+class Pace:
+    """The fastest a peer has moved a request's bytes, per operation, and from it how long a
+    ``wait`` spins: ``SPIN_MARGIN`` times the time a request of that size would take at that
+    rate, at least ``SPIN_SECONDS`` and at most ``SPIN_CAP``. Requests slower than their peer
+    has been (scattered blocks, a busy link) outlive the spin and nap as before; the rest end
+    without a wake-up's delay. Pure bookkeeping, one per peer."""
+
+    __slots__ = ("_best",)
+
+    def __init__(self):
+        self._best: dict[str, float] = {}  # op -> bytes a second
+
+    def seen(self, op: str, nbytes: int, seconds: float) -> None:
+        if seconds > 0 and nbytes > 0:
+            rate = nbytes / seconds
+            if rate > self._best.get(op, 0.0):
+                self._best[op] = rate
+
+    def spin_seconds(self, op: str, nbytes: int) -> float:
+        rate = self._best.get(op)
+        if not rate:
+            return SPIN_SECONDS
+        return min(SPIN_CAP, max(SPIN_SECONDS, SPIN_MARGIN * nbytes / rate))
 
 
 class TransferHandle:
@@ -87,7 +114,8 @@ class TransferHandle:
         # READs, and a push, whose WRITE completes only as our UCX worker progresses (a nap
         # held it back); not where a thread of ours runs the copy (it has its own wait)
         spins = own_thread is None
-        spin_until = time.perf_counter() + (SPIN_SECONDS if spins else 0.0)
+        spin_until = time.perf_counter() + (
+            self.peer.pace.spin_seconds(self.op, self.nbytes) if spins else 0.0)
         nap = NAP_FIRST
         while self.poll() == PENDING:
             if until is not None and time.monotonic() > until:
@@ -231,6 +259,7 @@ class TransferHandle:
             result = replace(result, nbytes=self.nbytes)
         self._result = result
         self.state = DONE
+        self.peer.pace.seen(self.op, result.nbytes, result.seconds)
 
     def _fail(self, error: KVRuntimeError, settled: bool = True) -> None:
         self._error = error
