@@ -232,7 +232,8 @@ def main(argv=None) -> int:
     b.add_argument("--kv-buffer", default="device", choices=["device", "host_staged"],
                    help="host_staged: caches stay unregistered, NIXL moves staging-pool blocks")
     b.add_argument("--no-bare", action="store_true",
-                   help="skip timing a bare NIXL READ of the same descriptors beside each pull")
+                   help="skip timing a bare transfer beside each request (a NIXL READ of the same "
+                   "descriptors, or the same-node engine's copy of the same plan)")
     b.add_argument("--tp-pairs", type=_tp_pairs, default="none", metavar="PxD,...",
                    help="also pull as decode rank 0 of TP D from P prefill ranks, direct and "
                         "host-staged (e.g. 1x2,2x1,2x4,4x2; default: none)")
