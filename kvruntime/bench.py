@@ -244,8 +244,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 
 def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split) -> dict:
     """One row: ``iters`` requests of ``size`` MiB, each beside a same-run reference copy; for
-    NIXL pulls and same-node copies also a bare transfer of the same bytes, right after each
-    request (kvruntime's own overhead: a NIXL READ of the same descriptors, the engine's copy
+    NIXL pulls and same-node copies also a bare transfer of the same bytes next to each
+    request, after it and before it in turn (kvruntime's own overhead: a NIXL READ of the same descriptors, the engine's copy
     of the same plan; a NIXL push's WRITE is the prefill's and has none here)."""
     move = peer.pull if op == "pull" else peer.push
     count = max(1, (size << 20) // layout.block_bytes)
@@ -253,17 +253,24 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split)
     opts = {"timeout": 120} if split is None else {"timeout": 120, "split": split}  # None: default
     move(src, dst, **opts)  # warm-up
     rates, refs, lats, peer_rates, bare, res = [], [], [], [], [], None
-    for _ in range(cfg.iters):
+    bare_one = None
+    if cfg.bare and peer.engine == "nixl" and op == "pull":
+        bare_one = lambda: _bare_read(peer, src, dst, split)  # noqa: E731
+    elif cfg.bare and peer.engine.startswith("samenode"):  # a push is our copy there too
+        bare_one = lambda: _bare_copy(peer, src, dst)  # noqa: E731
+    for i in range(cfg.iters):
         refs.append(reference.gbps(count * layout.block_bytes))
+        # the bare transfer before the request every other time: whichever goes second finds
+        # the memory (and the GPU's translations of it) warm from the first
+        if bare_one is not None and i % 2:
+            bare.append(bare_one() * 1e6)
         res = move(src, dst, **opts)
         rates.append(res.gbps)
         if res.peer_seconds:
             peer_rates.append(res.nbytes / res.peer_seconds / 1e9)
         lats.append(res.seconds * 1e6)
-        if cfg.bare and peer.engine == "nixl" and op == "pull":
-            bare.append(_bare_read(peer, src, dst, split) * 1e6)
-        elif cfg.bare and peer.engine.startswith("samenode"):  # a push is our copy there too
-            bare.append(_bare_copy(peer, src, dst) * 1e6)
+        if bare_one is not None and not i % 2:
+            bare.append(bare_one() * 1e6)
     gbps, ref = statistics.median(rates), statistics.median(refs)
     pairs = [r / f for r, f in zip(rates, refs)]
     row = {
@@ -288,8 +295,8 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split)
     if local is not None:
         row["local_copy_gbps"] = round(local, 3)
     if bare:
-        # each request against the bare transfer right after it: the median of those
-        # differences (two medians apart would mix a slow request with a fast bare one)
+        # each request against the bare transfer next to it: the median of those differences
+        # (two medians apart would mix a slow request with a fast bare one)
         over = [lat - b for lat, b in zip(lats, bare)]
         row["bare_us"] = round(statistics.median(bare), 1)
         row["bare"] = ("NIXL READ of the same descriptors" if peer.engine == "nixl" else

@@ -1,12 +1,14 @@
-"""kvruntime's one native helper, ``csrc/idscan.c``: block-id lists read in one C pass.
+"""kvruntime's one native helper, ``csrc/idscan.c``: block-id lists read in one C pass, and a
+request's (or a batch's) ids split into runs with their range and duplicate checks in another.
 
 Built on first use with the host's C compiler against this Python's headers, the way Triton
 builds its launchers, and kept in a cache keyed by the source and the Python (version and ABI:
 the library calls nothing but Python's C API); a later process loads it in about a millisecond,
 with or without a compiler. So an image builds it once where compilers are and carries the
 cache to where they are not (Containerfile). Where it is neither cached nor buildable, or
-``KVRUNTIME_NATIVE=0``, it is off and plan.py reads lists through ``array('q')``: slower, same
-results (tests/unit/kvruntime/test_native.py holds both to that).
+``KVRUNTIME_NATIVE=0``, it is off and plan.py reads lists through ``array('q')`` and plans in
+numpy: slower, same results (tests/unit/kvruntime/test_native.py and test_plan_vectorized.py
+hold both to that).
 
 The cache is ``$KVRUNTIME_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvruntime``, else
 ``~/.cache/kvruntime``. A library there is loaded only when it and its folder belong to this
@@ -38,7 +40,7 @@ MODULE = "_kvr_idscan"
 BUILD_SECONDS = 120
 
 _lock = threading.Lock()
-_state: dict = {}  # "scan": the function or None; "how": one line, what happened
+_state: dict = {}  # "scan", "runs": the functions or None; "how": one line, what happened
 
 
 def id_scan():
@@ -47,14 +49,27 @@ def id_scan():
     try:
         return _state["scan"]
     except KeyError:
-        pass
+        return _module()["scan"]
+
+
+def id_runs():
+    """``runs(ids, bounds, seen, src_blocks, dst_blocks, out, run_bounds)`` of csrc/idscan.c,
+    or None where it cannot be had (as ``id_scan``)."""
+    try:
+        return _state["runs"]
+    except KeyError:
+        return _module()["runs"]
+
+
+def _module() -> dict:
     with _lock:
-        if "scan" not in _state:
-            scan, how = _load()
+        if "how" not in _state:
+            mod, how = _load()
             _state["how"] = how
-            _state["scan"] = scan
-            (log.debug if scan is not None else log.info)("native id reader: %s", how)
-    return _state["scan"]
+            _state["scan"] = getattr(mod, "scan", None)
+            _state["runs"] = getattr(mod, "runs", None)
+            (log.debug if mod is not None else log.info)("native id reader: %s", how)
+    return _state
 
 
 def status() -> str:
@@ -111,7 +126,7 @@ def _load():
             MODULE, target, loader=importlib.machinery.ExtensionFileLoader(MODULE, str(target)))
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        return mod.scan, how
+        return mod, how
     except (OSError, ImportError) as exc:
         return None, f"off: {target}: {exc}"
 

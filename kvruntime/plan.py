@@ -232,6 +232,8 @@ class Planner:
         self._limits = np.array([[ns], [nd]], dtype=np.uint64)
         self._offsets = np.array([[0], [ns]], dtype=np.int64)  # one "seen" array, both sides
         self._slots = ns + nd
+        # the native split's marks (csrc/idscan.c): zero between calls, so made once
+        self._seen = np.zeros(self._slots, dtype=np.uint8)
         native.id_scan()  # built or loaded now (once a process), not in a request's time
 
     def plan(self, src_blocks, dst_blocks=None) -> TransferPlan:
@@ -253,11 +255,21 @@ class Planner:
                 raise PlanError(f"{n} source blocks but {len(dst)} destination blocks")
             ids = np.empty((2, n), dtype=np.int64)
             ids[0], ids[1] = src, dst
-            # one comparison for both sides and both ends: a negative id, seen unsigned, is
-            # larger than any count
-            if np.count_nonzero(ids.view(np.uint64) >= self._limits):
-                self._refuse(ids)
         n = ids.shape[1]
+        split = native.id_runs()
+        if split is not None:  # runs, range and duplicates in one C pass
+            out = np.empty((3, n), dtype=np.int64)
+            r = split(ids, np.array((0, n), dtype=np.int64), self._seen,
+                      self.src_layout.num_blocks, self.dst_layout.num_blocks, out,
+                      np.empty(2, dtype=np.int64))
+            if r <= 0:
+                self._refuse(ids)
+            return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], out[0, :r],
+                                out[1, :r], out[2, :r])
+        # one comparison for both sides and both ends: a negative id, seen unsigned, is larger
+        # than any count
+        if np.count_nonzero(ids.view(np.uint64) >= self._limits):
+            self._refuse(ids)
         runs = _run_arrays(ids)
         if len(runs[2]) > 1:  # one run names distinct ids on both sides by construction
             seen = np.zeros(self._slots, dtype=np.bool_)
@@ -356,12 +368,21 @@ class Planner:
         # above the int64 range were refused by _read_ids)
         np.concatenate([src for src, _ in read], out=ids[0])
         np.concatenate([dst for _, dst in read], out=ids[1])
-        if not self._batch_ok(ids, bounds):
+        split = native.id_runs()
+        if split is not None:  # the checks and the runs in one C pass
+            out, per = np.empty((3, n), dtype=np.int64), np.empty(len(read) + 1, dtype=np.int64)
+            r = split(ids, bounds, self._seen, self.src_layout.num_blocks,
+                      self.dst_layout.num_blocks, out, per)
+            ok, (rs, rd, rc), per = r > 0, out[:, :max(r, 0)], per.tolist()
+        else:
+            ok = self._batch_ok(ids, bounds)
+            if ok:
+                rs, rd, rc = _run_arrays(ids, bounds[1:-1])
+                firsts = np.cumsum(rc) - rc
+                per = np.searchsorted(firsts, bounds).tolist()  # request k's runs: per[k]..per[k+1]
+        if not ok:
             merge_plans([self.plan(src, dst) for src, dst in read])  # the first bad request's error
             raise AssertionError("a bad batch passed the per-request checks")
-        rs, rd, rc = _run_arrays(ids, bounds[1:-1])
-        firsts = np.cumsum(rc) - rc
-        per = np.searchsorted(firsts, bounds).tolist()  # each request's runs: per[k]..per[k+1]
         at = bounds.tolist()
         plans = [TransferPlan(self.src_layout, self.dst_layout, ids[0, a:b], ids[1, a:b],
                               rs[r:q], rd[r:q], rc[r:q])

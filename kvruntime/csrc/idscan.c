@@ -1,5 +1,6 @@
 /* kvruntime's reader of block-id lists: a list of plain ints into an int64 buffer in one pass,
- * with what a plan needs to know of it on the way (lowest, highest, consecutive or not).
+ * with what a plan needs to know of it on the way (lowest, highest, consecutive or not); and
+ * the split of a batch's ids into runs, its range and duplicate checks made on the way.
  *
  * Engines pass block ids as Python lists. Reading 4096 of them through array('q') or numpy
  * costs 75-150 us on a cloud VM's CPU (an int's type is looked up, then its value parsed, per
@@ -86,9 +87,146 @@ general:
     Py_RETURN_NONE;
 }
 
+/* A writable (or read-only) C-contiguous buffer of at least `items` items of `itemsize` bytes. */
+static int get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize,
+                      Py_ssize_t items, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
+        return -1;
+    if (view->itemsize != itemsize || view->len < items * itemsize) {
+        PyBuffer_Release(view);
+        PyErr_Format(PyExc_ValueError, "runs: %s must hold %zd items of %zd bytes", what, items,
+                     itemsize);
+        return -1;
+    }
+    return 0;
+}
+
+/* runs(ids, bounds, seen, src_blocks, dst_blocks, out, run_bounds) -> count of runs, 0 or -1
+ *
+ *   ids: 2 x n int64 (source ids, then destination ids) of a batch of requests, request k
+ *        holding pairs bounds[k]..bounds[k+1]-1 (bounds: k+1 int64, 0 first, n last);
+ *   seen: src_blocks + dst_blocks bytes, all zero (they are zero again on return, whatever it
+ *        returns: a planner keeps one and never clears it);
+ *   out: 3 x n int64, written with each run's source start, destination start and block count
+ *        in rows 0, 1 and 2; run_bounds: k+1 int64, request k's runs being run_bounds[k]..
+ *        run_bounds[k+1]-1.
+ * A run is a stretch of pairs within one request where both ids grow by one. Returns the count
+ * of runs; 0 when a source id appears twice in one request or a destination id twice in the
+ * batch; -1 when an id lies outside 0..src_blocks-1 (source) or 0..dst_blocks-1 (destination).
+ * The caller words the refusal (plan.py). The GIL is held throughout, so threads sharing a
+ * planner's seen buffer take turns. */
+static PyObject *runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "runs(ids, bounds, seen, src_blocks, dst_blocks, out, run_bounds)");
+        return NULL;
+    }
+    Py_ssize_t ns = PyLong_AsSsize_t(args[3]), nd = PyLong_AsSsize_t(args[4]);
+    if ((ns == -1 || nd == -1) && PyErr_Occurred())
+        return NULL;
+    if (ns < 1 || nd < 1) {
+        PyErr_SetString(PyExc_ValueError, "runs: block counts must be positive");
+        return NULL;
+    }
+    Py_buffer vb, vi, vs, vo, vr;
+    if (PyObject_GetBuffer(args[1], &vb, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    Py_ssize_t k = vb.len / 8 - 1;
+    const int64_t *bounds = (const int64_t *)vb.buf;
+    if (vb.itemsize != 8 || k < 1 || bounds[0] != 0) {
+        PyBuffer_Release(&vb);
+        PyErr_SetString(PyExc_ValueError, "runs: bounds must be k+1 int64, 0 first");
+        return NULL;
+    }
+    Py_ssize_t n = (Py_ssize_t)bounds[k];
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (bounds[j + 1] < bounds[j]) {
+            PyBuffer_Release(&vb);
+            PyErr_SetString(PyExc_ValueError, "runs: bounds must not decrease");
+            return NULL;
+        }
+    }
+    if (get_buffer(args[0], &vi, 0, 8, 2 * n, "ids") < 0) {
+        PyBuffer_Release(&vb);
+        return NULL;
+    }
+    if (get_buffer(args[2], &vs, 1, 1, ns + nd, "seen") < 0) {
+        PyBuffer_Release(&vb);
+        PyBuffer_Release(&vi);
+        return NULL;
+    }
+    if (get_buffer(args[5], &vo, 1, 8, 3 * n, "out") < 0) {
+        PyBuffer_Release(&vb);
+        PyBuffer_Release(&vi);
+        PyBuffer_Release(&vs);
+        return NULL;
+    }
+    if (get_buffer(args[6], &vr, 1, 8, k + 1, "run_bounds") < 0) {
+        PyBuffer_Release(&vb);
+        PyBuffer_Release(&vi);
+        PyBuffer_Release(&vs);
+        PyBuffer_Release(&vo);
+        return NULL;
+    }
+    const int64_t *src = (const int64_t *)vi.buf, *dst = src + n;
+    uint8_t *seen_src = (uint8_t *)vs.buf, *seen_dst = seen_src + ns;
+    int64_t *run_src = (int64_t *)vo.buf, *run_dst = run_src + n, *run_count = run_dst + n;
+    int64_t *run_bounds = (int64_t *)vr.buf;
+    Py_ssize_t r = 0, i = 0, first = 0; /* first: the current request's first pair */
+    long result = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        first = (Py_ssize_t)bounds[j];
+        Py_ssize_t end = (Py_ssize_t)bounds[j + 1];
+        run_bounds[j] = r;
+        for (i = first; i < end; i++) {
+            int64_t s = src[i], d = dst[i];
+            if (s < 0 || s >= ns || d < 0 || d >= nd) {
+                result = -1;
+                goto undo;
+            }
+            if (seen_src[s] | seen_dst[d])
+                goto undo; /* result 0 */
+            seen_src[s] = 1;
+            seen_dst[d] = 1;
+            if (i > first && s == src[i - 1] + 1 && d == dst[i - 1] + 1) {
+                run_count[r - 1]++;
+            } else {
+                run_src[r] = s;
+                run_dst[r] = d;
+                run_count[r] = 1;
+                r++;
+            }
+        }
+        for (i = first; i < end; i++) /* a block may be read by two requests */
+            seen_src[src[i]] = 0;
+    }
+    run_bounds[k] = r;
+    for (i = 0; i < n; i++)
+        seen_dst[dst[i]] = 0;
+    result = (long)r;
+    goto done;
+undo: /* pairs first..i-1 marked their source, 0..i-1 their destination: all in range */
+    for (Py_ssize_t m = first; m < i; m++)
+        seen_src[src[m]] = 0;
+    for (Py_ssize_t m = 0; m < i; m++)
+        seen_dst[dst[m]] = 0;
+done:
+    PyBuffer_Release(&vb);
+    PyBuffer_Release(&vi);
+    PyBuffer_Release(&vs);
+    PyBuffer_Release(&vo);
+    PyBuffer_Release(&vr);
+    return PyLong_FromLong(result);
+}
+
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
      "scan(ids, out) -> (lowest, highest, consecutive) or None"},
+    {"runs", (PyCFunction)(void (*)(void))runs, METH_FASTCALL,
+     "runs(ids, bounds, seen, src_blocks, dst_blocks, out, run_bounds) -> runs, 0 or -1"},
     {NULL, NULL, 0, NULL},
 };
 

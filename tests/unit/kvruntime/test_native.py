@@ -32,12 +32,12 @@ def cache(tmp_path, monkeypatch):
 
 @needs_tools
 def test_built_once_then_loaded_from_the_cache(cache):
-    scan, how = native._load()
-    assert scan is not None and how.startswith("built ")
+    mod, how = native._load()
+    assert mod is not None and how.startswith("built ")
     (lib,) = cache.glob("_kvr_idscan-*.so")
     first = lib.stat().st_mtime_ns
-    scan, how = native._load()
-    assert scan is not None and how == f"loaded {lib}"
+    mod, how = native._load()
+    assert mod is not None and how == f"loaded {lib}"
     assert lib.stat().st_mtime_ns == first
     assert stat.S_IMODE(cache.stat().st_mode) & 0o022 == 0
 
@@ -47,8 +47,8 @@ def test_a_cached_library_needs_no_compiler(cache, monkeypatch):
     """How an image carries it: built where compilers are, loaded where they are not."""
     assert native._load()[0] is not None
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    scan, how = native._load()
-    assert scan is not None and how.startswith(f"loaded {cache}/_kvr_idscan-")
+    mod, how = native._load()
+    assert mod is not None and how.startswith(f"loaded {cache}/_kvr_idscan-")
 
 
 @needs_tools
@@ -58,8 +58,8 @@ def test_another_source_is_another_library(cache, monkeypatch, tmp_path):
     changed.parent.mkdir()
     changed.write_text(native.SOURCE.read_text() + "\n/* a change */\n")
     monkeypatch.setattr(native, "SOURCE", changed)
-    scan, how = native._load()
-    assert scan is not None and how.startswith("built ")
+    mod, how = native._load()
+    assert mod is not None and how.startswith("built ")
     assert len(list(cache.glob("_kvr_idscan-*.so"))) == 2
 
 
@@ -69,8 +69,8 @@ def test_a_library_of_another_user_is_not_loaded(cache):
     assert native._load()[0] is not None
     (lib,) = cache.glob("_kvr_idscan-*.so")
     os.chown(lib, 12345, 12345)
-    scan, how = native._load()
-    assert scan is None
+    mod, how = native._load()
+    assert mod is None
     assert how == f"off: {lib} belongs to uid 12345, neither this user (0) nor root"
 
 
@@ -82,8 +82,8 @@ def test_off_when_switched_off(cache, monkeypatch):
 
 def test_off_without_a_compiler(cache, monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    scan, how = native._load()
-    assert scan is None and how.startswith("off: no C compiler (/nonexistent/cc)")
+    mod, how = native._load()
+    assert mod is None and how.startswith("off: no C compiler (/nonexistent/cc)")
     assert not cache.exists() or not list(cache.iterdir())
 
 
@@ -93,8 +93,8 @@ def test_a_failed_build_says_why_and_keeps_its_log(cache, monkeypatch, tmp_path)
                   "exit 1\n")
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
-    scan, how = native._load()
-    assert scan is None
+    mod, how = native._load()
+    assert mod is None
     assert "failed (idscan.c:1: error: this compiler refuses everything); log: " in how
     log = how.rsplit("log: ", 1)[1]
     assert "refuses everything" in open(log).read()
@@ -105,15 +105,15 @@ def test_a_failed_build_says_why_and_keeps_its_log(cache, monkeypatch, tmp_path)
 def test_a_cache_others_can_write_is_not_used(cache):
     cache.mkdir(mode=0o700)
     cache.chmod(0o777)
-    scan, how = native._load()
-    assert scan is None and how == (f"off: {cache} is writable by others (mode 777); "
+    mod, how = native._load()
+    assert mod is None and how == (f"off: {cache} is writable by others (mode 777); "
                                     f"chmod go-w it")
     cache.chmod(0o700)
     assert native._load()[0] is not None
     (lib,) = cache.glob("_kvr_idscan-*.so")
     lib.chmod(0o777)  # a library someone else could have replaced
-    scan, how = native._load()
-    assert scan is None and "is writable by others" in how
+    mod, how = native._load()
+    assert mod is None and "is writable by others" in how
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +170,86 @@ def test_a_long_list_is_read_whole_and_its_items_left_as_they_were(scan):
         assert scan(ids, out) == (10 ** 6, 10 ** 6 + 4999, True)
     assert [sys.getrefcount(ids[i]) for i in (0, 4999)] == refs  # no reference taken or lost
     assert np.array_equal(out, np.arange(10 ** 6, 10 ** 6 + 5000))
+
+
+@pytest.fixture(scope="module")
+def runs():
+    if not HAVE_TOOLS:
+        pytest.skip("no cc or no Python.h on this host")
+    fn = native.id_runs()
+    assert fn is not None, native.status()
+    return fn
+
+
+def reference_runs(src, dst, bounds, ns, nd):
+    """The runs of a batch and each request's first run, or 0 (an id twice: a source within a
+    request, a destination in the batch) or -1 (an id out of range, met first)."""
+    out, per, written = [], [], set()
+    for a, b in zip(bounds, bounds[1:]):
+        per.append(len(out))
+        read = set()
+        for i in range(a, b):
+            s, d = src[i], dst[i]
+            if not (0 <= s < ns and 0 <= d < nd):
+                return -1, None, None
+            if s in read or d in written:
+                return 0, None, None
+            read.add(s)
+            written.add(d)
+            if i > a and s == src[i - 1] + 1 and d == dst[i - 1] + 1:
+                out[-1][2] += 1
+            else:
+                out.append([s, d, 1])
+    per.append(len(out))
+    return len(out), out, per
+
+
+@st.composite
+def batches(draw):
+    ns, nd = draw(st.integers(1, 24)), draw(st.integers(1, 24))
+    sizes = draw(st.lists(st.integers(0, 6), min_size=1, max_size=5))
+    n = sum(sizes)
+    ids = st.integers(-2, max(ns, nd) + 1)
+    src = draw(st.lists(ids, min_size=n, max_size=n))
+    dst = draw(st.lists(ids, min_size=n, max_size=n))
+    return ns, nd, sizes, src, dst
+
+
+@settings(max_examples=500, deadline=None)
+@given(batches())
+def test_runs_split_and_check_a_batch_as_the_reference_does(runs, batch):
+    ns, nd, sizes, src, dst = batch
+    n = len(src)
+    if not n:
+        return
+    bounds = np.cumsum([0, *sizes]).astype(np.int64)
+    seen = np.zeros(ns + nd, np.uint8)
+    out, per = np.full((3, n), -7, np.int64), np.full(len(sizes) + 1, -7, np.int64)
+    ids = np.array([src, dst], np.int64)
+    got = runs(ids, bounds, seen, ns, nd, out, per)
+    want, want_runs, want_per = reference_runs(src, dst, bounds.tolist(), ns, nd)
+    if want <= 0 or got <= 0:  # which refusal: the first bad pair's, as the reference meets it
+        assert got == want
+    else:
+        assert got == want and out[:, :got].T.tolist() == want_runs and per.tolist() == want_per
+    assert not seen.any()  # clean again, whatever the answer: a planner keeps one buffer
+
+
+def test_runs_refuses_buffers_that_do_not_fit(runs):
+    ids, seen = np.zeros((2, 4), np.int64), np.zeros(8, np.uint8)
+    out, per, bounds = np.zeros((3, 4), np.int64), np.zeros(2, np.int64), np.array([0, 4])
+    with pytest.raises(ValueError, match="seen must hold 9 items"):
+        runs(ids, bounds, seen, 4, 5, out, per)
+    with pytest.raises(ValueError, match="ids must hold 10 items"):
+        runs(ids, np.array([0, 5]), np.zeros(16, np.uint8), 4, 5, np.zeros((3, 5), np.int64), per)
+    with pytest.raises(ValueError, match="out must hold 12 items"):
+        runs(ids, bounds, seen, 4, 4, out[:, :3].copy(), per)
+    with pytest.raises(ValueError, match="bounds must not decrease"):
+        runs(ids, np.array([0, 3, 2, 4]), seen, 4, 4, out, np.zeros(4, np.int64))
+    with pytest.raises(ValueError, match="0 first"):
+        runs(ids, np.array([1, 4]), seen, 4, 4, out, per)
+    with pytest.raises(ValueError, match="block counts must be positive"):
+        runs(ids, bounds, seen, 0, 4, out, per)
+    with pytest.raises(BufferError):
+        runs(ids, bounds, bytes(8), 4, 4, out, per)  # read-only marks
+    assert runs(ids, bounds, seen, 4, 4, out, per) == 0  # block 0 four times

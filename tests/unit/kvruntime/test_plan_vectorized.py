@@ -59,13 +59,14 @@ def reference_indices(runs, regions, ns, nd, split):
 
 @pytest.fixture(scope="module", autouse=True, params=["native", "array"])
 def id_reader(request):
-    """Every test here twice: lists read by the native scan (native.py), and by array('q') as
-    on a host without a C compiler; the plans and the refusals must be the same."""
+    """Every test here twice: lists read and split into runs natively (native.py), and by
+    array('q') and numpy as on a host without a C compiler; the plans and the refusals must be
+    the same."""
     if request.param == "native" and native.id_scan() is None:
         pytest.skip(f"native id reader: {native.status()}")
     with pytest.MonkeyPatch.context() as mp:
         if request.param == "array":
-            mp.setattr(native, "_state", {"scan": None, "how": "off (test)"})
+            mp.setattr(native, "_state", {"scan": None, "runs": None, "how": "off (test)"})
         yield request.param
 
 
