@@ -131,11 +131,12 @@ def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
     return list(map(Run, rs.tolist(), rd.tolist(), rc.tolist()))
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class TransferPlan:
     """A request's block ids (``src_ids[i]`` moves to ``dst_ids[i]``, int64, request order) and
     its runs as three arrays (src start, dst start, count). ``runs`` makes the tuples on first
-    use."""
+    use. Never changed once made, but not a frozen dataclass: its ``__init__`` (one
+    ``object.__setattr__`` a field) took 0.9 µs against 0.2, and a batch of 32 makes 33."""
 
     src_layout: KVLayout
     dst_layout: KVLayout
