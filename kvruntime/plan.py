@@ -351,8 +351,61 @@ class Planner:
         of one block), checked once over the whole batch in a few numpy calls; when a check
         fails, the requests are planned one by one so that the error is the one ``plan`` or
         ``merge_plans`` gives. A request's runs are its own: a run never spans two requests."""
+        requests = list(requests)
         if not requests:
             raise PlanError("a batch must hold at least one request")
+        ids, bounds = self._read_batch_lists(requests) or self._read_batch(requests)
+        n, k = ids.shape[1], len(bounds) - 1
+        split = native.id_runs()
+        if split is not None:  # the checks and the runs in one C pass
+            out, per = np.empty((3, n), dtype=np.int64), np.empty(k + 1, dtype=np.int64)
+            r = split(ids, bounds, self._seen, self.src_layout.num_blocks,
+                      self.dst_layout.num_blocks, out, per)
+            ok, (rs, rd, rc), per = r > 0, out[:, :max(r, 0)], per.tolist()
+        else:
+            ok = self._batch_ok(ids, bounds)
+            if ok:
+                rs, rd, rc = _run_arrays(ids, bounds[1:-1])
+                firsts = np.cumsum(rc) - rc
+                per = np.searchsorted(firsts, bounds).tolist()  # request k's runs: per[k]..per[k+1]
+        if not ok:  # the first bad request's error
+            merge_plans([self.plan(src, dst) for src, dst in requests])
+            raise AssertionError("a bad batch passed the per-request checks")
+        at = bounds.tolist()
+        plans = [TransferPlan(self.src_layout, self.dst_layout, ids[0, a:b], ids[1, a:b],
+                              rs[r:q], rd[r:q], rc[r:q])
+                 for a, b, r, q in zip(at, at[1:], per, per[1:])]
+        return plans, TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], rs, rd, rc)
+
+    def _read_batch_lists(self, requests):
+        """A batch of plain-int lists read by the native scan straight into one 2 x n array:
+        (ids, bounds: request k holds pairs bounds[k]..bounds[k+1]-1). None: not such lists,
+        an empty or uneven request, or no native scan; ``_read_batch`` reads them then (and
+        words any refusal). Ranges and duplicates are the caller's checks."""
+        scan = native.id_scan()
+        if scan is None:
+            return None
+        lengths = []
+        for src_blocks, dst_blocks in requests:
+            if type(src_blocks) is not list or (dst_blocks is not None and (
+                    type(dst_blocks) is not list or len(dst_blocks) != len(src_blocks))):
+                return None
+            lengths.append(len(src_blocks))
+        if 0 in lengths:
+            return None
+        bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=bounds[1:])
+        ids = np.empty((2, int(bounds[-1])), dtype=np.int64)
+        at = bounds.tolist()
+        for (src_blocks, dst_blocks), a, b in zip(requests, at, at[1:]):
+            if scan(src_blocks, ids[0, a:b]) is None or scan(
+                    src_blocks if dst_blocks is None else dst_blocks, ids[1, a:b]) is None:
+                return None
+        return ids, bounds
+
+    def _read_batch(self, requests):
+        """Any batch ``plan`` accepts the requests of, read one id list at a time: (ids,
+        bounds) as ``_read_batch_lists``; an empty or uneven request raises its own error."""
         read = []
         for src_blocks, dst_blocks in requests:
             src = _read_ids("source", src_blocks)
@@ -363,32 +416,12 @@ class Planner:
             read.append((src, dst))
         bounds = np.zeros(len(read) + 1, dtype=np.int64)
         np.cumsum([len(src) for src, _ in read], out=bounds[1:])
-        n = int(bounds[-1])
-        ids = np.empty((2, n), dtype=np.int64)
+        ids = np.empty((2, int(bounds[-1])), dtype=np.int64)
         # into int64 directly: numpy would join uint64 and int64 arrays as float64 (uint64 ids
         # above the int64 range were refused by _read_ids)
         np.concatenate([src for src, _ in read], out=ids[0])
         np.concatenate([dst for _, dst in read], out=ids[1])
-        split = native.id_runs()
-        if split is not None:  # the checks and the runs in one C pass
-            out, per = np.empty((3, n), dtype=np.int64), np.empty(len(read) + 1, dtype=np.int64)
-            r = split(ids, bounds, self._seen, self.src_layout.num_blocks,
-                      self.dst_layout.num_blocks, out, per)
-            ok, (rs, rd, rc), per = r > 0, out[:, :max(r, 0)], per.tolist()
-        else:
-            ok = self._batch_ok(ids, bounds)
-            if ok:
-                rs, rd, rc = _run_arrays(ids, bounds[1:-1])
-                firsts = np.cumsum(rc) - rc
-                per = np.searchsorted(firsts, bounds).tolist()  # request k's runs: per[k]..per[k+1]
-        if not ok:
-            merge_plans([self.plan(src, dst) for src, dst in read])  # the first bad request's error
-            raise AssertionError("a bad batch passed the per-request checks")
-        at = bounds.tolist()
-        plans = [TransferPlan(self.src_layout, self.dst_layout, ids[0, a:b], ids[1, a:b],
-                              rs[r:q], rd[r:q], rc[r:q])
-                 for a, b, r, q in zip(at, at[1:], per, per[1:])]
-        return plans, TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], rs, rd, rc)
+        return ids, bounds
 
     def _batch_ok(self, ids: np.ndarray, bounds: np.ndarray) -> bool:
         """Every id in range, no destination block twice in the batch, no source block twice

@@ -259,6 +259,19 @@ def test_a_batch_mixing_integer_arrays_keeps_its_ids_exact():
         Planner(LAYOUT).plan_many([(np.array([big], np.uint64), [1]), (np.array([2], np.int64), [3])])
 
 
+def test_a_batch_whose_later_list_is_not_all_ints_is_refused_as_plan_refuses_it():
+    """The native reader fills one array request by request and gives up at the first item
+    that is not a plain int: the batch is then read again its general way."""
+    reqs = [([1, 2], [3, 4]), ([5, 6.0], [7, 8])]
+    with pytest.raises(PlanError) as want:
+        Planner(LAYOUT).plan(*reqs[1])
+    with pytest.raises(PlanError) as got:
+        Planner(LAYOUT).plan_many(reqs)
+    assert str(got.value) == str(want.value)
+    plans, _ = Planner(LAYOUT).plan_many([([1, 2], [3, 4]), ([np.int64(5), 6], None)])
+    assert [p.block_ids()[1].tolist() for p in plans] == [[3, 4], [5, 6]]
+
+
 def test_two_requests_may_read_one_block_but_not_write_one():
     planner = Planner(LAYOUT)
     plans, merged = planner.plan_many([([1, 2], [3, 4]), ([2], [5])])
