@@ -116,13 +116,18 @@ def test_a_cache_others_can_write_is_not_used(cache):
     assert mod is None and "is writable by others" in how
 
 
-@pytest.fixture(scope="module")
-def scan():
+def loaded(getter):
+    """A function of the native module, built or loaded here (skipped where it cannot be)."""
     if not HAVE_TOOLS:
         pytest.skip("no cc or no Python.h on this host")
-    fn = native.id_scan()
+    fn = getter()
     assert fn is not None, native.status()
     return fn
+
+
+@pytest.fixture(scope="module")
+def scan():
+    return loaded(native.id_scan)
 
 
 class Sub(int):
@@ -174,11 +179,7 @@ def test_a_long_list_is_read_whole_and_its_items_left_as_they_were(scan):
 
 @pytest.fixture(scope="module")
 def runs():
-    if not HAVE_TOOLS:
-        pytest.skip("no cc or no Python.h on this host")
-    fn = native.id_runs()
-    assert fn is not None, native.status()
-    return fn
+    return loaded(native.id_runs)
 
 
 def reference_runs(src, dst, bounds, ns, nd):
