@@ -245,8 +245,9 @@ def run_bench(cfg: BenchConfig) -> dict:
 def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split) -> dict:
     """One row: ``iters`` requests of ``size`` MiB, each beside a same-run reference copy; for
     NIXL pulls and same-node copies also a bare transfer of the same bytes next to each
-    request, after it and before it in turn (kvruntime's own overhead: a NIXL READ of the same descriptors, the engine's copy
-    of the same plan; a NIXL push's WRITE is the prefill's and has none here)."""
+    request, after it and before it in turn (kvruntime's own overhead: a NIXL READ of the same
+    descriptors, the engine's copy of the same plan; a NIXL push's WRITE is the prefill's and
+    has none here)."""
     move = peer.pull if op == "pull" else peer.push
     count = max(1, (size << 20) // layout.block_bytes)
     src, dst = pick_blocks(pattern, count, layout.num_blocks, rnd)

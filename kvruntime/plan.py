@@ -7,10 +7,11 @@ NIXL descriptor indices: prepared lists hold one entry per (region, block), inde
 ``region * num_blocks + block``, and NIXL merges consecutive indices of adjacent memory back into
 one descriptor — so the number of descriptors NIXL posts equals the plan's count.
 
-Everything per request is a handful of numpy operations on the whole id array, never a Python
-step per id or per run: a request of 4096 scattered blocks is planned, checked (range,
-duplicates) and turned into NIXL indices in about the time of 4 ids (the host cost of a request
-is what bounds many small requests in flight).
+Everything per request is one pass of C over the ids (native.py: the lists read, then the runs
+split and the ranges and duplicates checked) and a handful of numpy operations on whole arrays,
+never a Python step per id or per run; where the C helper cannot be built, numpy does the same
+split (the reference tests hold both to one result). The host cost of a request is what bounds
+many small requests in flight: 4096 scattered ids are planned in ~37 µs on a 2-core VM.
 """
 
 from __future__ import annotations
@@ -219,8 +220,9 @@ class TransferPlan:
 class Planner:
     """Plans requests from ``src_layout`` into ``dst_layout``. What does not change between
     requests — the geometry check, the bounds — is done once: a peer keeps one. ``plan``
-    checks both sides at once (range, duplicates) in a few numpy calls on one 2 x n array and
-    names the first bad id, source side first, only when something is wrong."""
+    checks both sides at once (range, duplicates) in one pass over one 2 x n array (C, or a few
+    numpy calls) and names the first bad id, source side first, only when something is
+    wrong."""
 
     def __init__(self, src_layout: KVLayout, dst_layout: KVLayout | None = None):
         dst_layout = dst_layout or src_layout
@@ -348,8 +350,8 @@ class Planner:
         """Plans for a batch of requests (an engine step's worth: ``(src_blocks, dst_blocks or
         None)`` pairs) and one plan moving all of them, in batch order. The refusals of
         ``plan`` for every request, and a destination block named by two requests (two writes
-        of one block), checked once over the whole batch in a few numpy calls; when a check
-        fails, the requests are planned one by one so that the error is the one ``plan`` or
+        of one block), checked once over the whole batch (one C pass, or a few numpy calls); when
+        a check fails, the requests are planned one by one so that the error is the one ``plan`` or
         ``merge_plans`` gives. A request's runs are its own: a run never spans two requests."""
         requests = list(requests)
         if not requests:
