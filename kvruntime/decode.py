@@ -36,9 +36,8 @@ from .agent import Agent, unique_name
 from .binding import NixlBinding
 from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
-from .inflight import PENDING, TransferHandle
+from .inflight import PENDING, Pace, TransferHandle
 from .memory import KVCache
-from .naps import Pace
 from .plan import Planner, TransferPlan, make_plan
 from .registration import Registration, Scratch
 from .samenode import (ENGINES, BatchRelease, SameNodeUnavailable, SharedJob, host_copy_streams,

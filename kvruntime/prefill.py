@@ -18,7 +18,6 @@ written later.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 import time
@@ -32,7 +31,7 @@ from .errors import KVRuntimeError, PeerError
 from .handshake import PeerInfo, serve_handshake
 from .layout import KVLayout
 from .memory import KVCache
-from .naps import DUE_FRACTION, Pace, tighten_timer_slack
+from .naps import tighten_timer_slack
 from .plan import Planner, make_plan
 from .registration import Registration
 from .samenode import NodeToken, serve_offer
@@ -57,7 +56,6 @@ class _Peer:
     head_slice: HeadSlice | None = None  # mixed TP, direct: our heads -> its heads (tp.py)
     lanes_checked: bool = False  # UCX's lanes for its device memory looked at (ucxlog.py)
     _planner: Planner | None = None  # its pushes' planner, made at the first one
-    pace: Pace = field(default_factory=Pace)  # its WRITEs' fastest: when to poll one (naps.py)
 
     def planner(self, ours: KVLayout) -> Planner:
         """Plans our blocks into its cache (mixed TP, direct: counted in its heads)."""
@@ -80,10 +78,6 @@ class _Write:
     request: str
     xfer: PostedTransfer
     deadline: float  # monotonic: the decode's deadline, or our own timeout if sooner
-    # perf_counter: when it may first be done, and until when to poll it without sleeping
-    # (its peer's pace; 0, 0: no pace yet, poll every 50 µs)
-    due: float = 0.0
-    spin_until: float = 0.0
 
 
 # What a server keeps of refused connections: the newest, and a count of all.
@@ -391,12 +385,8 @@ class PrefillServer:
                 xfer = PostedTransfer(self.agent, "WRITE", plan, self.registration.local_dlist,
                                       self.registration.peer_dlist(peer.agent), False,
                                       b"", split, rows)
-                write = _Write(peer, request, xfer, time.monotonic() + min(left, timeout))
-                expected = peer.pace.expected("push", plan.nbytes)
-                if expected is not None:
-                    write.due = xfer.start + DUE_FRACTION * expected
-                    write.spin_until = xfer.start + peer.pace.spin_seconds("push", plan.nbytes)
-                self._writes[key] = write
+                self._writes[key] = _Write(peer, request, xfer,
+                                           time.monotonic() + min(left, timeout))
         except KVRuntimeError as exc:
             peer.send({"type": "push_failed", "request": request, "error": str(exc)},
                       self.timeout)
@@ -543,7 +533,6 @@ class PrefillServer:
         del self._writes[(write.peer.agent, write.request)]
         if error is None:
             result = write.xfer.result()
-            write.peer.pace.seen("push", result.nbytes, result.seconds)
             self._release(write.peer.agent, write.request)  # the blocks may be freed
             reply = {"type": "pushed", "request": write.request, "nbytes": result.nbytes,
                      "seconds": result.seconds, "descriptors": result.descriptors,
@@ -560,17 +549,14 @@ class PrefillServer:
 
     # -- completion --------------------------------------------------------------------------
     def _progress_loop(self) -> None:
-        """Our WRITEs in flight, staged requests, and our UCX worker's progress. While WRITEs
-        are in flight it polls as ``_between_polls`` says, every millisecond otherwise (a new
-        push wakes it); its naps end on time (this thread's timer slack is 1 µs, not 50:
-        naps.py)."""
+        """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls tightly
+        while WRITEs are in flight, every millisecond otherwise (a new push wakes it); its naps
+        end on time (this thread's timer slack is 1 µs, not 50: naps.py)."""
         tighten_timer_slack()
         busy = False
         while not self._stop.is_set():
-            if self._stage_queue:
+            if busy or self._stage_queue:
                 time.sleep(0.00005)
-            elif busy:
-                self._between_polls()
             else:
                 self._work.wait(0.001)
                 self._work.clear()
@@ -596,27 +582,6 @@ class PrefillServer:
                 if not self._stop.is_set():
                     log.exception("progressing WRITEs")
                 busy = False
-
-    def _between_polls(self) -> None:
-        """Wait before the next poll of our WRITEs: sleep while none can be done yet (the
-        soonest ``due`` by its peer's pace; a new push ends the sleep), poll at once, yielding
-        the core and the GIL, while one is within its ``spin_until``, else nap 50 µs. A WRITE
-        was seen done up to a nap and a wake-up late (~0.1 ms on the VMs), and its "pushed"
-        answer is what the decode waits for; polling without sleeping through the whole WRITE
-        would hold the GIL from the prefill's own work."""
-        now = time.perf_counter()
-        with self._writes_lock:
-            writes = list(self._writes.values())
-        if not writes:
-            return
-        due = min(w.due for w in writes)
-        if now < due:
-            self._work.wait(min(due - now, 0.001))
-            self._work.clear()
-        elif any(now < w.spin_until for w in writes):
-            os.sched_yield()
-        else:
-            time.sleep(0.00005)
 
     def _release(self, agent: str, request: str) -> None:
         with self._released_cv:
