@@ -127,8 +127,8 @@ static PyObject *runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t ns = PyLong_AsSsize_t(args[3]), nd = PyLong_AsSsize_t(args[4]);
     if ((ns == -1 || nd == -1) && PyErr_Occurred())
         return NULL;
-    if (ns < 1 || nd < 1) {
-        PyErr_SetString(PyExc_ValueError, "runs: block counts must be positive");
+    if (ns < 1 || nd < 1 || ns > PY_SSIZE_T_MAX - nd) {
+        PyErr_SetString(PyExc_ValueError, "runs: block counts must be positive (and fit memory)");
         return NULL;
     }
     Py_buffer vb, vi, vs, vo, vr;
@@ -139,6 +139,11 @@ static PyObject *runs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (vb.itemsize != 8 || k < 1 || bounds[0] != 0) {
         PyBuffer_Release(&vb);
         PyErr_SetString(PyExc_ValueError, "runs: bounds must be k+1 int64, 0 first");
+        return NULL;
+    }
+    if (bounds[k] > (int64_t)(PY_SSIZE_T_MAX / 24)) { /* 3 x n items of 8 bytes must fit */
+        PyBuffer_Release(&vb);
+        PyErr_SetString(PyExc_ValueError, "runs: more pairs than memory can hold");
         return NULL;
     }
     Py_ssize_t n = (Py_ssize_t)bounds[k];

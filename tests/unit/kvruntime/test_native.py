@@ -251,6 +251,10 @@ def test_runs_refuses_buffers_that_do_not_fit(runs):
         runs(ids, np.array([1, 4]), seen, 4, 4, out, per)
     with pytest.raises(ValueError, match="block counts must be positive"):
         runs(ids, bounds, seen, 0, 4, out, per)
+    with pytest.raises(ValueError, match="more pairs than memory can hold"):
+        runs(ids, np.array([0, 2 ** 62]), seen, 4, 4, out, per)  # 3 x n x 8 bytes would wrap
+    with pytest.raises(ValueError, match="fit memory"):
+        runs(ids, bounds, seen, 2 ** 62, 2 ** 62, out, per)
     with pytest.raises(BufferError):
         runs(ids, bounds, bytes(8), 4, 4, out, per)  # read-only marks
     assert runs(ids, bounds, seen, 4, 4, out, per) == 0  # block 0 four times
