@@ -233,10 +233,8 @@ class Planner:
         self.src_layout, self.dst_layout = src_layout, dst_layout
         ns, nd = src_layout.num_blocks, dst_layout.num_blocks
         self._limits = np.array([[ns], [nd]], dtype=np.uint64)
-        self._offsets = np.array([[0], [ns]], dtype=np.int64)  # one "seen" array, both sides
-        self._slots = ns + nd
         # the native split's marks (csrc/idscan.c): zero between calls, so made once
-        self._seen = np.zeros(self._slots, dtype=np.uint8)
+        self._seen = np.zeros(ns + nd, dtype=np.uint8)
         native.id_scan()  # built or loaded now (once a process), not in a request's time
 
     def plan(self, src_blocks, dst_blocks=None) -> TransferPlan:
@@ -258,28 +256,29 @@ class Planner:
                 raise PlanError(f"{n} source blocks but {len(dst)} destination blocks")
             ids = np.empty((2, n), dtype=np.int64)
             ids[0], ids[1] = src, dst
-        n = ids.shape[1]
-        split = native.id_runs()
-        if split is not None:  # runs, range and duplicates in one C pass
-            out = np.empty((3, n), dtype=np.int64)
-            r = split(ids, np.array((0, n), dtype=np.int64), self._seen,
-                      self.src_layout.num_blocks, self.dst_layout.num_blocks, out,
-                      np.empty(2, dtype=np.int64))
-            if r <= 0:
-                self._refuse(ids)
-            return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], out[0, :r],
-                                out[1, :r], out[2, :r])
-        # one comparison for both sides and both ends: a negative id, seen unsigned, is larger
-        # than any count
-        if np.count_nonzero(ids.view(np.uint64) >= self._limits):
+        parts = self._split(ids, np.array((0, ids.shape[1]), dtype=np.int64))
+        if parts is None:
             self._refuse(ids)
-        runs = _run_arrays(ids)
-        if len(runs[2]) > 1:  # one run names distinct ids on both sides by construction
-            seen = np.zeros(self._slots, dtype=np.bool_)
-            seen[(ids + self._offsets).reshape(-1)] = True
-            if np.count_nonzero(seen) != 2 * n:
-                self._refuse(ids)
-        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *runs)
+        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *parts[:3])
+
+    def _split(self, ids: np.ndarray, bounds: np.ndarray):
+        """A batch's 2 x n ids (request k holding pairs ``bounds[k]..bounds[k+1]-1``) as runs:
+        (run source starts, destination starts, counts, and each request's runs as a list:
+        ``per[k]..per[k+1]-1``); a run never spans two requests. None when an id is out of
+        range, a source id is named twice in one request or a destination id twice in the
+        batch: the caller words the refusal. One C pass (native.py), else a few numpy calls."""
+        n, k = ids.shape[1], len(bounds) - 1
+        split = native.id_runs()
+        if split is not None:
+            out, per = np.empty((3, n), dtype=np.int64), np.empty(k + 1, dtype=np.int64)
+            r = split(ids, bounds, self._seen, self.src_layout.num_blocks,
+                      self.dst_layout.num_blocks, out, per)
+            return (out[0, :r], out[1, :r], out[2, :r], per.tolist()) if r > 0 else None
+        if not self._batch_ok(ids, bounds):
+            return None
+        rs, rd, rc = _run_arrays(ids, bounds[1:-1])
+        firsts = np.cumsum(rc) - rc
+        return rs, rd, rc, np.searchsorted(firsts, bounds).tolist()
 
     def _read_lists(self, src_blocks, dst_blocks):
         """Lists of plain ints read by the native scan (native.py), their ranges checked on
@@ -342,9 +341,11 @@ class Planner:
         src, dst = sides[0][1], sides[1][1]
         ids = np.empty((2, int(counts.sum())), dtype=np.int64)
         ids[0], ids[1] = _ranges(src, counts), _ranges(dst, counts)
-        if r > 1:  # runs one peer split where both sides go on are one run here
-            return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *_run_arrays(ids))
-        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], src, dst, counts)
+        # runs the peer split where both sides go on are one run here
+        parts = self._split(ids, np.array((0, ids.shape[1]), dtype=np.int64))
+        if parts is None:
+            raise AssertionError("runs that passed their checks named a block twice")
+        return TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *parts[:3])
 
     def plan_many(self, requests) -> tuple[list[TransferPlan], TransferPlan]:
         """Plans for a batch of requests (an engine step's worth: ``(src_blocks, dst_blocks or
@@ -357,22 +358,11 @@ class Planner:
         if not requests:
             raise PlanError("a batch must hold at least one request")
         ids, bounds = self._read_batch_lists(requests) or self._read_batch(requests)
-        n, k = ids.shape[1], len(bounds) - 1
-        split = native.id_runs()
-        if split is not None:  # the checks and the runs in one C pass
-            out, per = np.empty((3, n), dtype=np.int64), np.empty(k + 1, dtype=np.int64)
-            r = split(ids, bounds, self._seen, self.src_layout.num_blocks,
-                      self.dst_layout.num_blocks, out, per)
-            ok, (rs, rd, rc), per = r > 0, out[:, :max(r, 0)], per.tolist()
-        else:
-            ok = self._batch_ok(ids, bounds)
-            if ok:
-                rs, rd, rc = _run_arrays(ids, bounds[1:-1])
-                firsts = np.cumsum(rc) - rc
-                per = np.searchsorted(firsts, bounds).tolist()  # request k's runs: per[k]..per[k+1]
-        if not ok:  # the first bad request's error
+        parts = self._split(ids, bounds)
+        if parts is None:  # the first bad request's error
             merge_plans([self.plan(src, dst) for src, dst in requests])
             raise AssertionError("a bad batch passed the per-request checks")
+        rs, rd, rc, per = parts
         at = bounds.tolist()
         plans = [TransferPlan(self.src_layout, self.dst_layout, ids[0, a:b], ids[1, a:b],
                               rs[r:q], rd[r:q], rc[r:q])
