@@ -65,9 +65,10 @@ def _module() -> dict:
     with _lock:
         if "how" not in _state:
             mod, how = _load()
+            # "how" last: it marks the functions as looked up (a reader without the lock who
+            # misses a function comes here and waits for the lock)
+            _state.update(scan=getattr(mod, "scan", None), runs=getattr(mod, "runs", None))
             _state["how"] = how
-            _state["scan"] = getattr(mod, "scan", None)
-            _state["runs"] = getattr(mod, "runs", None)
             (log.debug if mod is not None else log.info)("native id reader: %s", how)
     return _state
 
