@@ -6,7 +6,9 @@ loaded, removes the stale agent first: that is how a restarted prefill is picked
 
 Requests are asynchronous: ``peer.start_pull``/``start_push`` return a ``TransferHandle`` at
 once (see inflight.py); ``client.get_finished()`` collects every request that finished since
-the last call, across peers. ``peer.pull``/``push`` are ``start_*(...).wait()``.
+the last call, across peers. ``peer.pull``/``push`` are ``start_*(...).wait()``. A push can
+also be the prefill's to start: ``peer.expect_push`` names where a request's blocks go, and its
+handle is done when the prefill's WRITE of them has landed.
 
 Engines: with ``engine="auto"`` (the default) a peer proved to run on this host as a user
 allowed to read its memory is served by the same-node engine (samenode.py: one gather per
@@ -238,6 +240,56 @@ class PrefillPeer:
         self._send({"type": "push", "request": request_id, **blocks,
                     "timeout": timeout, "deadline": time.time() + timeout, "split": split})
         return handle
+
+    def expect_push(self, dst_blocks, request_id: str | None = None,
+                    timeout: float = 30.0) -> TransferHandle:
+        """Tell the prefill where request ``request_id``'s blocks go here, ahead of time; the
+        prefill WRITEs them when it has them (``PrefillServer.start_push``), and the handle is
+        done when the WRITE's NIXL notification arrives: NIXL sends it once the data has
+        landed. Nothing crosses the side channel between the prefill's start and the data's
+        arrival, so a push costs what its WRITE costs. The handle's seconds run from the
+        prefill's start to the notification's arrival, by the two hosts' wall clocks.
+
+        Our UCX worker must progress for the notification to arrive (and, on some
+        transports, for the WRITE to finish): a caller's polls do that (``get_finished``,
+        ``wait``), or a NIXL progress thread (``ucx_threads``). Past ``timeout`` the request
+        fails and the prefill is told to drop it; a WRITE it has started is aborted."""
+        t0 = time.perf_counter()
+        self._check_request(timeout)
+        if self.client.staging is not None:
+            raise KVRuntimeError(f"{self.name}: a host-staged decode cannot be pushed into "
+                                 f"(NIXL holds its staging pool, not its cache); pull instead")
+        if self.info.kv_buffer == "host_staged":
+            raise KVRuntimeError(f"{self.name} is host-staged: it pushes nothing directly; pull "
+                                 f"instead")
+        # our ids, checked here (range, duplicates): the prefill pairs them with its own
+        plan = make_plan(self.client.cache.layout, dst_blocks)
+        request_id = self._request_id(request_id)
+        if request_id in self._pending:
+            raise KVRuntimeError(f"request id {request_id!r} is already in flight on {self.name}")
+        handle = self._handle("push", request_id, plan, timeout, t0)
+        handle.by_prefill = True
+        self._pending[request_id] = handle
+        self.client._track(handle)
+        self._send({"type": "expect", "request": request_id,
+                    "dst": frames.pack_ids(plan.block_ids()[0]),
+                    "timeout": timeout, "deadline": time.time() + timeout})
+        return handle
+
+    def _on_notif(self, raw) -> str | None:
+        """A NIXL notification from this peer's agent: a push of its own that has landed.
+        Returns why it was ignored, if it was."""
+        try:
+            message = frames.parse_notif(raw)
+        except KVRuntimeError as exc:
+            return str(exc)
+        request = message.get("request")
+        handle = self._pending.get(request) if isinstance(request, str) else None
+        if message.get("type") != "pushed" or handle is None or not handle.by_prefill:
+            return (f"an unexpected {str(message.get('type'))[:40]!r} notification (request "
+                    f"{str(request)[:80]!r})")
+        handle._on_reply(message)
+        return None
 
     def start_pulls(self, requests, timeout: float = 30.0) -> list[TransferHandle]:
         """Start many pulls at once — an engine step's worth — and get one handle each.
@@ -698,8 +750,8 @@ class DecodeClient:
 
     def _progress_worker(self) -> None:
         """Make our UCX worker progress: over a transport that needs the target's help (tcp),
-        a prefill's WRITE into us completes only as we call into the worker. Peers of protocol
-        6 send no notifications; any that come are only logged."""
+        a prefill's WRITE into us completes only as we call into the worker. The notifications
+        that come are the prefill's own pushes landing (``expect_push``)."""
         if not self._progress_lock.acquire(blocking=False):
             return
         try:
@@ -709,8 +761,15 @@ class DecodeClient:
                 log.warning("polling notifications: %s", exc)
                 return
             for agent, messages in (notifs or {}).items():
-                log.warning("ignoring %d NIXL notification(s) from %s: kvruntime peers answer "
-                            "by frame", len(messages), agent)
+                peer = next((p for p in list(self._peers.values()) if p.agent == agent), None)
+                if peer is None:
+                    log.warning("ignoring %d NIXL notification(s) from %s: not a peer of ours",
+                                len(messages), agent)
+                    continue
+                ignored = [why for why in map(peer._on_notif, messages) if why]
+                if ignored:  # one line a poll: a flood of them is not a flood of lines
+                    log.warning("%s: ignored %d notification(s): %s", peer.name, len(ignored),
+                                ignored[0])
         finally:
             self._progress_lock.release()
 

@@ -29,7 +29,11 @@ HEADER = struct.Struct(">4sI")
 # 5: a release names a list of requests (a same-node batch's, in one frame).
 # 6: no NIXL notifications: a pull's READ is released by a frame, and a push is proved by the
 #    prefill's reply, sent once NIXL has flushed its WRITE (remote completion).
-PROTOCOL_VERSION = 6
+# 7: a push the prefill starts: the decode names where a request's blocks go ("expect"), the
+#    prefill WRITEs them once it has them, and the WRITE's NIXL notification (a "pushed"
+#    message) tells the decode they landed. Nothing else carries notifications.
+PROTOCOL_VERSION = 7
+MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 
@@ -80,6 +84,25 @@ def decode_frame(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> dict:
     if len(payload) != length:
         raise FrameError(f"frame announces {length} payload bytes but carries {len(payload)}")
     return parse_payload(payload)
+
+
+def encode_notif(message: dict) -> bytes:
+    """A message for a NIXL notification: the payload of a frame, with no header (NIXL
+    delivers it whole), at most ``MAX_NOTIF`` bytes."""
+    payload = json.dumps({**message, "v": PROTOCOL_VERSION}, separators=(",", ":"),
+                         allow_nan=False).encode()
+    if len(payload) > MAX_NOTIF:
+        raise FrameError(f"notification of {len(payload)} bytes exceeds {MAX_NOTIF}")
+    return payload
+
+
+def parse_notif(raw) -> dict:
+    """A NIXL notification's message, checked as a frame's payload; FrameError otherwise."""
+    if not isinstance(raw, (bytes, bytearray)):
+        raise FrameError(f"notification is {type(raw).__name__}, not bytes")
+    if len(raw) > MAX_NOTIF:
+        raise FrameError(f"notification of {len(raw)} bytes exceeds {MAX_NOTIF}")
+    return parse_payload(bytes(raw))
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:

@@ -63,7 +63,8 @@ class Pace:
 
 
 class TransferHandle:
-    """One pull (decode READs) or push (prefill WRITEs) request."""
+    """One pull (decode READs) or push (prefill WRITEs) request: a push the decode asks for
+    (``start_push``), or one the prefill starts into blocks the decode named (``expect_push``)."""
 
     def __init__(self, peer: "PrefillPeer", op: str, request_id: str, plan: TransferPlan,
                  timeout: float, started: float | None = None):
@@ -88,6 +89,10 @@ class TransferHandle:
         # same-node copy moves by polling its own transfer alone
         self.uses_peer = op == "push"
         self.reported = False
+        # a push the prefill starts (expect_push): done by its WRITE's notification, timed
+        # from its start (the notification's "posted") to the notification's arrival here
+        self.by_prefill = False
+        self._arrived: float | None = None  # wall clock, as "posted" is the prefill's
 
     # -- the caller's side -----------------------------------------------------------------
     def done(self) -> bool:
@@ -208,8 +213,11 @@ class TransferHandle:
     def _advance_push(self) -> None:
         if self._reply is not None:  # sent once NIXL flushed the WRITE: it has landed
             r = self._reply
+            posted = _seconds(r.get("posted")) if self.by_prefill else None
+            seconds = (max(self._arrived - posted, 1e-9) if posted is not None else
+                       time.perf_counter() - self.started)
             self._finish(TransferResult(
-                "WRITE", self.nbytes, time.perf_counter() - self.started,
+                "WRITE", self.nbytes, seconds,
                 self.plan.num_runs, int(r.get("descriptors") or self.plan.descriptor_count),
                 _int_or_none(r.get("nixl_descriptors")), _seconds(r.get("seconds"))))
             self.peer._settled(self)
@@ -217,10 +225,13 @@ class TransferHandle:
             # Ask the prefill to cancel; it also refuses any push read after its deadline, so
             # a stalled prefill that wakes up later never writes. Settled once it answers.
             self.peer._cancel(self)
+            why = ("the prefill had not pushed it or its WRITE had not landed; cancel sent (the "
+                   "prefill drops the request and aborts a WRITE it started)" if self.by_prefill
+                   else "cancel sent (the prefill refuses the request once its deadline has "
+                        "passed)")
             self._fail(TransferTimeout(
                 f"push of request {self.request_id} ({self.nbytes} bytes) missed its "
-                f"{self.timeout:.3f}s deadline; cancel sent (the prefill refuses the request "
-                f"once its deadline has passed)"), settled=False)
+                f"{self.timeout:.3f}s deadline; {why}"), settled=False)
 
     # -- events from the peer (frames) ----------------------------------------------------------
     def _on_reply(self, message: dict) -> None:
@@ -231,6 +242,7 @@ class TransferHandle:
             return
         with self._lock:
             if kind == "pushed":
+                self._arrived = time.time()
                 self._reply = message
                 if self.state == FAILED:  # it landed after we gave up: the blocks were written
                     self.settled = True

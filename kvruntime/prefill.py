@@ -8,8 +8,14 @@ Pushes are asynchronous here too: the connection thread posts the WRITE and goes
 reading, so one decode can keep many pushes in flight; a progress thread polls the WRITEs and
 answers each (``pushed`` or ``push_failed``) when it ends. Released request ids, per decode
 agent, come from the decodes' release frames (pulls and same-node copies) and from our own
-WRITEs that ended (pushes). No NIXL notification is sent or expected: one would keep a
-transfer from completing until the other side's UCX worker progressed. A push
+WRITEs that ended (pushes).
+
+A push can also be ours to start, as an engine does once a request's KV is computed: the
+decode names the blocks beforehand (an ``expect`` frame), ``start_push`` posts the WRITE with a
+NIXL notification, and the notification is the decode's only answer: nothing crosses the side
+channel between our start and the data's arrival. That is the one NIXL notification kvruntime
+sends: one on a READ would keep it from completing until the other side's UCX worker
+progressed, and a push the decode asks for is answered by a frame. A push
 whose deadline (the decode's wall clock) has passed when it is read is refused, and a WRITE
 still running at its deadline is aborted: a decode told that a push failed never finds it
 written later.
@@ -55,6 +61,8 @@ class _Peer:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     head_slice: HeadSlice | None = None  # mixed TP, direct: our heads -> its heads (tp.py)
     lanes_checked: bool = False  # UCX's lanes for its device memory looked at (ucxlog.py)
+    # request -> where its blocks go, for the pushes we start (start_push); at most MAX_EXPECTED
+    expected: dict = field(default_factory=dict)
     _planner: Planner | None = None  # its pushes' planner, made at the first one
 
     def planner(self, ours: KVLayout) -> Planner:
@@ -78,6 +86,28 @@ class _Write:
     request: str
     xfer: PostedTransfer
     deadline: float  # monotonic: the decode's deadline, or our own timeout if sooner
+    notified: bool = False  # ours (start_push): its notification tells the decode, not a frame
+
+
+@dataclass
+class _Expected:  # a decode's blocks for a request we will push (its "expect" frame)
+    dst: object  # int64 ids, checked against its layout
+    deadline: float  # monotonic: the decode's deadline
+
+
+@dataclass
+class _Offer:  # a push started before any decode expected it: posted when one does
+    agent: str | None  # the decode it is for; None: whichever expects the request first
+    src: object  # int64 ids, checked against our layout
+    deadline: float  # monotonic
+    posted: float  # wall clock of the start_push call (the decode times the push from it)
+
+
+# Requests one decode may have announced (expect) and we not pushed yet.
+MAX_EXPECTED = 65536
+# A named request past its deadline is dropped this much later by the progress loop (the
+# decode's own timer, and its cancel, come first); start_push never writes one past it.
+EXPECTED_GRACE = 0.5
 
 
 # What a server keeps of refused connections: the newest, and a count of all.
@@ -137,7 +167,8 @@ class PrefillServer:
         self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._released_cv = threading.Condition()
         self._writes: dict[tuple[str, str], _Write] = {}  # (decode agent, request) -> WRITE
-        self._writes_lock = threading.RLock()
+        self._writes_lock = threading.RLock()  # also guards peers' expected, and _offers
+        self._offers: dict[str, _Offer] = {}  # request -> a push waiting for its decode
         self._work = threading.Event()
         self._token = NodeToken()
         self._peers: dict[str, _Peer] = {}
@@ -324,6 +355,8 @@ class PrefillServer:
         layout = self.cache.layout
         if kind == "push":
             self._start_write(peer, message)
+        elif kind == "expect":
+            self._expect(peer, message)
         elif kind == "cancel":
             self._cancel_write(peer, frames.field(message, "request", str))
         elif kind == "samenode":  # a decode asks to open our memory directly (samenode.py)
@@ -370,31 +403,178 @@ class PrefillServer:
                                 f"nothing was written"}, self.timeout)
             return
         try:
-            s, rows = peer.head_slice, None
             planner = peer.planner(self.cache.layout)
             plan = planner.plan(src, dst) if runs is None else planner.plan_runs(*runs)
-            if s is not None:  # mixed TP, direct: the decode rank's heads of each token row
-                src_ids, dst_ids = plan.block_ids()
-                rows = Rows(head_rows(self.cache.layout, self.registration.region_triples(),
-                                      src_ids, s.src),
-                            head_rows(peer.info.layout, peer.info.regions, dst_ids, s.dst),
-                            peer.agent, self.cache.mem_type, peer.info.mem_type)
-            with self._writes_lock:
-                if key in self._writes:
-                    raise KVRuntimeError(f"request {request!r} is already in flight")
-                xfer = PostedTransfer(self.agent, "WRITE", plan, self.registration.local_dlist,
-                                      self.registration.peer_dlist(peer.agent), False,
-                                      b"", split, rows)
-                self._writes[key] = _Write(peer, request, xfer,
-                                           time.monotonic() + min(left, timeout))
+            self._post_write(peer, request, plan, time.monotonic() + min(left, timeout), split)
         except KVRuntimeError as exc:
             peer.send({"type": "push_failed", "request": request, "error": str(exc)},
                       self.timeout)
-            return
+
+    def _post_write(self, peer: _Peer, request: str, plan, deadline: float, split: int = 1,
+                    notif: bytes = b"") -> None:
+        """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight; ``notif``:
+        the notification that is a push of our own's only answer."""
+        s, rows = peer.head_slice, None
+        if s is not None:  # mixed TP, direct: the decode rank's heads of each token row
+            src_ids, dst_ids = plan.block_ids()
+            rows = Rows(head_rows(self.cache.layout, self.registration.region_triples(),
+                                  src_ids, s.src),
+                        head_rows(peer.info.layout, peer.info.regions, dst_ids, s.dst),
+                        peer.agent, self.cache.mem_type, peer.info.mem_type)
+        with self._writes_lock:
+            if (peer.agent, request) in self._writes:
+                raise KVRuntimeError(f"request {request!r} is already in flight")
+            xfer = PostedTransfer(self.agent, "WRITE", plan, self.registration.local_dlist,
+                                  self.registration.peer_dlist(peer.agent), False,
+                                  notif, split, rows)
+            self._writes[(peer.agent, request)] = _Write(peer, request, xfer, deadline,
+                                                         bool(notif))
         # a WRITE done as it was posted (host memory by cma, copied in the call) is answered
         # from here: waking the progress loop to see it cost ~50 µs a push on the 2-core host
         if self._progress_writes():
             self._work.set()
+
+    # -- pushes we start: the decode said where the blocks go (expect), we say when ---------------
+    def start_push(self, request: str, src_blocks, peer: str | None = None,
+                   timeout: float = 30.0) -> None:
+        """WRITE our ``src_blocks`` into the blocks a decode named for ``request``
+        (``PrefillPeer.expect_push``), with a NIXL notification that tells it they landed.
+        Returns once the WRITE is posted. If no decode has named them yet, the push waits
+        (at most ``timeout``) and is posted when one does. ``peer``: the decode agent the
+        request is for; None: whichever decode names ``request``.
+
+        When the WRITE has ended, or the push was dropped, ``get_released`` lists the request
+        and our blocks may be reused (with agent ``""`` for a push no decode ever named). A
+        failed WRITE is the decode's to report (it gets a ``push_failed`` frame). Raises
+        ``KVRuntimeError`` for bad ids or a count other than the decode named (its request
+        stays expected: push again), or a WRITE NIXL refuses (the decode is told); then
+        nothing is released, the blocks are the caller's."""
+        posted = time.time()
+        if not isinstance(request, str) or not 0 < len(request) <= 256:
+            raise KVRuntimeError("request must be a non-empty string of at most 256 chars")
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
+            raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        if self.staging is not None:
+            raise KVRuntimeError("a host-staged prefill pushes nothing directly: its decodes "
+                                 "pull from the staging pool")
+        with self._writes_lock:
+            target = self._expected_by(request, peer)
+            if target is not None and time.monotonic() > target[1].deadline:
+                del target[0].expected[request]  # the decode gave up: its blocks are not ours
+                self._push_failed(target[0], request, "the prefill had not pushed it by its "
+                                  "deadline", release=False)
+                target = None
+            if target is None:
+                if peer is not None and peer not in self._peers:
+                    raise KVRuntimeError(f"no decode agent {peer!r} is connected")
+                if request in self._offers:
+                    raise KVRuntimeError(f"request {request!r} is already waiting for its "
+                                         f"decode")
+                src = make_plan(self.cache.layout, src_blocks).block_ids()[0]  # checked now
+                self._offers[request] = _Offer(peer, src, time.monotonic() + timeout, posted)
+                self._work.set()  # the progress loop expires it
+                return
+            dst_peer, expected = target
+            # our ids' range and duplicates, and as many as the decode named
+            plan = dst_peer.planner(self.cache.layout).plan(src_blocks, expected.dst)
+            del dst_peer.expected[request]
+        deadline = min(expected.deadline, time.monotonic() + timeout)
+        try:
+            self._push_now(dst_peer, request, plan, deadline, posted)
+        except KVRuntimeError as exc:  # raised: our blocks are the caller's, not released
+            self._push_failed(dst_peer, request, str(exc), release=False)
+            raise
+
+    def expects(self, request: str, peer: str | None = None) -> bool:
+        """Whether a decode (agent ``peer``, or any) has named the blocks for ``request``: a
+        ``start_push`` of it now is posted at once."""
+        with self._writes_lock:
+            try:
+                return self._expected_by(request, peer) is not None
+            except KVRuntimeError:  # several decodes named it
+                return True
+
+    def _expected_by(self, request: str, agent: str | None):
+        """(peer, _Expected) of the decode that named ``request``; under _writes_lock."""
+        if agent is not None:
+            peer = self._peers.get(agent)
+            found = peer is not None and request in peer.expected
+            return (peer, peer.expected[request]) if found else None
+        named = [p for p in list(self._peers.values()) if request in p.expected]
+        if len(named) > 1:
+            raise KVRuntimeError(f"request {request!r} is named by {len(named)} decodes "
+                                 f"({', '.join(p.agent for p in named[:3])}...): pass peer=")
+        return (named[0], named[0].expected[request]) if named else None
+
+    def _push_now(self, peer: _Peer, request: str, plan, deadline: float,
+                  posted: float) -> None:
+        notif = frames.encode_notif({"type": "pushed", "request": request, "posted": posted,
+                                     "descriptors": plan.descriptor_count})
+        self._post_write(peer, request, plan, deadline, 1, notif)
+
+    def _push_failed(self, peer: _Peer, request: str, error: str, release: bool = True) -> None:
+        """A push of ours that will not be written: the decode hears why, our blocks are free."""
+        if release:
+            self._release(peer.agent, request)
+        try:
+            peer.send({"type": "push_failed", "request": request, "error": error}, self.timeout)
+        except KVRuntimeError as exc:
+            log.warning("telling %s that push %s failed: %s", peer.agent, request, exc)
+
+    def _expect(self, peer: _Peer, message: dict) -> None:
+        """A decode names the blocks a request of ours goes into; posted at once when we have
+        already started that push, else kept until ``start_push`` or its deadline."""
+        request = frames.field(message, "request", str)
+        dst = frames.ids_field(message, "dst")
+        timeout = float(frames.field(message, "timeout", (int, float)))
+        left = float(frames.field(message, "deadline", (int, float))) - time.time()
+        try:
+            if self.staging is not None:
+                raise KVRuntimeError("this prefill is host-staged: it pushes nothing directly")
+            if left <= 0:
+                self.stats.late_pushes += 1
+                raise KVRuntimeError(f"its deadline passed {-left:.3f}s before the prefill read "
+                                     f"it; nothing was written")
+            make_plan(peer.info.layout, dst)  # its range and duplicates, before we keep it
+            deadline = time.monotonic() + min(left, timeout)
+            with self._writes_lock:
+                if request in peer.expected or (peer.agent, request) in self._writes:
+                    raise KVRuntimeError(f"request {request!r} is already in flight")
+                offer = self._offers.get(request)
+                if offer is None or offer.agent not in (None, peer.agent):
+                    if len(peer.expected) >= MAX_EXPECTED:
+                        raise KVRuntimeError(f"{MAX_EXPECTED} requests are already expected "
+                                             f"from this decode")
+                    peer.expected[request] = _Expected(dst, deadline)
+                    self._work.set()  # the progress loop expires it
+                    return
+                del self._offers[request]
+            if len(offer.src) != len(dst):
+                raise KVRuntimeError(f"{len(dst)} blocks named, but the prefill pushes "
+                                     f"{len(offer.src)}")
+            plan = peer.planner(self.cache.layout).plan(offer.src, dst)
+            self._push_now(peer, request, plan, min(deadline, offer.deadline), offer.posted)
+        except KVRuntimeError as exc:
+            self._push_failed(peer, request, str(exc))
+
+    def _expire_pushes(self) -> None:
+        """Drop expectations and offers past their deadlines: the decode hears it; a push no
+        decode named is released with agent "" (its blocks are ours again)."""
+        now = time.monotonic()
+        late = []
+        with self._writes_lock:
+            for peer in list(self._peers.values()):
+                for request in [r for r, e in peer.expected.items()
+                                if now > e.deadline + EXPECTED_GRACE]:
+                    del peer.expected[request]
+                    late.append((peer, request))
+            for request in [r for r, o in self._offers.items() if now > o.deadline]:
+                offer = self._offers.pop(request)
+                log.warning("push %s: no decode%s named its blocks before its deadline; "
+                            "dropped", request, f" {offer.agent}" if offer.agent else "")
+                self._release(offer.agent or "", request)
+        for peer, request in late:
+            self._push_failed(peer, request, "the prefill had not pushed it by its deadline")
 
     # -- host-staged requests (staging.py) -------------------------------------------------------
     def _stage(self, peer: _Peer, message: dict) -> None:
@@ -487,6 +667,10 @@ class PrefillServer:
             if write is not None:  # abort without polling: a poll could complete it now
                 self._end_write(write, "cancelled by the decode side")
                 return
+            if peer.expected.pop(request, None) is not None:  # named, not pushed yet
+                peer.send({"type": "cancelled", "request": request, "state": "not pushed"},
+                          self.timeout)
+                return
         # Not in flight: it was refused, or finished and answered before this cancel (frames
         # of one connection are answered in order), so the decode already knows which.
         peer.send({"type": "cancelled", "request": request, "state": "not in flight"},
@@ -531,6 +715,9 @@ class PrefillServer:
     def _end_write(self, write: "_Write", error: str | None) -> None:
         """Answer a WRITE that finished (error None) or must stop; called under _writes_lock."""
         del self._writes[(write.peer.agent, write.request)]
+        if error is None and write.notified:  # the decode has its notification
+            self._release(write.peer.agent, write.request)
+            return
         if error is None:
             result = write.xfer.result()
             self._release(write.peer.agent, write.request)  # the blocks may be freed
@@ -538,10 +725,13 @@ class PrefillServer:
                      "seconds": result.seconds, "descriptors": result.descriptors,
                      "nixl_descriptors": result.nixl_descriptors}
         else:
-            if write.xfer.state == "PROC" and not write.xfer.abort():
+            stopped = write.xfer.state != "PROC" or write.xfer.abort()
+            if not stopped:
                 error += "; the WRITE could not be aborted and may still land"
                 log.error("push %s to %s: %s", write.request, write.peer.agent, error)
             reply = {"type": "push_failed", "request": write.request, "error": error}
+            if write.notified and stopped:  # ours: nothing reads the caller's blocks now
+                self._release(write.peer.agent, write.request)
         try:
             write.peer.send(reply, self.timeout)
         except KVRuntimeError as exc:
@@ -564,6 +754,8 @@ class PrefillServer:
                 self._expire_writes()
                 if self._staged:
                     self._expire_staged()
+                if self._offers or any(p.expected for p in list(self._peers.values())):
+                    self._expire_pushes()
                 if self._stage_queue:
                     self._serve_stages()
                 # our UCX worker's progress (WRITEs in flight, peers' requests); nothing of

@@ -64,7 +64,8 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
             ports.append(server.address[1])
         queue.put({"ok": True, "ports": ports, "module": binding.module_name,
                    "module_file": getattr(binding.api, "__file__", None)})
-        control.get()  # wait for the parent's stop (or its death: the pipe breaks)
+        while _serve_command(control.get(), servers, queue):  # until the parent's stop
+            pass
     except BaseException as exc:  # report, don't print
         queue.put({"ok": False, "error": f"{type(exc).__name__}: {exc}",
                    "trace": traceback.format_exc()})
@@ -73,6 +74,30 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
             server.close()
         for cache in caches:
             cache.close()
+
+
+def _serve_command(command, servers, queue) -> bool:
+    """One command from the parent (bench); False for "stop". ``{"push": i, "request": r,
+    "src": ids, "peer": agent}``: server ``i`` pushes ``r`` as an engine would once its KV is
+    computed, i.e. after the decode named its blocks (waited for here, at most 10 s, so that
+    the push is timed from its start, not from the decode's frame); the outcome goes back on
+    ``queue``."""
+    import time
+
+    if not isinstance(command, dict):
+        return False
+    server, request = servers[command["push"]], command["request"]
+    reply = {"pushed": request, "error": None}
+    try:
+        until = time.monotonic() + 10
+        while not server.expects(request, command.get("peer")) and time.monotonic() < until:
+            time.sleep(0.0001)
+        server.start_push(request, command["src"], command.get("peer"),
+                          command.get("timeout", 30.0))
+    except Exception as exc:  # the parent raises it
+        reply["error"] = f"{type(exc).__name__}: {exc}"
+    queue.put(reply)
+    return True
 
 
 def _log_from_env() -> None:

@@ -33,6 +33,15 @@ def _require_nixl():
 @contextlib.contextmanager
 def spawn_prefill(layouts, seed=1, **options):
     """Yield (process, ports). The process is stopped, then killed if need be, then joined."""
+    with spawn_pushing_prefill(layouts, seed, **options) as (proc, ports, _push):
+        yield proc, ports
+
+
+@contextlib.contextmanager
+def spawn_pushing_prefill(layouts, seed=1, **options):
+    """Yield (process, ports, push): ``push(index, request, src, peer)`` has server ``index``
+    start a push of ``request`` once decode agent ``peer`` has named its blocks
+    (roles._serve_command) and returns the prefill's error, or None once it is posted."""
     ctx = mp.get_context("spawn")
     ready_q, control = ctx.Queue(), ctx.Queue()
     from kvruntime.roles import prefill_main, reap
@@ -40,10 +49,18 @@ def spawn_prefill(layouts, seed=1, **options):
     proc = ctx.Process(target=prefill_main, daemon=True,
                        args=(ready_q, control, [l.to_dict() for l in layouts], seed, options))
     proc.start()
+
+    def push(index, request, src, peer, timeout=30.0):
+        control.put({"push": index, "request": request, "src": list(src), "peer": peer,
+                     "timeout": timeout})
+        reply = ready_q.get(timeout=60)
+        assert reply["pushed"] == request, reply
+        return reply["error"]
+
     try:
         ready = ready_q.get(timeout=60)
         assert ready["ok"], ready
-        yield proc, ready["ports"]
+        yield proc, ready["ports"], push
     finally:
         reap(proc, control)
         ready_q.close(), control.close()
@@ -52,6 +69,11 @@ def spawn_prefill(layouts, seed=1, **options):
 @pytest.fixture
 def prefill():
     return spawn_prefill
+
+
+@pytest.fixture
+def pushing_prefill():
+    return spawn_pushing_prefill
 
 
 def stop_process(pid: int, timeout: float = 5.0) -> None:

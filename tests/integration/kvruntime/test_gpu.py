@@ -90,6 +90,30 @@ def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
         cache.close()
 
 
+@pytest.mark.parametrize("ids", _pairs(), ids=lambda p: f"cuda{p[0]}-to-cuda{p[1]}")
+@pytest.mark.parametrize("engine", ["nixl", "samenode"])
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+def test_pushes_the_prefill_starts_land_bit_exact_in_vram(pushing_prefill, kind, engine, ids):
+    """The prefill process WRITEs device memory into blocks the decode named, whatever engine
+    the decode pulls with; the notification that finishes the handle comes after the data."""
+    layout = small(kind)
+    with pushing_prefill([layout], seed=23, device="cuda", device_id=ids[0]) as (
+            _proc, ports, push):
+        cache = KVCache.allocate_device(small(kind, blocks=80), "cuda", ids[1])
+        with DecodeClient(cache, device_kind="cuda", engine=engine) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            cases = [request_blocks(layout.num_blocks, 300), (list(range(3, 13)),
+                                                              list(range(40, 50)))]
+            for n, (src, dst) in enumerate(cases):
+                cache.fill_value(0)
+                handle = peer.expect_push(dst, request_id=f"g{n}", timeout=30)
+                assert push(0, f"g{n}", src, client.agent.name) is None
+                res = handle.wait(30)
+                assert res.engine == "nixl" and res.nbytes == len(src) * layout.block_bytes
+                assert cache.block_digests(dst) == peer.digests(src)
+        cache.close()
+
+
 def test_selftest_cli_runs_every_cuda_mode_bit_exact():
     proc = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--json",
                            "--device-ids", str(DEVICE_ID), str(DEVICE_ID)],

@@ -174,3 +174,17 @@ def test_a_release_names_request_ids():
                       (["x" * 257], "got 'xxx"), ("a", "must be list")]:
         with pytest.raises(FrameError, match=line):
             frames.names_field({"type": "release", "requests": bad}, "requests")
+
+
+def test_notifications_are_frame_payloads_bounded_and_versioned():
+    raw = frames.encode_notif({"type": "pushed", "request": "r1", "posted": 1.5})
+    assert frames.parse_notif(raw) == {"type": "pushed", "request": "r1", "posted": 1.5,
+                                       "v": frames.PROTOCOL_VERSION}
+    with pytest.raises(FrameError, match="exceeds"):
+        frames.encode_notif({"type": "pushed", "request": "x" * frames.MAX_NOTIF})
+    for bad, why in ((b"x" * (frames.MAX_NOTIF + 1), "exceeds"), ("text", "not bytes"),
+                     (b"\xff", "not valid UTF-8"), (b"[]", "not an object")):
+        with pytest.raises(FrameError, match=why):
+            frames.parse_notif(bad)
+    with pytest.raises(ProtocolVersionError):
+        frames.parse_notif(b'{"v":6,"type":"pushed","request":"r"}')

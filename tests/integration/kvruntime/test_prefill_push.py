@@ -1,0 +1,276 @@
+"""Pushes the prefill starts (``expect_push`` / ``start_push``), with real NIXL agents and host
+memory over 127.0.0.1: the decode names the blocks, the prefill WRITEs them with a NIXL
+notification, and the notification alone finishes the decode's handle. Both orders (named
+first, pushed first), many in flight beside pulls, deadlines on either side, ids checked on
+both, forged notifications ignored. The prefill runs in the test's process (its own agent):
+start_push is the prefill engine's call."""
+
+import logging
+import time
+
+import pytest
+
+from kvruntime import frames
+from kvruntime.decode import DecodeClient
+from kvruntime.errors import KVRuntimeError, TransferError, TransferTimeout
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.memory import KVCache
+from kvruntime.prefill import PrefillServer
+
+pytestmark = pytest.mark.integration
+
+
+def small(kind=CROSS_LAYER, blocks=128):
+    return KVLayout(kind, 2, blocks, 16, 4, 32, "float16")
+
+
+@pytest.fixture
+def pair():
+    """(server, client, peer, src cache, dst cache): a prefill and a connected decode."""
+    layout = small()
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(11)
+    dst.fill_value(0)
+    with PrefillServer(src) as server, DecodeClient(dst, engine="nixl") as client:
+        peer = client.connect(*server.address)
+        peer.pull([0], [0], timeout=20)  # endpoints wired up
+        yield server, client, peer, src, dst
+    src.close(), dst.close()
+
+
+def _wait_expected(server, request, peer=None, seconds=5.0):
+    until = time.monotonic() + seconds
+    while not server.expects(request, peer):
+        assert time.monotonic() < until, f"the prefill never saw the decode name {request}"
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+def test_named_first_then_pushed_lands_bit_exact(kind):
+    layout = small(kind)
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(3)
+    dst.fill_value(0)
+    with PrefillServer(src) as server, DecodeClient(dst, engine="nixl") as client:
+        peer = client.connect(*server.address)
+        handle = peer.expect_push([10, 11, 12, 40], request_id="r1", timeout=20)
+        _wait_expected(server, "r1", client.agent.name)
+        assert not handle.done()  # named, not pushed: nothing has moved
+        server.start_push("r1", [3, 4, 5, 90])
+        result = handle.wait(10)
+        assert result.op == "WRITE" and result.engine == "nixl"
+        assert result.nbytes == 4 * layout.block_bytes
+        assert result.descriptors == 2 * layout.num_regions  # two runs
+        assert 0 < result.seconds < 10  # from the prefill's start to the arrival
+        assert dst.block_digests([10, 11, 12, 40]) == src.block_digests([3, 4, 5, 90])
+        assert server.wait_released("r1", 5, peer=client.agent.name)  # our blocks are free
+        assert handle.settled and peer.in_flight == 0
+    src.close(), dst.close()
+
+
+def test_pushed_first_waits_for_the_decode_then_lands(pair):
+    server, client, peer, src, dst = pair
+    server.start_push("early", [7, 8])  # no decode named it yet: kept, not an error
+    assert not server.expects("early")
+    time.sleep(0.05)
+    handle = peer.expect_push([60, 61], request_id="early", timeout=20)
+    handle.wait(10)
+    assert dst.block_digests([60, 61]) == src.block_digests([7, 8])
+    assert server.wait_released("early", 5, peer=client.agent.name)
+
+
+def test_many_in_flight_beside_pulls_collected_by_get_finished(pair):
+    """An engine's step loop: pulls and prefill pushes in flight together, collected by
+    get_finished; the prefill pushes in another order than they were named."""
+    server, client, peer, src, dst = pair
+    named = {f"p{i}": ([2 * i, 2 * i + 1], [64 + 2 * i, 65 + 2 * i]) for i in range(16)}
+    handles = [peer.expect_push(d, request_id=r, timeout=30) for r, (_s, d) in named.items()]
+    handles += [peer.start_pull([100 + i], [40 + i], request_id=f"q{i}", timeout=30)
+                for i in range(8)]
+    for r in reversed(list(named)):
+        _wait_expected(server, r)
+        server.start_push(r, named[r][0], peer=client.agent.name)
+    finished, until = [], time.monotonic() + 30
+    while len(finished) < len(handles) and time.monotonic() < until:
+        finished += client.get_finished()
+    assert sorted(map(id, finished)) == sorted(map(id, handles))
+    assert all(h.ok for h in finished), [h.error for h in finished if not h.ok]
+    for r, (s, d) in named.items():
+        assert dst.block_digests(d) == src.block_digests(s), r
+    assert dst.block_digests(range(40, 48)) == src.block_digests(range(100, 108))
+    assert client.in_flight == 0
+
+
+def test_a_request_never_pushed_fails_at_its_deadline_and_is_dropped(pair):
+    """The decode gives up at its deadline and says so; the prefill forgets the blocks it was
+    given, so a late start_push writes nothing: it waits for a decode that never comes and
+    is released with agent "" at its own timeout."""
+    server, client, peer, src, dst = pair
+    before = dst.block_digest(5)
+    handle = peer.expect_push([5], request_id="never", timeout=0.4)
+    _wait_expected(server, "never")
+    with pytest.raises(TransferTimeout, match="had not pushed it"):
+        handle.wait(10)
+    until = time.monotonic() + 5  # the cancel's answer settles it
+    while not handle.settled and time.monotonic() < until:
+        peer._pump()
+        time.sleep(0.01)
+    assert handle.settled and not server.expects("never")
+    server.start_push("never", [9], timeout=0.3)
+    assert server.wait_released("never", 5, peer="")
+    assert dst.block_digest(5) == before
+
+
+def test_the_prefill_drops_a_named_request_past_its_deadline(pair):
+    """The prefill's own sweep: a named request it has not pushed by the decode's deadline is
+    dropped and the decode hears why, even when its own timer has not fired yet (here its
+    handle's deadline is moved later, as a decode clock behind the prefill's would)."""
+    server, client, peer, src, dst = pair
+    before = dst.block_digest(6)
+    handle = peer.expect_push([6], request_id="late", timeout=0.3)
+    handle.deadline += 10
+    _wait_expected(server, "late")
+    with pytest.raises(TransferError, match="had not pushed it by its deadline"):
+        handle.wait(10)
+    assert handle.settled and not server.expects("late")
+    server.start_push("late", [9], timeout=0.2)  # too late: kept for a decode, then released
+    assert server.wait_released("late", 5, peer="")
+    assert dst.block_digest(6) == before
+
+
+def test_ids_are_checked_on_both_sides_and_a_bad_push_keeps_the_request(pair):
+    server, client, peer, src, dst = pair
+    with pytest.raises(KVRuntimeError, match="out of range|outside"):
+        peer.expect_push([500], request_id="bad")  # our cache has 128 blocks
+    with pytest.raises(KVRuntimeError, match="twice|duplicate"):
+        peer.expect_push([3, 3], request_id="dup")
+    handle = peer.expect_push([20, 21], request_id="n", timeout=20)
+    _wait_expected(server, "n")
+    with pytest.raises(KVRuntimeError, match="2 destination|source blocks"):
+        server.start_push("n", [1, 2, 3])  # three for two
+    with pytest.raises(KVRuntimeError, match="out of range|outside"):
+        server.start_push("n", [1, 999])
+    assert server.expects("n") and not handle.done()  # nothing was lost: push it right
+    server.start_push("n", [1, 2])
+    handle.wait(10)
+    assert dst.block_digests([20, 21]) == src.block_digests([1, 2])
+    for bad in ("", "x" * 257, None):
+        with pytest.raises(KVRuntimeError, match="request must be"):
+            server.start_push(bad, [1])
+    with pytest.raises(KVRuntimeError, match="timeout"):
+        server.start_push("t", [1], timeout=0)
+    with pytest.raises(KVRuntimeError, match="no decode agent"):
+        server.start_push("t", [1], peer="nobody")
+
+
+def test_two_decodes_naming_one_request_need_the_peer_said():
+    layout = small()
+    src = KVCache.allocate_host(layout)
+    src.fill_random(4)
+    dsts = [KVCache.allocate_host(layout) for _ in range(2)]
+    with PrefillServer(src) as server, DecodeClient(dsts[0], engine="nixl") as a, \
+            DecodeClient(dsts[1], engine="nixl") as b:
+        ha = a.connect(*server.address).expect_push([1], request_id="same", timeout=20)
+        hb = b.connect(*server.address).expect_push([2], request_id="same", timeout=20)
+        _wait_expected(server, "same", a.agent.name)
+        _wait_expected(server, "same", b.agent.name)
+        with pytest.raises(KVRuntimeError, match="named by 2 decodes"):
+            server.start_push("same", [30])
+        server.start_push("same", [30], peer=b.agent.name)
+        server.start_push("same", [31], peer=a.agent.name)
+        ha.wait(10), hb.wait(10)
+        assert dsts[0].block_digest(1) == src.block_digest(31)
+        assert dsts[1].block_digest(2) == src.block_digest(30)
+    src.close()
+    for d in dsts:
+        d.close()
+
+
+def test_forged_notifications_finish_nothing(pair, caplog):
+    """A notification is input from the peer: junk, an unknown request, or a "pushed" for a
+    push the decode asked for (answered by frame) is logged and ignored; only the prefill's
+    own WRITE finishes an expected push."""
+    server, client, peer, src, dst = pair
+    handle = peer.expect_push([50], request_id="real", timeout=20)
+    _wait_expected(server, "real")
+    me = client.agent.name
+    send = server.agent.nixl.send_notif
+    for raw in (b"junk", b"\xff" * 2000, frames.encode_notif({"type": "pushed", "request": "other"}),
+                frames.encode_notif({"type": "staged", "request": "real"}),
+                b'{"v":1,"type":"pushed","request":"real"}'):
+        send(me, raw)
+    with caplog.at_level(logging.WARNING, logger="kvruntime"):
+        until = time.monotonic() + 2
+        while time.monotonic() < until:
+            assert not handle.done()
+            time.sleep(0.01)
+    assert "ignored" in caplog.text and "notification" in caplog.text
+    server.start_push("real", [70])
+    handle.wait(10)
+    assert dst.block_digest(50) == src.block_digest(70)
+
+
+def test_a_decode_that_leaves_takes_its_named_requests_with_it():
+    layout = small()
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(6)
+    with PrefillServer(src) as server:
+        with DecodeClient(dst, engine="nixl") as client:
+            client.connect(*server.address).expect_push([1], request_id="gone", timeout=20)
+            _wait_expected(server, "gone")
+        until = time.monotonic() + 5
+        while server.expects("gone") and time.monotonic() < until:
+            time.sleep(0.01)
+        assert not server.expects("gone")
+    src.close(), dst.close()
+
+
+def test_a_host_staged_decode_is_told_to_pull():
+    layout = small()
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    with PrefillServer(src, kv_buffer="host_staged", staging_blocks=16) as server, \
+            DecodeClient(dst, kv_buffer="host_staged", staging_blocks=16) as client:
+        peer = client.connect(*server.address)
+        with pytest.raises(KVRuntimeError, match="pull instead"):
+            peer.expect_push([1])
+        with pytest.raises(KVRuntimeError, match="host-staged prefill pushes nothing"):
+            server.start_push("r", [1])
+    src.close(), dst.close()
+
+
+def test_a_push_started_just_after_the_decodes_deadline_writes_nothing(pair):
+    """Between the decode's deadline and the sweep's grace, start_push finds the named blocks
+    but not the time: the decode may have reused them. It writes nothing; the decode is told
+    and the push waits for a decode that names the request again."""
+    server, client, peer, src, dst = pair
+    before = dst.block_digest(7)
+    handle = peer.expect_push([7], request_id="edge", timeout=0.3)
+    _wait_expected(server, "edge")
+    time.sleep(0.4)  # past its deadline; nobody polled the decode, so no cancel went out
+    assert server.expects("edge")
+    server.start_push("edge", [9], timeout=0.3)
+    with pytest.raises((TransferError, TransferTimeout)):
+        handle.wait(10)
+    assert server.wait_released("edge", 5, peer="")
+    assert dst.block_digest(7) == before
+
+
+def test_a_prefill_process_pushes_into_a_decode_process(pushing_prefill):
+    """The shape engines run: the prefill in its own process starts the push (after the
+    decode named the blocks); timed from its start_push by the host's wall clock."""
+    layout = small(PER_LAYER)
+    with pushing_prefill([layout], seed=8) as (_proc, ports, push):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0)
+        with DecodeClient(cache, engine="nixl") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            src, dst = [4, 5, 6, 30], [100, 101, 102, 0]
+            handle = peer.expect_push(dst, request_id="x", timeout=30)
+            assert push(0, "x", src, client.agent.name) is None
+            result = handle.wait(30)
+            assert 0 < result.seconds < 30
+            assert cache.block_digests(dst) == peer.digests(src)
+            # a push of ids the decode never named is the prefill's error, not a hang
+            peer.expect_push([1], request_id="y", timeout=30)
+            assert "source blocks" in push(0, "y", [1, 2], client.agent.name)
+        cache.close()
