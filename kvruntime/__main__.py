@@ -209,7 +209,11 @@ def main(argv=None) -> int:
                    choices=["contiguous", "random"])
     b.add_argument("--layouts", nargs="+", default=["cross_layer", "per_layer"],
                    choices=["cross_layer", "per_layer"])
-    b.add_argument("--ops", nargs="+", default=["pull", "push"], choices=["pull", "push"])
+    b.add_argument("--ops", nargs="+", default=["pull", "push"],
+                   choices=["pull", "push", "prefill_push"],
+                   help="push: the decode asks the prefill to WRITE; prefill_push: the prefill "
+                        "starts the WRITE into blocks the decode named (expect_push), timed "
+                        "from its start to the notification's arrival")
     b.add_argument("--split", type=int, nargs="+", default=None,
                    help="pieces per contiguous run (parallel descriptors; default: one per "
                         "copy stream for host memory, else 1)")

@@ -12,6 +12,7 @@ average latency, bandwidth) plus the reference and the ratio.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import multiprocessing as mp
 import random
 import statistics
@@ -29,7 +30,7 @@ class BenchConfig:
     sizes_mib: list = field(default_factory=lambda: [64, 256, 1024])
     patterns: list = field(default_factory=lambda: ["contiguous", "random"])
     layouts: list = field(default_factory=lambda: ["cross_layer", "per_layer"])
-    ops: list = field(default_factory=lambda: ["pull", "push"])
+    ops: list = field(default_factory=lambda: ["pull", "push"])  # and "prefill_push"
     splits: list = field(default_factory=lambda: [None])  # None: the client's read_split
     ucx_threads: int = 0
     host_streams: int | None = None  # None: the client chooses (samenode.host_copy_streams)
@@ -175,7 +176,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         reference = (HostReference(max_mib << 20, cfg.huge_pages) if cfg.device == "cpu" else
                      DeviceReference(max_mib << 20, cfg.device, cfg.device_ids))
         rnd = random.Random(cfg.seed)
-        for layout, port in zip(layouts, ready["ports"]):
+        for index, (layout, port) in enumerate(zip(layouts, ready["ports"])):
             cache = allocate_cache(layout, decode_options)
             caches.append(cache)
             for engine in cfg.engines:
@@ -207,12 +208,15 @@ def run_bench(cfg: BenchConfig) -> dict:
                     "ucx_threads": client.agent.ucx_threads,
                     "host_streams": [client.host_streams, client.host_streams_reason]}
                 for op in cfg.ops:
+                    # the prefill's own WRITE, whatever the decode's engine: measured once
+                    if op == "prefill_push" and engine != cfg.engines[0]:
+                        continue
                     for pattern in cfg.patterns:
                         for size in cfg.sizes_mib:
                             for split in cfg.splits:
                                 report["results"].append(_measure(
                                     cfg, peer, cache, layout, reference, rnd, op, pattern,
-                                    size, split))
+                                    size, split, (control, ready_q, index)))
                 # what UCX really used for this client's transfers (ucxlog.py)
                 report["engines"][f"{layout.kind}/{engine}"]["transports"] = \
                     client.agent.transports()
@@ -242,13 +246,18 @@ def run_bench(cfg: BenchConfig) -> dict:
         reap(proc, control)
 
 
-def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split) -> dict:
+def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
+             prefill) -> dict:
     """One row: ``iters`` requests of ``size`` MiB, each beside a same-run reference copy; for
     NIXL pulls and same-node copies also a bare transfer of the same bytes next to each
     request, after it and before it in turn (kvruntime's own overhead: a NIXL READ of the same
     descriptors, the engine's copy of the same plan; a NIXL push's WRITE is the prefill's and
-    has none here)."""
-    move = peer.pull if op == "pull" else peer.push
+    has none here). ``prefill_push``: the prefill process starts each push (``prefill``: its
+    command queue, its reply queue, the server's index), timed from its ``start_push``."""
+    if op == "prefill_push":
+        move = lambda s, d, timeout, **_: _prefill_push(prefill, peer, s, d, timeout)  # noqa
+    else:
+        move = peer.pull if op == "pull" else peer.push
     count = max(1, (size << 20) // layout.block_bytes)
     src, dst = pick_blocks(pattern, count, layout.num_blocks, rnd)
     opts = {"timeout": 120} if split is None else {"timeout": 120, "split": split}  # None: default
@@ -342,6 +351,32 @@ def _staging_copies(pool, layout, rnd, cfg) -> dict:
             "gather_ratio": round(med["gather"] / med["d2h"], 3),
             "scatter_gbps": round(med["scatter"], 3), "h2d_pinned_gbps": round(med["h2d"], 3),
             "scatter_ratio": round(med["scatter"] / med["h2d"], 3)}
+
+
+def _prefill_push(prefill, peer, src, dst, timeout):
+    """One push the prefill starts: we name the blocks (``expect_push``), the prefill process
+    is told to push (``roles._serve_command``: it waits for our frame first, as an engine's
+    computing would), and the result is timed from its ``start_push`` to the notification's
+    arrival here."""
+    from .errors import KVRuntimeError
+
+    control, replies, index = prefill
+    request = f"bench-push-{next(_push_ids)}"
+    handle = peer.expect_push(dst, request_id=request, timeout=timeout)
+    control.put({"push": index, "request": request, "src": [int(b) for b in src],
+                 "peer": peer.client.agent.name, "timeout": timeout})
+    try:
+        result = handle.wait()
+    except KVRuntimeError as exc:
+        reply = replies.get(timeout=timeout)
+        raise KVRuntimeError(f"{exc} (the prefill's start_push: {reply['error'] or 'posted'})")
+    reply = replies.get(timeout=timeout)
+    if reply["error"]:
+        raise KVRuntimeError(f"the prefill's start_push of {request}: {reply['error']}")
+    return result
+
+
+_push_ids = itertools.count()
 
 
 def _bare_read(peer, src, dst, split) -> float:

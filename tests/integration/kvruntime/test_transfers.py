@@ -180,8 +180,13 @@ def test_bench_reports_medians_spread_and_ucx_settings():
     from kvruntime.bench import BenchConfig, run_bench
 
     report = run_bench(BenchConfig(sizes_mib=[4], patterns=["contiguous"], layouts=[CROSS_LAYER],
-                                   ops=["pull", "push"], iters=3, handshakes=2))
+                                   ops=["pull", "push", "prefill_push"], iters=3,
+                                   handshakes=2))
     assert report["ok"], report.get("error")
+    # pushes the prefill process starts: measured once (its WRITE is NIXL's, whatever engine
+    # the decode pulls with), timed from its start_push to the notification here
+    (started,) = [r for r in report["results"] if r["op"] == "prefill_push"]
+    assert started["engine"] == "nixl" and started["median_lat_us"] > 0
     assert report["ucx_env"].get("UCX_POSIX_ERROR_HANDLING") == "y"
     assert report["ucx_env"].get("UCX_CMA_SEG_SIZE") == "4M"
     assert len(report["handshake_ms"][f"{CROSS_LAYER}/nixl"]["all"]) == 2
