@@ -38,8 +38,13 @@ def test_ucx_settings():
     host = {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M"}
     assert ucx_settings("cpu", {}) == host
     assert ucx_settings("xpu", {}) == {"UCX_MEMTYPE_CACHE": "n"}
-    assert ucx_settings("cuda", {}) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
-    assert ucx_settings("cuda", {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}) == {}
+    # CUDA memory: NIXL's active messages over posix too (measured: 2 x H100, transports.py)
+    assert ucx_settings("cuda", {}) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
+                                        "UCX_POSIX_ERROR_HANDLING": "y"}
+    assert ucx_settings("cuda", {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
+                                 "UCX_POSIX_ERROR_HANDLING": "y"}) == {}
+    assert ucx_settings("cuda", {"UCX_TLS": "tcp,cuda_ipc,cuda_copy"}) == {
+        "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}  # posix not in play: not set
     with pytest.raises(TransportError, match="no active-message transport"):
         ucx_settings("cpu", {"UCX_TLS": "cma"})
     with pytest.raises(TransportError):
@@ -98,9 +103,11 @@ def test_shared_memory_am_needs_error_handling():
     # host memory: kvruntime turns posix error handling on, so posix alone is enough
     assert ucx_settings("cpu", {"UCX_TLS": "posix,cma"}) == {"UCX_POSIX_ERROR_HANDLING": "y",
                                                               "UCX_CMA_SEG_SIZE": "4M"}
-    # device memory keeps UCX's AM choice: shared memory alone is refused with the reason
+    # CUDA memory too; xpu keeps UCX's AM choice: shared memory alone is refused with the reason
+    assert ucx_settings("cuda", {"UCX_TLS": "posix,cuda_ipc,cuda_copy"}) == {
+        "UCX_POSIX_ERROR_HANDLING": "y", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
     with pytest.raises(TransportError, match="UCX_POSIX_ERROR_HANDLING=y"):
-        ucx_settings("cuda", {"UCX_TLS": "posix,cuda_ipc,cuda_copy"})
+        ucx_settings("xpu", {"UCX_TLS": "posix,ze_ipc,ze_copy"})
     with pytest.raises(TransportError, match="UCX_SYSV_ERROR_HANDLING=y"):
         ucx_settings("cpu", {"UCX_TLS": "sysv,cma"})
     assert ucx_settings("cpu", {"UCX_TLS": "sysv,tcp", "UCX_SYSV_ERROR_HANDLING": "y"}) == {}
@@ -143,7 +150,8 @@ def test_apply_and_report():
     ("xpu", {}, None, {"UCX_MEMTYPE_CACHE": "n"}),
     # the user's UCX_TLS wins
     ("xpu", {"UCX_TLS": "ze_copy,tcp"}, {"tcp", "ze_copy", "ze_ipc"}, {"UCX_MEMTYPE_CACHE": "n"}),
-    ("cuda", {}, {"tcp", "cuda_ipc", "cuda_copy"}, {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}),
+    ("cuda", {}, {"tcp", "posix", "cuda_ipc", "cuda_copy"},
+     {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on", "UCX_POSIX_ERROR_HANDLING": "y"}),
     ("cpu", {}, {"tcp", "posix", "cma"},
      {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M"}),
 ])
