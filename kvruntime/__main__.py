@@ -51,19 +51,20 @@ def _selftest(args, out) -> int:
         report.pop("trace", None) if report.get("ok") else None
         say(json.dumps(report, indent=None if args.compact else 2))
     else:
+        w = max([28] + [len(m["mode"]) for m in report.get("modes", [])])  # the names line up
         for m in report.get("modes", []):
             if m["status"] == "skipped":
-                say(f"SKIP {m['mode']:28} {m['reason']}")
+                say(f"SKIP {m['mode']:{w}} {m['reason']}")
             elif m["status"] == "passed" and "tp" in m:
-                say(f"PASS {m['mode']:28} {m['bytes'] / 2**20:8.1f} MiB from prefill ranks "
+                say(f"PASS {m['mode']:{w}} {m['bytes'] / 2**20:8.1f} MiB from prefill ranks "
                     f"{m['prefill_ranks']}, {m['descriptors']} descriptors, heads bit-exact"
                     f"{_transports(m)}")
             elif m["status"] == "passed":
-                say(f"PASS {m['mode']:28} {m['bytes'] / 2**20:8.1f} MiB {m['gbps']:7.2f} GB/s "
+                say(f"PASS {m['mode']:{w}} {m['bytes'] / 2**20:8.1f} MiB {m['gbps']:7.2f} GB/s "
                       f"{m['descriptors']:4} descriptors, {m['digests_checked']} digests ok"
                     f"{_transports(m)}")
             else:
-                say(f"FAIL {m['mode']:28} {m.get('reason')}")
+                say(f"FAIL {m['mode']:{w}} {m.get('reason')}")
         if report.get("error"):
             print(f"error: {report['error']}", file=sys.stderr)
         if report.get("id_reader"):

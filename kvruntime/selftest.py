@@ -1,8 +1,9 @@
 """``python -m kvruntime selftest``: prove KV blocks cross between two processes, bit-exact.
 
 A prefill process serves one cache per layout (random content); a decode process handshakes
-over loopback, runs every mode this host offers (layouts x pull/push), and compares a digest of
-every moved block with the prefill side's. Modes the host cannot run are reported as skipped
+over loopback, runs every mode this host offers (layouts x pull/push, and a push the prefill
+process starts into blocks the decode named), and compares a digest of every moved block with
+the prefill side's. Modes the host cannot run are reported as skipped
 with the reason, never as passed.
 """
 
@@ -21,6 +22,9 @@ from .memory import device_unavailable
 from .roles import allocate_cache, device_of, prefill_main, prepare_process, reap
 
 OPS = ("pull", "push")
+# what each engine's client proves: a push the prefill starts is NIXL's WRITE and notification
+# whatever engine the decode pulls with, so the NIXL client alone proves it (staged: none)
+ENGINE_OPS = {"nixl": OPS + ("prefill_push",), "samenode": OPS, "staged": OPS}
 # NIXL always (it is what the installer verifies), and the same-node engine beside it; the
 # host-staged modes ("staged") run in a pair of their own.
 ENGINES = ("nixl", "samenode")
@@ -58,7 +62,7 @@ def skipped_modes(device: str, reason: str, engines=ENGINES + ("staged",),
     memory = "DRAM" if device == "cpu" else "VRAM"
     return [{"mode": mode_name(device, kind, op, engine), "layout": kind, "op": op,
              "engine": engine, "memory": memory, "status": "skipped", "reason": reason}
-            for kind in kinds for engine in engines for op in OPS]
+            for kind in kinds for engine in engines for op in ENGINE_OPS[engine]]
 
 
 def _report(result_queue, modes: list, role) -> None:
@@ -102,9 +106,9 @@ def _decode_every_mode(modes, ports, layouts, seed, options) -> str:
                 except SameNodeUnavailable as exc:  # e.g. xpu memory: no IPC export here
                     modes += skipped_modes(device, str(exc), (engine,), (layout.kind,))
                     continue
-                for n, op in enumerate(OPS):
+                for n, op in enumerate(ENGINE_OPS[engine]):
                     modes.append(_run_mode(peer, cache, layout, device, op, engine, seed + n,
-                                           options))
+                                           options, len(caches)))
             caches.append(cache)
         return binding.module_name
     finally:
@@ -114,8 +118,10 @@ def _decode_every_mode(modes, ports, layouts, seed, options) -> str:
             cache.close()
 
 
-def _run_mode(peer, cache, layout, device, op, engine, seed, options) -> dict:
-    """One op through ``peer``; every moved block's digest compared with the prefill's."""
+def _run_mode(peer, cache, layout, device, op, engine, seed, options, index=0) -> dict:
+    """One op through ``peer``; every moved block's digest compared with the prefill's.
+    ``prefill_push``: the prefill process (its server ``index``) starts the push, told through
+    its command queue (``options["prefill_queues"]``: roles._serve_command)."""
     src, dst = request_blocks(layout.num_blocks, seed)
     cache.fill_value(0)
     entry = {"mode": mode_name(device, layout.kind, op, engine), "layout": layout.kind,
@@ -124,8 +130,11 @@ def _run_mode(peer, cache, layout, device, op, engine, seed, options) -> dict:
     if device != "cpu":
         entry["device_ids"] = options.get("device_ids")
     try:
-        move = peer.pull if op == "pull" else peer.push
-        res = move(src, dst, timeout=options.get("timeout", 30.0))
+        timeout = options.get("timeout", 30.0)
+        if op == "prefill_push":
+            res = _prefill_push(peer, index, src, dst, timeout, *options["prefill_queues"])
+        else:
+            res = (peer.pull if op == "pull" else peer.push)(src, dst, timeout=timeout)
         expected = peer.digests(src)
         got = cache.block_digests(dst)
         bad = [s for s, e, g in zip(src, expected, got) if e != g]
@@ -145,6 +154,21 @@ def _run_mode(peer, cache, layout, device, op, engine, seed, options) -> dict:
         entry.update({"status": "failed", "digest_ok": False,
                       "reason": f"{type(exc).__name__}: {exc}"})
     return entry
+
+
+def _prefill_push(peer, index, src, dst, timeout, control, replies):
+    """Name ``dst`` for a push, have the prefill process start it, and wait for its
+    notification; the prefill's own error, if it had one, is the failure."""
+    from .errors import KVRuntimeError
+
+    request = f"selftest-{index}-{src[0]}"
+    handle = peer.expect_push(dst, request_id=request, timeout=timeout)
+    control.put({"push": index, "request": request, "src": list(src),
+                 "peer": peer.client.agent.name, "timeout": timeout})
+    reply = replies.get(timeout=timeout)
+    if reply.get("error"):
+        raise KVRuntimeError(f"the prefill's start_push: {reply['error']}")
+    return handle.wait()
 
 
 # Mixed tensor-parallel pairs (prefill TP, decode TP) the selftest proves, on host memory: every
@@ -275,9 +299,11 @@ def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout
         if not ready.get("ok"):
             return ready
         target, args = decode or (decode_main, (layouts, seed))
+        # the every-mode decode also has the prefill start pushes (its command queue)
+        queues = {} if decode else {"prefill_queues": (control, pq)}
         decode = ctx.Process(target=target, name="decode", daemon=True,
                              args=(dq, ready["ports"], *args,
-                                   {**options, "device_id": device_ids[1]}))
+                                   {**options, "device_id": device_ids[1], **queues}))
         procs.append(decode)
         decode.start()
         return {**_get(dq, timeout, "decode process", procs[1:]), "module": ready.get("module"),
