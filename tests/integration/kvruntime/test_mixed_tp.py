@@ -35,17 +35,21 @@ def logical(cache):
                      for r in regions], axis=1)
 
 
-@pytest.mark.parametrize("mode", ["host_staged", "direct"])
-@pytest.mark.parametrize("op", ["pull", "push"])
+# host-staged peers push nothing directly: a staged decode is told to pull (test_prefill_push.py)
+@pytest.mark.parametrize("mode,op", [(m, o) for m in ("host_staged", "direct")
+                                     for o in ("pull", "push", "prefill_push")
+                                     if (m, o) != ("host_staged", "prefill_push")])
 @pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 4), (4, 2)])
-def test_each_decode_rank_gets_exactly_its_heads(prefill, p, d, op, mode):
+def test_each_decode_rank_gets_exactly_its_heads(pushing_prefill, p, d, op, mode):
     """Staged: prefill per_layer, decode cross_layer (kinds may differ through the pools).
     Direct: both per_layer for pulls and both cross_layer for pushes (a head slice is a row
-    range inside each block, so the kinds must agree); NIXL moves one descriptor per token row."""
+    range inside each block, so the kinds must agree); NIXL moves one descriptor per token row.
+    prefill_push: each prefill rank the decode rank reads from starts its push of the request
+    (direct only)."""
     seed = 40 + p * 10 + d
     staged = mode == "host_staged"
     pkind = PER_LAYER if staged or op == "pull" else CROSS_LAYER
-    dkind = CROSS_LAYER if staged or op == "push" else PER_LAYER
+    dkind = CROSS_LAYER if staged or op != "pull" else PER_LAYER
     prefill_layouts = [rank_layout(pkind, p) for _ in range(p)]
     src = [3, 7, 8, 9, 30]
     dst = [0, 5, 6, 7, 31]
@@ -58,7 +62,8 @@ def test_each_decode_rank_gets_exactly_its_heads(prefill, p, d, op, mode):
         c.close()
     full = np.concatenate(full, axis=3)  # [block][regions][token][all heads][bytes]
     kw = dict(kv_buffer="host_staged", staging_blocks=16) if staged else {}
-    with prefill(prefill_layouts, seed=seed, tp_ranks=list(range(p)), **kw) as (_proc, ports):
+    with pushing_prefill(prefill_layouts, seed=seed, tp_ranks=list(range(p)), **kw) as (
+            _proc, ports, push):
         for j in range(d):
             cache = KVCache.allocate_host(rank_layout(dkind, d))
             cache.fill_value(0)
@@ -69,7 +74,12 @@ def test_each_decode_rank_gets_exactly_its_heads(prefill, p, d, op, mode):
                     peer = client.connect("127.0.0.1", ports[s.prefill_rank])
                     assert peer.head_slice == s
                     assert peer.engine == ("host_staged" if staged else "nixl")
-                    res = getattr(peer, op)(src, dst, timeout=20)
+                    if op == "prefill_push":
+                        handle = peer.expect_push(dst, request_id=f"r{j}", timeout=20)
+                        assert push(s.prefill_rank, f"r{j}", src, client.agent.name) is None
+                        res = handle.wait(20)
+                    else:
+                        res = getattr(peer, op)(src, dst, timeout=20)
                     assert res.nbytes == len(src) * cache.layout.block_bytes * s.count \
                         // cache.layout.num_kv_heads
                 got = logical(cache)
