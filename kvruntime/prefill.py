@@ -62,7 +62,29 @@ class _Peer:
     head_slice: HeadSlice | None = None  # mixed TP, direct: our heads -> its heads (tp.py)
     lanes_checked: bool = False  # UCX's lanes for its device memory looked at (ucxlog.py)
     # request -> where its blocks go, for the pushes we start (start_push); at most MAX_EXPECTED
+    # requests and, together, as many blocks as its cache has (held by _named/_unnamed)
     expected: dict = field(default_factory=dict)
+    expected_blocks: int = 0
+
+    def _named(self, request: str, expected: "_Expected") -> None:
+        """Keep ``request``'s blocks (under the server's _writes_lock), within the bounds: a
+        decode names each of its blocks for one push at a time."""
+        n = len(expected.dst)
+        if len(self.expected) >= MAX_EXPECTED:
+            raise KVRuntimeError(f"{MAX_EXPECTED} requests are already expected from this "
+                                 f"decode")
+        if self.expected_blocks + n > self.info.layout.num_blocks:
+            raise KVRuntimeError(f"{self.expected_blocks} blocks are already named for pushes "
+                                 f"not started; {n} more would be more than the decode's "
+                                 f"{self.info.layout.num_blocks}")
+        self.expected[request] = expected
+        self.expected_blocks += n
+
+    def _unnamed(self, request: str) -> "_Expected | None":
+        expected = self.expected.pop(request, None)
+        if expected is not None:
+            self.expected_blocks -= len(expected.dst)
+        return expected
     _planner: Planner | None = None  # its pushes' planner, made at the first one
 
     def planner(self, ours: KVLayout) -> Planner:
@@ -460,7 +482,7 @@ class PrefillServer:
         with self._writes_lock:
             target = self._expected_by(request, peer)
             if target is not None and time.monotonic() > target[1].deadline:
-                del target[0].expected[request]  # the decode gave up: its blocks are not ours
+                target[0]._unnamed(request)  # the decode gave up: its blocks are not ours
                 self._push_failed(target[0], request, "the prefill had not pushed it by its "
                                   "deadline", release=False)
                 target = None
@@ -477,7 +499,7 @@ class PrefillServer:
             dst_peer, expected = target
             # our ids' range and duplicates, and as many as the decode named
             plan = dst_peer.planner(self.cache.layout).plan(src_blocks, expected.dst)
-            del dst_peer.expected[request]
+            dst_peer._unnamed(request)
         deadline = min(expected.deadline, time.monotonic() + timeout)
         try:
             self._push_now(dst_peer, request, plan, deadline, posted)
@@ -542,10 +564,7 @@ class PrefillServer:
                     raise KVRuntimeError(f"request {request!r} is already in flight")
                 offer = self._offers.get(request)
                 if offer is None or offer.agent not in (None, peer.agent):
-                    if len(peer.expected) >= MAX_EXPECTED:
-                        raise KVRuntimeError(f"{MAX_EXPECTED} requests are already expected "
-                                             f"from this decode")
-                    peer.expected[request] = _Expected(dst, deadline)
+                    peer._named(request, _Expected(dst, deadline))
                     self._work.set()  # the progress loop expires it
                     return
                 del self._offers[request]
@@ -566,7 +585,7 @@ class PrefillServer:
             for peer in list(self._peers.values()):
                 for request in [r for r, e in peer.expected.items()
                                 if now > e.deadline + EXPECTED_GRACE]:
-                    del peer.expected[request]
+                    peer._unnamed(request)
                     late.append((peer, request))
             for request in [r for r, o in self._offers.items() if now > o.deadline]:
                 offer = self._offers.pop(request)
@@ -667,7 +686,7 @@ class PrefillServer:
             if write is not None:  # abort without polling: a poll could complete it now
                 self._end_write(write, "cancelled by the decode side")
                 return
-            if peer.expected.pop(request, None) is not None:  # named, not pushed yet
+            if peer._unnamed(request) is not None:  # named, not pushed yet
                 peer.send({"type": "cancelled", "request": request, "state": "not pushed"},
                           self.timeout)
                 return

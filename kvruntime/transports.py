@@ -8,9 +8,9 @@ UCX reads its environment when NIXL creates the backend, so this runs first. Rul
   count: tcp and the InfiniBand ones always; UCX's shared-memory ones (posix, sysv) only when
   their ``ERROR_HANDLING`` setting is on (UCX's default is off: measured, ``UCX_TLS=posix,cma``
   alone fails with "posix/memory - no peer failure handler").
-- Host and CUDA memory (``cpu``, ``cuda``): turn on ``UCX_POSIX_ERROR_HANDLING``. Without it the AM lane between two
-  processes of one host is tcp over loopback, and the first endpoint of a process spends
-  10-20 ms of the handshake in UCX's protocol selection querying the tcp interfaces (about 150
+- Host and CUDA memory (``cpu``, ``cuda``): turn on ``UCX_POSIX_ERROR_HANDLING``. Without it
+  the AM lane between two processes of one host is tcp over loopback, and the first endpoint of
+  a process spends 10-20 ms of the handshake in UCX's protocol selection querying the tcp interfaces (about 150
   socket ioctls and sysfs walks, measured on the 2-core CI host); with it the AM lane is posix
   shared memory (peer failure detected by checking the peer's process), the first handshake's
   add-agent takes ~1 ms and a small pull ~0.05 ms instead of ~1 ms. posix (not sysv): UCX can

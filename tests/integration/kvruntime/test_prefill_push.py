@@ -195,7 +195,8 @@ def test_forged_notifications_finish_nothing(pair, caplog):
     _wait_expected(server, "real")
     me = client.agent.name
     send = server.agent.nixl.send_notif
-    for raw in (b"junk", b"\xff" * 2000, frames.encode_notif({"type": "pushed", "request": "other"}),
+    for raw in (b"junk", b"\xff" * 2000,
+                frames.encode_notif({"type": "pushed", "request": "other"}),
                 frames.encode_notif({"type": "staged", "request": "real"}),
                 b'{"v":1,"type":"pushed","request":"real"}'):
         send(me, raw)
@@ -274,3 +275,24 @@ def test_a_prefill_process_pushes_into_a_decode_process(pushing_prefill):
             peer.expect_push([1], request_id="y", timeout=30)
             assert "source blocks" in push(0, "y", [1, 2], client.agent.name)
         cache.close()
+
+
+def test_a_decode_names_no_more_blocks_than_its_cache_holds(pair):
+    """What the prefill keeps for a decode's named requests is bounded by that decode's cache:
+    each of its blocks named for one push at a time. Beyond it the request fails at once, and
+    blocks become nameable again as pushes start."""
+    server, client, peer, src, dst = pair
+    first = peer.expect_push(list(range(100)), request_id="big", timeout=20)
+    _wait_expected(server, "big")
+    second = peer.expect_push(list(range(100, 128)) + list(range(50)), request_id="more",
+                              timeout=20)
+    with pytest.raises(TransferError, match="more than the decode's 128"):
+        second.wait(10)
+    server.start_push("big", list(range(28, 128)))
+    first.wait(10)
+    third = peer.expect_push(list(range(100, 128)), request_id="more", timeout=20)
+    _wait_expected(server, "more")
+    server.start_push("more", list(range(28)))
+    third.wait(10)
+    moved = list(range(28, 128)) + list(range(28))
+    assert dst.block_digests(range(128)) == src.block_digests(moved)
