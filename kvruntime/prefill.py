@@ -534,8 +534,9 @@ class PrefillServer:
                                      "descriptors": plan.descriptor_count})
         self._post_write(peer, request, plan, deadline, 1, notif)
 
-    def _push_failed(self, peer: _Peer, request: str, error: str, release: bool = True) -> None:
-        """A push of ours that will not be written: the decode hears why, our blocks are free."""
+    def _push_failed(self, peer: _Peer, request: str, error: str, release: bool) -> None:
+        """A push of ours that will not be written: the decode hears why; ``release``: blocks
+        of ours were given to it (start_push returned), and are free now."""
         if release:
             self._release(peer.agent, request)
         try:
@@ -550,6 +551,7 @@ class PrefillServer:
         dst = frames.ids_field(message, "dst")
         timeout = float(frames.field(message, "timeout", (int, float)))
         left = float(frames.field(message, "deadline", (int, float))) - time.time()
+        taken = None  # a push of ours that waited for this decode: its blocks are ours to free
         try:
             if self.staging is not None:
                 raise KVRuntimeError("this prefill is host-staged: it pushes nothing directly")
@@ -567,18 +569,19 @@ class PrefillServer:
                     peer._named(request, _Expected(dst, deadline))
                     self._work.set()  # the progress loop expires it
                     return
-                del self._offers[request]
-            if len(offer.src) != len(dst):
+                taken = self._offers.pop(request)
+            if len(taken.src) != len(dst):
                 raise KVRuntimeError(f"{len(dst)} blocks named, but the prefill pushes "
-                                     f"{len(offer.src)}")
-            plan = peer.planner(self.cache.layout).plan(offer.src, dst)
-            self._push_now(peer, request, plan, min(deadline, offer.deadline), offer.posted)
+                                     f"{len(taken.src)}")
+            plan = peer.planner(self.cache.layout).plan(taken.src, dst)
+            self._push_now(peer, request, plan, min(deadline, taken.deadline), taken.posted)
         except KVRuntimeError as exc:
-            self._push_failed(peer, request, str(exc))
+            self._push_failed(peer, request, str(exc), release=taken is not None)
 
     def _expire_pushes(self) -> None:
-        """Drop expectations and offers past their deadlines: the decode hears it; a push no
-        decode named is released with agent "" (its blocks are ours again)."""
+        """Drop expectations and offers past their deadlines: the decode hears it (none of our
+        blocks were promised to it yet); a push no decode named is released with agent ""
+        (its blocks are ours again)."""
         now = time.monotonic()
         late = []
         with self._writes_lock:
@@ -593,7 +596,8 @@ class PrefillServer:
                             "dropped", request, f" {offer.agent}" if offer.agent else "")
                 self._release(offer.agent or "", request)
         for peer, request in late:
-            self._push_failed(peer, request, "the prefill had not pushed it by its deadline")
+            self._push_failed(peer, request, "the prefill had not pushed it by its deadline",
+                              release=False)
 
     # -- host-staged requests (staging.py) -------------------------------------------------------
     def _stage(self, peer: _Peer, message: dict) -> None:

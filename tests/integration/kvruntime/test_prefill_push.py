@@ -133,6 +133,8 @@ def test_the_prefill_drops_a_named_request_past_its_deadline(pair):
     with pytest.raises(TransferError, match="had not pushed it by its deadline"):
         handle.wait(10)
     assert handle.settled and not server.expects("late")
+    # dropped before any block of the prefill's was given
+    assert "late" not in {r for _agent, r in server.get_released()}
     server.start_push("late", [9], timeout=0.2)  # too late: kept for a decode, then released
     assert server.wait_released("late", 5, peer="")
     assert dst.block_digest(6) == before
@@ -288,6 +290,8 @@ def test_a_decode_names_no_more_blocks_than_its_cache_holds(pair):
                               timeout=20)
     with pytest.raises(TransferError, match="more than the decode's 128"):
         second.wait(10)
+    # none of the prefill's blocks were involved
+    assert "more" not in {r for _agent, r in server.get_released()}
     server.start_push("big", list(range(28, 128)))
     first.wait(10)
     third = peer.expect_push(list(range(100, 128)), request_id="more", timeout=20)
