@@ -106,7 +106,10 @@ def _decode_every_mode(modes, ports, layouts, seed, options) -> str:
                 except SameNodeUnavailable as exc:  # e.g. xpu memory: no IPC export here
                     modes += skipped_modes(device, str(exc), (engine,), (layout.kind,))
                     continue
-                for n, op in enumerate(ENGINE_OPS[engine]):
+                ops = ENGINE_OPS[engine]
+                if "prefill_queues" not in options:  # no prefill process to tell to push
+                    ops = tuple(op for op in ops if op != "prefill_push")
+                for n, op in enumerate(ops):
                     modes.append(_run_mode(peer, cache, layout, device, op, engine, seed + n,
                                            options, len(caches)))
             caches.append(cache)

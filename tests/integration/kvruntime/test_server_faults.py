@@ -128,7 +128,7 @@ def test_selftest_cli_json():
     assert report["ok"] is True
     ran = [m for m in report["modes"] if m["status"] != "skipped"]
     assert {(m["layout"], m["op"]) for m in ran} == {
-        (k, o) for k in (CROSS_LAYER, PER_LAYER) for o in ("pull", "push")}
+        (k, o) for k in (CROSS_LAYER, PER_LAYER) for o in ("pull", "push", "prefill_push")}
     assert all(m["digest_ok"] and m["gbps"] > 0 for m in ran)
     skipped = [m for m in report["modes"] if m["status"] == "skipped"]
     assert all(m["reason"] for m in skipped)
