@@ -377,22 +377,31 @@ class Planner:
         scan = native.id_scan()
         if scan is None:
             return None
-        lengths = []
+        lengths, own_dst = [], 0
         for src_blocks, dst_blocks in requests:
             if type(src_blocks) is not list or (dst_blocks is not None and (
                     type(dst_blocks) is not list or len(dst_blocks) != len(src_blocks))):
                 return None
             lengths.append(len(src_blocks))
+            own_dst += dst_blocks is not None
         if 0 in lengths:
             return None
         bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=bounds[1:])
         ids = np.empty((2, int(bounds[-1])), dtype=np.int64)
         at = bounds.tolist()
+        # destinations that default to the sources are copied, not read again (an engine's
+        # pulls into the same ids: a second scan was a quarter of plan_many's time)
         for (src_blocks, dst_blocks), a, b in zip(requests, at, at[1:]):
-            if scan(src_blocks, ids[0, a:b]) is None or scan(
-                    src_blocks if dst_blocks is None else dst_blocks, ids[1, a:b]) is None:
+            if scan(src_blocks, ids[0, a:b]) is None:
                 return None
+            if dst_blocks is not None:
+                if scan(dst_blocks, ids[1, a:b]) is None:
+                    return None
+            elif own_dst:  # a mixed batch: this request's destinations are its sources
+                ids[1, a:b] = ids[0, a:b]
+        if not own_dst:
+            ids[1] = ids[0]
         return ids, bounds
 
     def _read_batch(self, requests):
