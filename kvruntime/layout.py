@@ -13,6 +13,7 @@ Pure arithmetic (no NIXL, no torch). Two kinds:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 
 from .errors import LayoutError
 
@@ -75,35 +76,35 @@ class KVLayout:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
 
-    # -- sizes -------------------------------------------------------------------------------
-    @property
+    # -- sizes (computed once: a request's plan and handles read them many times) ---------------
+    @cached_property
     def element_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
-    @property
+    @cached_property
     def page_bytes(self) -> int:
         """Bytes of one block of one layer's K (or V)."""
         return self.tokens_per_block * self.num_kv_heads * self.head_dim * self.element_bytes
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
         """Bytes of one block over all layers, K and V."""
         return 2 * self.num_layers * self.page_bytes
 
-    @property
+    @cached_property
     def num_regions(self) -> int:
         return 2 * self.num_layers if self.kind == PER_LAYER else 1
 
-    @property
+    @cached_property
     def chunk_bytes(self) -> int:
         """Bytes one block occupies inside one region."""
         return self.page_bytes if self.kind == PER_LAYER else self.block_bytes
 
-    @property
+    @cached_property
     def region_bytes(self) -> int:
         return self.num_blocks * self.chunk_bytes
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return self.num_regions * self.region_bytes
 
