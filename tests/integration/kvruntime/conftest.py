@@ -76,6 +76,26 @@ def pushing_prefill():
     return spawn_pushing_prefill
 
 
+@pytest.fixture
+def pair():
+    """(server, client, peer, src cache, dst cache): a prefill server in this process (host
+    memory, random content) and a NIXL decode connected to it, endpoints already wired up."""
+    from kvruntime.decode import DecodeClient
+    from kvruntime.layout import CROSS_LAYER, KVLayout
+    from kvruntime.memory import KVCache
+    from kvruntime.prefill import PrefillServer
+
+    layout = KVLayout(CROSS_LAYER, 2, 128, 16, 4, 32, "float16")
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(11)
+    dst.fill_value(0)
+    with PrefillServer(src) as server, DecodeClient(dst, engine="nixl") as client:
+        peer = client.connect(*server.address)
+        peer.pull([0], [0], timeout=20)
+        yield server, client, peer, src, dst
+    src.close(), dst.close()
+
+
 def stop_process(pid: int, timeout: float = 5.0) -> None:
     """SIGSTOP ``pid`` and return once every thread of it is stopped: the signal reaches the
     threads one by one (about a millisecond on the 2-core host), and a thread still running

@@ -277,26 +277,17 @@ def test_requests_collected_together_release_in_one_frame(engine, monkeypatch):
         c.close()
 
 
-def test_a_push_lands_while_the_decode_does_not_poll():
-    """Protocol 6: a push's WRITE carries no NIXL notification, and the prefill's reply alone
-    finishes the push. That is proof enough because NIXL flushes a WRITE before calling it
-    done: the blocks have landed when the prefill says its WRITE ended, checked here before
-    the decode polls at all. Prefill and decode in one process (real agents)."""
-    layout = small()
-    src_cache, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
-    src_cache.fill_random(5)
-    dst.fill_value(0)
-    with PrefillServer(src_cache) as server, DecodeClient(dst, engine="nixl") as client:
-        peer = client.connect(*server.address)
-        peer.push([1], [1], timeout=20)  # endpoints wired up
-        handle = peer.start_push([2, 3], [6, 7], request_id="p", timeout=20)
-        assert server.wait_released("p", 10, peer=client.agent.name)  # its WRITE ended
-        assert [dst.block_digest(b) for b in (6, 7)] == \
-            [src_cache.block_digest(b) for b in (2, 3)]
-        result = handle.wait(10)
-        assert result.nbytes == 2 * layout.block_bytes and handle.settled
-    for c in (src_cache, dst):
-        c.close()
+def test_a_push_lands_while_the_decode_does_not_poll(pair):
+    """A push the decode asks for: its WRITE carries no NIXL notification, and the prefill's
+    reply alone finishes the push. That is proof enough because NIXL flushes a WRITE before
+    calling it done: the blocks have landed when the prefill says its WRITE ended, checked
+    here before the decode polls at all. Prefill and decode in one process (real agents)."""
+    server, client, peer, src_cache, dst = pair
+    handle = peer.start_push([2, 3], [6, 7], request_id="p", timeout=20)
+    assert server.wait_released("p", 10, peer=client.agent.name)  # its WRITE ended
+    assert [dst.block_digest(b) for b in (6, 7)] == [src_cache.block_digest(b) for b in (2, 3)]
+    result = handle.wait(10)
+    assert result.nbytes == 2 * dst.layout.block_bytes and handle.settled
 
 
 def test_an_idle_connection_stays_open_past_the_servers_timeout():

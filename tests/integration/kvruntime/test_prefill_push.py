@@ -24,20 +24,6 @@ def small(kind=CROSS_LAYER, blocks=128):
     return KVLayout(kind, 2, blocks, 16, 4, 32, "float16")
 
 
-@pytest.fixture
-def pair():
-    """(server, client, peer, src cache, dst cache): a prefill and a connected decode."""
-    layout = small()
-    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
-    src.fill_random(11)
-    dst.fill_value(0)
-    with PrefillServer(src) as server, DecodeClient(dst, engine="nixl") as client:
-        peer = client.connect(*server.address)
-        peer.pull([0], [0], timeout=20)  # endpoints wired up
-        yield server, client, peer, src, dst
-    src.close(), dst.close()
-
-
 def _wait_expected(server, request, peer=None, seconds=5.0):
     until = time.monotonic() + seconds
     while not server.expects(request, peer):
