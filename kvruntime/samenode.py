@@ -38,6 +38,7 @@ from . import cudart, frames
 from .errors import KVRuntimeError
 from .layout import KVLayout
 from .plan import TransferPlan
+from .transfer import TransferResult
 
 log = logging.getLogger("kvruntime")
 
@@ -215,8 +216,6 @@ class CopyJob:
         return self.poll() != "PROC"
 
     def result(self):
-        from .transfer import TransferResult
-
         return TransferResult(self.op, self.plan.nbytes, self.seconds, self.plan.num_runs,
                               self.plan.descriptor_count, None, engine=self.engine)
 
@@ -336,8 +335,6 @@ class SharedJob:
         return self.job.abort()
 
     def result(self):
-        from .transfer import TransferResult
-
         seconds = (self.job.end or time.perf_counter()) - self.start
         return TransferResult(self.job.op, self.plan.nbytes, seconds, self.plan.num_runs,
                               self.plan.descriptor_count, None, engine=self.engine)
