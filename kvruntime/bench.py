@@ -23,6 +23,7 @@ from . import native
 from .layout import KVLayout
 from .memory import HostBuffer, device_unavailable, thp_mode
 from .plan import make_plan
+from .roles import allocate_cache, prefill_main, prefill_push, prepare_process, reap
 
 
 @dataclass
@@ -129,7 +130,6 @@ class DeviceReference:
 def run_bench(cfg: BenchConfig) -> dict:
     from .binding import load_nixl
     from .decode import DecodeClient
-    from .roles import allocate_cache, prefill_main, prepare_process, reap
     from .samenode import SameNodeUnavailable
     from .transports import ucx_environment
 
@@ -255,7 +255,9 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
     has none here). ``prefill_push``: the prefill process starts each push (``prefill``: its
     command queue, its reply queue, the server's index), timed from its ``start_push``."""
     if op == "prefill_push":
-        move = lambda s, d, timeout, **_: _prefill_push(prefill, peer, s, d, timeout)  # noqa
+        control, replies, index = prefill
+        move = lambda s, d, timeout, **_: prefill_push(  # noqa: E731
+            peer, control, replies, index, f"bench-push-{next(_push_ids)}", s, d, timeout)
     else:
         move = peer.pull if op == "pull" else peer.push
     count = max(1, (size << 20) // layout.block_bytes)
@@ -351,29 +353,6 @@ def _staging_copies(pool, layout, rnd, cfg) -> dict:
             "gather_ratio": round(med["gather"] / med["d2h"], 3),
             "scatter_gbps": round(med["scatter"], 3), "h2d_pinned_gbps": round(med["h2d"], 3),
             "scatter_ratio": round(med["scatter"] / med["h2d"], 3)}
-
-
-def _prefill_push(prefill, peer, src, dst, timeout):
-    """One push the prefill starts: we name the blocks (``expect_push``), the prefill process
-    is told to push (``roles._serve_command``: it waits for our frame first, as an engine's
-    computing would), and the result is timed from its ``start_push`` to the notification's
-    arrival here."""
-    from .errors import KVRuntimeError
-
-    control, replies, index = prefill
-    request = f"bench-push-{next(_push_ids)}"
-    handle = peer.expect_push(dst, request_id=request, timeout=timeout)
-    control.put({"push": index, "request": request, "src": [int(b) for b in src],
-                 "peer": peer.client.agent.name, "timeout": timeout})
-    try:
-        result = handle.wait()
-    except KVRuntimeError as exc:
-        reply = replies.get(timeout=timeout)
-        raise KVRuntimeError(f"{exc} (the prefill's start_push: {reply['error'] or 'posted'})")
-    reply = replies.get(timeout=timeout)
-    if reply["error"]:
-        raise KVRuntimeError(f"the prefill's start_push of {request}: {reply['error']}")
-    return result
 
 
 _push_ids = itertools.count()

@@ -6,6 +6,7 @@ inherited NIXL or UCX state), report through a queue, and never print.
 
 from __future__ import annotations
 
+import time
 import traceback
 
 from .layout import KVLayout
@@ -76,14 +77,56 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
             cache.close()
 
 
-def _serve_command(command, servers, queue) -> bool:
-    """One command from the parent (bench); False for "stop". ``{"push": i, "request": r,
-    "src": ids, "peer": agent}``: server ``i`` pushes ``r`` as an engine would once its KV is
-    computed, i.e. after the decode named its blocks (waited for here, at most 10 s, so that
-    the push is timed from its start, not from the decode's frame); the outcome goes back on
-    ``queue``."""
-    import time
+def push_command(control, replies, index: int, request: str, src, peer: str,
+                 timeout: float = 30.0) -> str | None:
+    """Have server ``index`` of a ``prefill_main`` process push ``request`` (its blocks
+    ``src``) to decode agent ``peer``, as ``_serve_command`` does; the prefill's error, or None
+    once the push is posted. ``control``/``replies``: the process's command and report queues."""
+    _send_push(control, index, request, src, peer, timeout)
+    return _push_reply(replies, request, timeout)
 
+
+def prefill_push(peer, control, replies, index: int, request: str, src, dst,
+                 timeout: float = 30.0):
+    """A push the prefill process starts, as bench and selftest run it: ``dst`` named through
+    ``peer`` (``expect_push``), the prefill told to push, the result once the notification is
+    in. The handle is waited on before the prefill's report is read, so the notification is
+    seen as it comes and the push's time is its own."""
+    from .errors import KVRuntimeError
+
+    handle = peer.expect_push(dst, request_id=request, timeout=timeout)
+    _send_push(control, index, request, src, peer.client.agent.name, timeout)
+    try:
+        result = handle.wait()
+    except KVRuntimeError as exc:
+        raise KVRuntimeError(f"{exc} (the prefill's start_push: "
+                             f"{_push_reply(replies, request, timeout) or 'posted'})") from exc
+    error = _push_reply(replies, request, timeout)
+    if error:
+        raise KVRuntimeError(f"the prefill's start_push of {request}: {error}")
+    return result
+
+
+def _send_push(control, index, request, src, peer, timeout) -> None:
+    control.put({"push": index, "request": request, "src": [int(b) for b in src],
+                 "peer": peer, "timeout": timeout})
+
+
+def _push_reply(replies, request: str, timeout: float) -> str | None:
+    from .errors import KVRuntimeError
+
+    reply = replies.get(timeout=timeout)
+    if reply.get("pushed") != request:  # the process failed instead (prefill_main's report)
+        raise KVRuntimeError(f"the prefill process answered push {request} with {reply}")
+    return reply["error"]
+
+
+def _serve_command(command, servers, queue) -> bool:
+    """One command from the parent; False for "stop". ``{"push": i, "request": r, "src": ids,
+    "peer": agent, "timeout": s}`` (``push_command``): server ``i`` pushes ``r`` as an engine
+    would once its KV is computed, i.e. after the decode named its blocks (waited for here, at
+    most 10 s, so that the push is timed from its start, not from the decode's frame); the
+    outcome goes back on ``queue``."""
     if not isinstance(command, dict):
         return False
     server, request = servers[command["push"]], command["request"]

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from . import native
 from .layout import CROSS_LAYER, PER_LAYER, KVLayout
 from .memory import device_unavailable
-from .roles import allocate_cache, device_of, prefill_main, prepare_process, reap
+from .roles import (allocate_cache, device_of, prefill_main, prefill_push, prepare_process,
+                    reap)
 
 OPS = ("pull", "push")
 # what each engine's client proves: a push the prefill starts is NIXL's WRITE and notification
@@ -135,7 +136,9 @@ def _run_mode(peer, cache, layout, device, op, engine, seed, options, index=0) -
     try:
         timeout = options.get("timeout", 30.0)
         if op == "prefill_push":
-            res = _prefill_push(peer, index, src, dst, timeout, *options["prefill_queues"])
+            control, replies = options["prefill_queues"]
+            res = prefill_push(peer, control, replies, index, f"selftest-{index}-{src[0]}", src,
+                               dst, timeout)
         else:
             res = (peer.pull if op == "pull" else peer.push)(src, dst, timeout=timeout)
         expected = peer.digests(src)
@@ -157,21 +160,6 @@ def _run_mode(peer, cache, layout, device, op, engine, seed, options, index=0) -
         entry.update({"status": "failed", "digest_ok": False,
                       "reason": f"{type(exc).__name__}: {exc}"})
     return entry
-
-
-def _prefill_push(peer, index, src, dst, timeout, control, replies):
-    """Name ``dst`` for a push, have the prefill process start it, and wait for its
-    notification; the prefill's own error, if it had one, is the failure."""
-    from .errors import KVRuntimeError
-
-    request = f"selftest-{index}-{src[0]}"
-    handle = peer.expect_push(dst, request_id=request, timeout=timeout)
-    control.put({"push": index, "request": request, "src": list(src),
-                 "peer": peer.client.agent.name, "timeout": timeout})
-    reply = replies.get(timeout=timeout)
-    if reply.get("error"):
-        raise KVRuntimeError(f"the prefill's start_push: {reply['error']}")
-    return handle.wait()
 
 
 # Mixed tensor-parallel pairs (prefill TP, decode TP) the selftest proves, on host memory: every

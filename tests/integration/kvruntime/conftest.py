@@ -44,18 +44,14 @@ def spawn_pushing_prefill(layouts, seed=1, **options):
     (roles._serve_command) and returns the prefill's error, or None once it is posted."""
     ctx = mp.get_context("spawn")
     ready_q, control = ctx.Queue(), ctx.Queue()
-    from kvruntime.roles import prefill_main, reap
+    from kvruntime.roles import prefill_main, push_command, reap
 
     proc = ctx.Process(target=prefill_main, daemon=True,
                        args=(ready_q, control, [l.to_dict() for l in layouts], seed, options))
     proc.start()
 
     def push(index, request, src, peer, timeout=30.0):
-        control.put({"push": index, "request": request, "src": list(src), "peer": peer,
-                     "timeout": timeout})
-        reply = ready_q.get(timeout=60)
-        assert reply["pushed"] == request, reply
-        return reply["error"]
+        return push_command(control, ready_q, index, request, src, peer, timeout)
 
     try:
         ready = ready_q.get(timeout=60)
