@@ -38,10 +38,14 @@ ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
 
 
+def _payload(message: dict) -> bytes:
+    """A message as a frame's (or a notification's) payload: compact JSON with ``v``."""
+    return json.dumps({"v": PROTOCOL_VERSION, **message}, separators=(",", ":"),
+                      allow_nan=False).encode()
+
+
 def encode_frame(message: dict, max_size: int = DEFAULT_MAX_FRAME) -> bytes:
-    body = dict(message)
-    body.setdefault("v", PROTOCOL_VERSION)
-    payload = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    payload = _payload(message)
     if len(payload) > max_size:
         raise FrameError(f"frame of {len(payload)} bytes exceeds the maximum of {max_size}")
     return HEADER.pack(MAGIC, len(payload)) + payload
@@ -89,8 +93,7 @@ def decode_frame(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> dict:
 def encode_notif(message: dict) -> bytes:
     """A message for a NIXL notification: the payload of a frame, with no header (NIXL
     delivers it whole), at most ``MAX_NOTIF`` bytes."""
-    payload = json.dumps({**message, "v": PROTOCOL_VERSION}, separators=(",", ":"),
-                         allow_nan=False).encode()
+    payload = _payload(message)
     if len(payload) > MAX_NOTIF:
         raise FrameError(f"notification of {len(payload)} bytes exceeds {MAX_NOTIF}")
     return payload
