@@ -74,7 +74,11 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path, stop: 
         proc = subprocess.Popen(step.argv, cwd=step.cwd, env={**env, **step.env}, stdout=logf, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         marker = log_path.parent / RUNNING.format(component=component)
-        marker.write_text(f"{proc.pid}\n")  # so a run after a SIGKILL can stop what this one left
+        # so a run after a SIGKILL can stop what this one left; whole or absent (renamed into
+        # place), never empty: a marker read between its creation and its write named no group
+        partial = marker.with_name(f".{marker.name}.partial")
+        partial.write_text(f"{proc.pid}\n")
+        os.replace(partial, marker)
         try:
             rc = _wait(proc, stop)
         except BaseException:
