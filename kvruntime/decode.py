@@ -42,7 +42,7 @@ from .inflight import PENDING, Pace, TransferHandle
 from .memory import KVCache
 from .plan import Planner, TransferPlan, make_plan
 from .registration import Registration, Scratch
-from .samenode import (ENGINES, BatchRelease, SameNodeUnavailable, SharedJob, host_copy_streams,
+from .samenode import (ENGINES, Batch, SameNodeUnavailable, SharedJob, host_copy_streams,
                        open_engine)
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
@@ -315,14 +315,14 @@ class PrefillPeer:
             return [self._post_read(self._handle("pull", rid, plan, timeout, t0), 1)
                     for plan, rid in admitted]
         job = self._engine.start("READ", merged, self.head_slice)
-        batch = BatchRelease([rid for _plan, rid in admitted])
-        handles = []
+        batch = Batch(job)
+        handles = batch.handles
         for plan, rid in admitted:
             handle = self._handle("pull", rid, plan, timeout, t0)
-            handle._attach(SharedJob(job, plan, batch))
-            self.client._track(handle)
+            handle._attach(SharedJob(batch, plan))
             handles.append(handle)
-        return handles
+        self.client._track_all(handles)
+        return list(handles)
 
     def _handle(self, op, request_id, plan, timeout, t0) -> TransferHandle:
         handle = TransferHandle(self, op, request_id, plan, timeout, t0)
@@ -739,6 +739,10 @@ class DecodeClient:
     def _track(self, handle: TransferHandle) -> None:
         with self._lock:
             self._inflight[id(handle)] = handle
+
+    def _track_all(self, handles: list) -> None:
+        with self._lock:
+            self._inflight.update((id(h), h) for h in handles)
 
     def _consumed(self, handle: TransferHandle) -> None:
         with self._lock:

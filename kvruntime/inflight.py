@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from .errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
@@ -113,6 +112,9 @@ class TransferHandle:
         """Block until finished and return the result, or raise the request's error. With
         ``timeout`` shorter than the request's own, raise ``WaitTimeout`` and leave the request
         running (a ``TransferTimeout`` means the request itself missed its deadline)."""
+        if self.poll() != PENDING:  # already ended (a batch's handles after its first)
+            self.peer.client._consumed(self)
+            return self.result()
         until = None if timeout is None else time.monotonic() + timeout
         own_thread = getattr(self._xfer, "block", None)  # a copy that a thread of ours runs
         # spin first, yielding, where our polls drive the transfer: a READ, a staged copy's
@@ -210,6 +212,18 @@ class TransferHandle:
             if not aborted and nixl:
                 self.peer._distrust(f"READ of request {self.request_id} could not be aborted")
 
+    def _done_elsewhere(self) -> None:
+        """Another handle saw the copy that also moves this request end well (a batch's
+        gather): finish now, unless this handle's own poll is at it (it then finishes itself;
+        no lock order between handles, so none waits here)."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self.state == PENDING:
+                self._finish(self._xfer.result())
+        finally:
+            self._lock.release()
+
     def _advance_push(self) -> None:
         if self._reply is not None:  # sent once NIXL flushed the WRITE: it has landed
             r = self._reply
@@ -268,7 +282,7 @@ class TransferHandle:
 
     def _finish(self, result: TransferResult) -> None:
         if result.nbytes != self.nbytes:  # a copy job counts whole blocks; we got a head slice
-            result = replace(result, nbytes=self.nbytes)
+            result = result._replace(nbytes=self.nbytes)
         self._result = result
         self.state = DONE
         self.peer.pace.seen(self.op, result.nbytes, result.seconds)

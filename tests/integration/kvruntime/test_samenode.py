@@ -132,7 +132,13 @@ def test_samenode_pull_releases_the_blocks_on_the_prefill():
 
         peer._send = spy
         handles = peer.start_pulls([([7], [8], "b1"), ([9, 10], [11, 12], "b2"), ([3], None, "b3")])
-        client.wait_all(handles[::-1], timeout=10)
+        handles[2].wait(10)
+        # ... and finished together: the handle that saw the copy end finished the others,
+        # each with its own bytes, before they were polled
+        assert [h.state for h in handles] == ["done"] * 3
+        assert [h.result().nbytes for h in handles] == [layout.block_bytes * n for n in (1, 2, 1)]
+        client.wait_all(handles, timeout=10)
+        assert client.in_flight == 0
         for rid in ("b1", "b2", "b3"):
             assert server.wait_released(rid, 5)
         assert [m for m in sent if m["type"] == "release"] == [
