@@ -38,9 +38,10 @@ log = logging.getLogger("kvruntime")
 SOURCE = Path(__file__).with_name("csrc") / "idscan.c"
 MODULE = "_kvr_idscan"
 BUILD_SECONDS = 120
+FUNCTIONS = ("scan", "scan_batch", "runs")
 
 _lock = threading.Lock()
-_state: dict = {}  # "scan", "runs": the functions or None; "how": one line, what happened
+_state: dict = {}  # FUNCTIONS: each function or None; "how": one line, what happened
 
 
 def id_scan():
@@ -61,13 +62,22 @@ def id_runs():
         return _module()["runs"]
 
 
+def id_scan_batch():
+    """``scan_batch(requests, bounds)`` of csrc/idscan.c, or None where it cannot be had (as
+    ``id_scan``)."""
+    try:
+        return _state["scan_batch"]
+    except KeyError:
+        return _module()["scan_batch"]
+
+
 def _module() -> dict:
     with _lock:
         if "how" not in _state:
             mod, how = _load()
             # "how" last: it marks the functions as looked up (a reader without the lock who
             # misses a function comes here and waits for the lock)
-            _state.update(scan=getattr(mod, "scan", None), runs=getattr(mod, "runs", None))
+            _state.update({name: getattr(mod, name, None) for name in FUNCTIONS})
             _state["how"] = how
             (log.debug if mod is not None else log.info)("native id reader: %s", how)
     return _state

@@ -217,6 +217,31 @@ class TransferPlan:
         return parts * self.src_layout.num_regions
 
 
+class BatchPart(TransferPlan):
+    """One request's plan within a batch's (``plan_many``): its arrays are the batch's, cut on
+    first use, and its counts are known without them. A same-node gather moves the batch as
+    one plan and never reads them; making five views a request was ~0.7 µs of it."""
+
+    def __init__(self, whole: TransferPlan, a: int, b: int, r: int, q: int):
+        self.src_layout, self.dst_layout = whole.src_layout, whole.dst_layout
+        self._whole, self._pairs, self._runs = whole, slice(a, b), slice(r, q)
+        self._num_blocks, self._num_runs = b - a, q - r
+
+    src_ids = cached_property(lambda self: self._whole.src_ids[self._pairs])
+    dst_ids = cached_property(lambda self: self._whole.dst_ids[self._pairs])
+    run_src = cached_property(lambda self: self._whole.run_src[self._runs])
+    run_dst = cached_property(lambda self: self._whole.run_dst[self._runs])
+    run_count = cached_property(lambda self: self._whole.run_count[self._runs])
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_runs(self) -> int:
+        return self._num_runs
+
+
 class Planner:
     """Plans requests from ``src_layout`` into ``dst_layout``. What does not change between
     requests — the geometry check, the bounds — is done once: a peer keeps one. ``plan``
@@ -362,47 +387,27 @@ class Planner:
         if parts is None:  # the first bad request's error
             merge_plans([self.plan(src, dst) for src, dst in requests])
             raise AssertionError("a bad batch passed the per-request checks")
-        rs, rd, rc, per = parts
-        at = bounds.tolist()
-        plans = [TransferPlan(self.src_layout, self.dst_layout, ids[0, a:b], ids[1, a:b],
-                              rs[r:q], rd[r:q], rc[r:q])
-                 for a, b, r, q in zip(at, at[1:], per, per[1:])]
-        return plans, TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], rs, rd, rc)
+        whole = TransferPlan(self.src_layout, self.dst_layout, ids[0], ids[1], *parts[:3])
+        at, per = bounds.tolist(), parts[3]
+        return [BatchPart(whole, a, b, r, q)
+                for a, b, r, q in zip(at, at[1:], per, per[1:])], whole
 
     def _read_batch_lists(self, requests):
-        """A batch of plain-int lists read by the native scan straight into one 2 x n array:
-        (ids, bounds: request k holds pairs bounds[k]..bounds[k+1]-1). None: not such lists,
-        an empty or uneven request, or no native scan; ``_read_batch`` reads them then (and
-        words any refusal). Ranges and duplicates are the caller's checks."""
-        scan = native.id_scan()
-        if scan is None:
+        """A batch of plain-int lists read by the native reader in one call into one 2 x n
+        array: (ids, bounds: request k holds pairs bounds[k]..bounds[k+1]-1). A request
+        without destinations gets its sources, copied, not read again. None: not such lists,
+        an empty or uneven request, or no native reader; ``_read_batch`` reads them then (and
+        words any refusal). Ranges and duplicates are the caller's checks. (A ``scan`` a
+        request, each into its slice of the array, took ``plan_many`` of 32 x 128 ids from 51
+        to 91 µs on the 2-core host.)"""
+        scan_batch = native.id_scan_batch()
+        if scan_batch is None:
             return None
-        lengths, own_dst = [], 0
-        for src_blocks, dst_blocks in requests:
-            if type(src_blocks) is not list or (dst_blocks is not None and (
-                    type(dst_blocks) is not list or len(dst_blocks) != len(src_blocks))):
-                return None
-            lengths.append(len(src_blocks))
-            own_dst += dst_blocks is not None
-        if 0 in lengths:
+        bounds = np.empty(len(requests) + 1, dtype=np.int64)
+        raw = scan_batch(requests, bounds)
+        if raw is None:
             return None
-        bounds = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=bounds[1:])
-        ids = np.empty((2, int(bounds[-1])), dtype=np.int64)
-        at = bounds.tolist()
-        # destinations that default to the sources are copied, not read again (an engine's
-        # pulls into the same ids: a second scan was a quarter of plan_many's time)
-        for (src_blocks, dst_blocks), a, b in zip(requests, at, at[1:]):
-            if scan(src_blocks, ids[0, a:b]) is None:
-                return None
-            if dst_blocks is not None:
-                if scan(dst_blocks, ids[1, a:b]) is None:
-                    return None
-            elif own_dst:  # a mixed batch: this request's destinations are its sources
-                ids[1, a:b] = ids[0, a:b]
-        if not own_dst:
-            ids[1] = ids[0]
-        return ids, bounds
+        return np.frombuffer(raw, dtype=np.int64).reshape(2, -1), bounds
 
     def _read_batch(self, requests):
         """Any batch ``plan`` accepts the requests of, read one id list at a time: (ids,

@@ -1,6 +1,7 @@
 /* kvruntime's reader of block-id lists: a list of plain ints into an int64 buffer in one pass,
  * with what a plan needs to know of it on the way (lowest, highest, consecutive or not); and
- * the split of a batch's ids into runs, its range and duplicate checks made on the way.
+ * a batch's lists read in one call; and the split of a batch's ids into runs, its range and
+ * duplicate checks made on the way.
  *
  * Engines pass block ids as Python lists. Reading 4096 of them through array('q') or numpy
  * costs 75-150 us on a cloud VM's CPU (an int's type is looked up, then its value parsed, per
@@ -16,6 +17,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 /* An exact int's value into *v; 0 when it lies outside long long. Small ints (one digit, i.e.
  * below 2**30 in magnitude: every block id) are read inline where this Python's headers allow. */
@@ -84,6 +86,103 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                          consecutive ? Py_True : Py_False);
 general:
     PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+/* A request's lists, or 0: (ids, ids or None) as a 2-tuple or 2-list, the ids a non-empty list,
+ * the second as long as the first. */
+static int request_lists(PyObject *request, PyObject **src, PyObject **dst)
+{
+    if (PyTuple_CheckExact(request) && PyTuple_GET_SIZE(request) == 2) {
+        *src = PyTuple_GET_ITEM(request, 0);
+        *dst = PyTuple_GET_ITEM(request, 1);
+    } else if (PyList_CheckExact(request) && PyList_GET_SIZE(request) == 2) {
+        *src = PyList_GET_ITEM(request, 0);
+        *dst = PyList_GET_ITEM(request, 1);
+    } else {
+        return 0;
+    }
+    if (!PyList_CheckExact(*src) || PyList_GET_SIZE(*src) == 0)
+        return 0;
+    if (*dst == Py_None)
+        return 1;
+    return PyList_CheckExact(*dst) && PyList_GET_SIZE(*dst) == PyList_GET_SIZE(*src);
+}
+
+/* Plain ints within int64 of `list` into out[0..len-1]; 0 at the first that is not one. */
+static int read_list(PyObject *list, int64_t *out)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        long long v;
+        if (!PyLong_CheckExact(item) || !read_int(item, &v))
+            return 0;
+        out[i] = (int64_t)v;
+    }
+    return 1;
+}
+
+/* scan_batch(requests: list of (ids, ids or None), bounds: writable k+1 int64) -> bytearray or None
+ *   A batch of k requests (an engine step's pulls) read in one call, not one scan() each: the
+ *   bytearray holds 2 x n int64, the source ids then the destination ids (a request without
+ *   destinations gets its sources), and bounds[j]..bounds[j+1]-1 are request j's pairs.
+ *   None unless every request is a 2-tuple (or 2-list) of non-empty lists of plain ints within
+ *   int64, the destinations None or as long as the sources: the caller reads such a batch its
+ *   general way, which names what is wrong. Ranges and duplicates are runs()' checks. */
+static PyObject *scan_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "scan_batch(requests, bounds) takes two arguments");
+        return NULL;
+    }
+    PyObject *batch = args[0];
+    if (!PyList_CheckExact(batch) || PyList_GET_SIZE(batch) == 0)
+        Py_RETURN_NONE;
+    Py_ssize_t k = PyList_GET_SIZE(batch);
+    Py_buffer vb;
+    if (PyObject_GetBuffer(args[1], &vb, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    if (vb.itemsize != 8 || vb.len < (k + 1) * 8) {
+        PyBuffer_Release(&vb);
+        PyErr_SetString(PyExc_ValueError, "scan_batch: bounds must hold len(requests)+1 int64");
+        return NULL;
+    }
+    int64_t *bounds = (int64_t *)vb.buf;
+    PyObject *src, *dst, *raw = NULL;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        if (!request_lists(PyList_GET_ITEM(batch, j), &src, &dst))
+            goto general;
+        bounds[j] = n;
+        n += PyList_GET_SIZE(src);
+        if (n > PY_SSIZE_T_MAX / 16) /* 2 x n items of 8 bytes must fit */
+            goto general;
+    }
+    bounds[k] = n;
+    raw = PyByteArray_FromStringAndSize(NULL, 16 * n);
+    if (raw == NULL) {
+        PyBuffer_Release(&vb);
+        return NULL;
+    }
+    int64_t *out_src = (int64_t *)PyByteArray_AS_STRING(raw), *out_dst = out_src + n;
+    /* no Python code runs below (exact lists of exact ints): nothing read can change under it */
+    for (Py_ssize_t j = 0; j < k; j++) {
+        request_lists(PyList_GET_ITEM(batch, j), &src, &dst);
+        int64_t at = bounds[j];
+        if (!read_list(src, out_src + at))
+            goto general;
+        if (dst == Py_None)
+            memcpy(out_dst + at, out_src + at, (size_t)(bounds[j + 1] - at) * 8);
+        else if (!read_list(dst, out_dst + at))
+            goto general;
+    }
+    PyBuffer_Release(&vb);
+    return raw;
+general:
+    Py_XDECREF(raw);
+    PyBuffer_Release(&vb);
     Py_RETURN_NONE;
 }
 
@@ -230,6 +329,8 @@ done:
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
      "scan(ids, out) -> (lowest, highest, consecutive) or None"},
+    {"scan_batch", (PyCFunction)(void (*)(void))scan_batch, METH_FASTCALL,
+     "scan_batch(requests, bounds) -> bytearray of 2 x n int64, or None"},
     {"runs", (PyCFunction)(void (*)(void))runs, METH_FASTCALL,
      "runs(ids, bounds, seen, src_blocks, dst_blocks, out, run_bounds) -> runs, 0 or -1"},
     {NULL, NULL, 0, NULL},

@@ -178,6 +178,50 @@ def test_a_long_list_is_read_whole_and_its_items_left_as_they_were(scan):
 
 
 @pytest.fixture(scope="module")
+def scan_batch():
+    return loaded(native.id_scan_batch)
+
+
+def plain_list(ids) -> bool:
+    return (type(ids) is list and bool(ids)
+            and all(type(v) is int and -2 ** 63 <= v < 2 ** 63 for v in ids))
+
+
+requests = st.tuples(
+    st.one_of(st.lists(st.integers(-3, 50), max_size=6), st.lists(items, max_size=4),
+              st.tuples(st.integers(0, 9))),
+    st.one_of(st.none(), st.lists(st.integers(0, 50), max_size=6), st.just((1,))),
+).map(lambda r: r if r[0] != [7] else list(r))  # now and then a 2-list, as plan_many may get
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(requests, max_size=5))
+def test_scan_batch_reads_a_batch_as_scan_reads_each_request(scan_batch, batch):
+    bounds = np.full(len(batch) + 1, -1, dtype=np.int64)
+    got = scan_batch(batch, bounds)
+    ok = bool(batch) and all(plain_list(src) and (dst is None or (
+        plain_list(dst) and len(dst) == len(src))) for src, dst in batch)
+    if not ok:
+        assert got is None
+        return
+    ids = np.frombuffer(got, dtype=np.int64).reshape(2, -1)
+    assert ids[0].tolist() == [v for src, _ in batch for v in src]
+    assert ids[1].tolist() == [v for src, dst in batch for v in (src if dst is None else dst)]
+    assert bounds.tolist() == np.cumsum([0] + [len(src) for src, _ in batch]).tolist()
+
+
+def test_scan_batch_refuses_a_short_bounds_buffer(scan_batch):
+    with pytest.raises(ValueError, match="len\\(requests\\)\\+1 int64"):
+        scan_batch([([1], None), ([2], None)], np.zeros(2, np.int64))
+    with pytest.raises(BufferError):
+        scan_batch([([1], None)], bytes(16))  # read-only
+    assert scan_batch(([([1], None)]), np.zeros(2, np.int64)) is not None
+    assert scan_batch((([1], None),), np.zeros(2, np.int64)) is None  # a tuple of requests
+    assert scan_batch([], np.zeros(1, np.int64)) is None
+    assert scan_batch([([1], None, "id")], np.zeros(2, np.int64)) is None
+
+
+@pytest.fixture(scope="module")
 def runs():
     return loaded(native.id_runs)
 

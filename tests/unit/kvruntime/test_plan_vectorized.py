@@ -66,7 +66,7 @@ def id_reader(request):
         pytest.skip(f"native id reader: {native.status()}")
     with pytest.MonkeyPatch.context() as mp:
         if request.param == "array":
-            mp.setattr(native, "_state", {"scan": None, "runs": None, "how": "off (test)"})
+            mp.setattr(native, "_state", {**dict.fromkeys(native.FUNCTIONS), "how": "off (test)"})
         yield request.param
 
 
@@ -243,6 +243,7 @@ def test_a_batch_is_planned_as_its_requests_one_by_one(batch):
     for got, w in zip(plans, want):
         assert [a.tolist() for a in got.block_ids()] == [a.tolist() for a in w.block_ids()]
         assert got.runs == w.runs and got.descriptor_count == w.descriptor_count
+        assert (got.num_blocks, got.num_runs, got.nbytes) == (w.num_blocks, w.num_runs, w.nbytes)
     assert [a.tolist() for a in merged.block_ids()] == [
         np.concatenate([p.block_ids()[i] for p in want]).tolist() for i in (0, 1)]
     assert merged.runs == tuple(r for p in want for r in p.runs)  # no run spans two requests
