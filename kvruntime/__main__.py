@@ -213,8 +213,9 @@ def main(argv=None) -> int:
     b.add_argument("--ops", nargs="+", default=["pull", "push"],
                    choices=["pull", "push", "prefill_push"],
                    help="push: the decode asks the prefill to WRITE; prefill_push: the prefill "
-                        "starts the WRITE into blocks the decode named (expect_push), timed "
-                        "from its start to the notification's arrival")
+                        "starts the push into blocks the decode named (expect_push), timed "
+                        "from its start to the notification's arrival (NIXL) or to the end of "
+                        "the decode's own copy (same-node)")
     b.add_argument("--split", type=int, nargs="+", default=None,
                    help="pieces per contiguous run (parallel descriptors; default: one per "
                         "copy stream for host memory, else 1)")

@@ -208,9 +208,6 @@ def run_bench(cfg: BenchConfig) -> dict:
                     "ucx_threads": client.agent.ucx_threads,
                     "host_streams": [client.host_streams, client.host_streams_reason]}
                 for op in cfg.ops:
-                    # the prefill's own WRITE, whatever the decode's engine: measured once
-                    if op == "prefill_push" and engine != cfg.engines[0]:
-                        continue
                     for pattern in cfg.patterns:
                         for size in cfg.sizes_mib:
                             for split in cfg.splits:

@@ -244,11 +244,17 @@ class PrefillPeer:
     def expect_push(self, dst_blocks, request_id: str | None = None,
                     timeout: float = 30.0) -> TransferHandle:
         """Tell the prefill where request ``request_id``'s blocks go here, ahead of time; the
-        prefill WRITEs them when it has them (``PrefillServer.start_push``), and the handle is
-        done when the WRITE's NIXL notification arrives: NIXL sends it once the data has
-        landed. Nothing crosses the side channel between the prefill's start and the data's
-        arrival, so a push costs what its WRITE costs. The handle's seconds run from the
-        prefill's start to the notification's arrival, by the two hosts' wall clocks.
+        prefill pushes them when it has them (``PrefillServer.start_push``):
+
+        - over NIXL it WRITEs them, and the handle is done when the WRITE's NIXL notification
+          arrives: NIXL sends it once the data has landed. Nothing crosses the side channel
+          between the prefill's start and the data's arrival, so a push costs what its WRITE
+          costs. The handle's seconds run from the prefill's start to the notification's
+          arrival, by the two hosts' wall clocks;
+        - on the same-node engine it sends its block ids (a "ready" frame) and we copy them
+          out of its memory, as a pull does: one gather, not a WRITE of a descriptor a run
+          (on one GPU also not two processes' CUDA contexts taking turns). The handle is done
+          when the copy is, timed from the prefill's start (one host, one clock).
 
         Our UCX worker must progress for the notification to arrive (and, on some
         transports, for the WRITE to finish): a caller's polls do that (``get_finished``,
@@ -271,10 +277,43 @@ class PrefillPeer:
         handle.by_prefill = True
         self._pending[request_id] = handle
         self.client._track(handle)
-        self._send({"type": "expect", "request": request_id,
-                    "dst": frames.pack_ids(plan.block_ids()[0]),
-                    "timeout": timeout, "deadline": time.time() + timeout})
+        message = {"type": "expect", "request": request_id,
+                   "dst": frames.pack_ids(plan.block_ids()[0]),
+                   "timeout": timeout, "deadline": time.time() + timeout}
+        if self._engine is not None:  # same node: "send the ids when ready, we copy"
+            message["copy"] = True
+        self._send(message)
         return handle
+
+    def _copy_pushed(self, handle: TransferHandle, message: dict) -> None:
+        """The prefill has the blocks of a request we named with "copy" (a "ready" frame):
+        copy them out of its memory into the named ones, as a pull would, and release them
+        when done. A ready for a request that already failed (its deadline, its cancel) or
+        that cannot be planned gives the blocks straight back (a release): nothing reads
+        them."""
+        request = handle.request_id
+        with handle._lock:
+            try:
+                if handle.state != PENDING:
+                    raise KVRuntimeError("it had already failed here")
+                if self._engine is None:
+                    raise KVRuntimeError("the same-node engine is closed")
+                src = frames.ids_field(message, "src")
+                plan = self._planner_now().plan(src, handle.plan.block_ids()[0])
+                posted = message.get("posted")
+                if isinstance(posted, (int, float)) and not isinstance(posted, bool):
+                    # its start on our clock: one host's wall clock, read on both sides
+                    handle.started = time.perf_counter() - max(0.0, time.time() - posted)
+                handle._attach(self._engine.start("READ", plan, self.head_slice))
+                handle.uses_peer = False  # from here it is our copy's, as a pull's
+            except KVRuntimeError as exc:
+                self._release_later([request])
+                if handle.state != PENDING:  # its cancel's answer settles it
+                    log.info("%s: ready for request %s given back: %s", self.name, request, exc)
+                    return
+                handle._fail(TransferError(f"push of request {request}: the prefill's ready "
+                                           f"could not be copied: {exc}"))
+            self._settled(handle)  # the prefill has nothing more to say of it
 
     def _on_notif(self, raw) -> str | None:
         """A NIXL notification from this peer's agent: a push of its own that has landed.
@@ -471,10 +510,13 @@ class PrefillPeer:
         if request in self._replies:
             self._replies[request] = message
             return
-        if kind in ("pushed", "push_failed", "cancelled", "staged", "stage_failed") \
+        if kind in ("pushed", "push_failed", "cancelled", "staged", "stage_failed", "ready") \
                 and isinstance(request, str):
             handle = self._pending.get(request)
-            if handle is not None:
+            if kind == "ready" and handle is not None and handle.by_prefill:
+                self._copy_pushed(handle, message)
+                return
+            if handle is not None and kind != "ready":
                 handle._on_reply(message)
                 return
         log.warning("%s sent an unexpected %r frame (request %r); ignored", self.name, kind,

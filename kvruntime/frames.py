@@ -32,7 +32,10 @@ HEADER = struct.Struct(">4sI")
 # 7: a push the prefill starts: the decode names where a request's blocks go ("expect"), the
 #    prefill WRITEs them once it has them, and the WRITE's NIXL notification (a "pushed"
 #    message) tells the decode they landed. Nothing else carries notifications.
-PROTOCOL_VERSION = 7
+# 8: a same-node decode that opened the prefill's memory names its blocks with "copy": the
+#    prefill sends the request's source ids when ready (a "ready" frame), the decode copies
+#    them itself and releases them as a pull's.
+PROTOCOL_VERSION = 8
 MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024

@@ -133,6 +133,7 @@ class TransferHandle:
                 continue
             # a long request: give a core back to UCX's progress and the peer (2-core hosts),
             # napping longer the longer it runs, but waking as soon as what we wait for ends
+            own_thread = getattr(self._xfer, "block", None)  # a prefill's ready may start one
             if own_thread is not None:
                 own_thread(NAP_MAX)
             elif self.uses_peer:

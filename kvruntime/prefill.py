@@ -61,6 +61,7 @@ class _Peer:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     head_slice: HeadSlice | None = None  # mixed TP, direct: our heads -> its heads (tp.py)
     lanes_checked: bool = False  # UCX's lanes for its device memory looked at (ucxlog.py)
+    opened: bool = False  # it asked for our same-node offer: it may copy our pushes itself
     # request -> where its blocks go, for the pushes we start (start_push); at most MAX_EXPECTED
     # requests and, together, as many blocks as its cache has (held by _named/_unnamed)
     expected: dict = field(default_factory=dict)
@@ -115,6 +116,7 @@ class _Write:
 class _Expected:  # a decode's blocks for a request we will push (its "expect" frame)
     dst: object  # int64 ids, checked against its layout
     deadline: float  # monotonic: the decode's deadline
+    copies: bool = False  # a same-node decode: it copies them itself once we say "ready"
 
 
 @dataclass
@@ -384,6 +386,7 @@ class PrefillServer:
         elif kind == "samenode":  # a decode asks to open our memory directly (samenode.py)
             # host-staged: what a same-node decode may read is our staging pool
             offer = serve_offer(self.staging.cache if self.staging else self.cache, self._token)
+            peer.opened = "unavailable" not in offer
             peer.send({**offer, "request": message.get("request")}, self.timeout)
         elif kind == "stage":
             self._stage(peer, message)
@@ -459,15 +462,20 @@ class PrefillServer:
     # -- pushes we start: the decode said where the blocks go (expect), we say when ---------------
     def start_push(self, request: str, src_blocks, peer: str | None = None,
                    timeout: float = 30.0) -> None:
-        """WRITE our ``src_blocks`` into the blocks a decode named for ``request``
-        (``PrefillPeer.expect_push``), with a NIXL notification that tells it they landed.
-        Returns once the WRITE is posted. If no decode has named them yet, the push waits
-        (at most ``timeout``) and is posted when one does. ``peer``: the decode agent the
-        request is for; None: whichever decode names ``request``.
+        """Push our ``src_blocks`` into the blocks a decode named for ``request``
+        (``PrefillPeer.expect_push``): a WRITE with a NIXL notification that tells it they
+        landed, or, to a same-node decode that opened our memory, their ids (a "ready" frame)
+        for it to copy them itself, as a pull. Returns once the WRITE is posted (the ids
+        sent). If no decode has named them yet, the push waits (at most ``timeout``) and is
+        started when one does. ``peer``: the decode agent the request is for; None: whichever
+        decode names ``request``.
 
-        When the WRITE has ended, or the push was dropped, ``get_released`` lists the request
-        and our blocks may be reused (with agent ``""`` for a push no decode ever named). A
-        failed WRITE is the decode's to report (it gets a ``push_failed`` frame). Raises
+        When the WRITE has ended, or the decode has copied them, or the push was dropped,
+        ``get_released`` lists the request and our blocks may be reused (with agent ``""``
+        for a push no decode ever named). A failed WRITE is the decode's to report (it gets a
+        ``push_failed`` frame); a same-node copy that fails once started is not released,
+        as a failed pull is not (it may still be reading them): the engine's own timeout
+        frees those. Raises
         ``KVRuntimeError`` for bad ids or a count other than the decode named (its request
         stays expected: push again), or a WRITE NIXL refuses (the decode is told); then
         nothing is released, the blocks are the caller's."""
@@ -502,7 +510,7 @@ class PrefillServer:
             dst_peer._unnamed(request)
         deadline = min(expected.deadline, time.monotonic() + timeout)
         try:
-            self._push_now(dst_peer, request, plan, deadline, posted)
+            self._push_now(dst_peer, request, plan, deadline, posted, expected.copies)
         except KVRuntimeError as exc:  # raised: our blocks are the caller's, not released
             self._push_failed(dst_peer, request, str(exc), release=False)
             raise
@@ -528,8 +536,15 @@ class PrefillServer:
                                  f"({', '.join(p.agent for p in named[:3])}...): pass peer=")
         return (named[0], named[0].expected[request]) if named else None
 
-    def _push_now(self, peer: _Peer, request: str, plan, deadline: float,
-                  posted: float) -> None:
+    def _push_now(self, peer: _Peer, request: str, plan, deadline: float, posted: float,
+                  copies: bool) -> None:
+        """Our blocks for ``request`` go to ``peer`` now: a same-node decode that asked to copy
+        them (``copies``) gets their ids and copies them itself, as a pull, releasing them once
+        done; any other gets a WRITE whose notification tells it they landed."""
+        if copies:
+            peer.send({"type": "ready", "request": request, "posted": posted,
+                       "src": frames.pack_ids(plan.block_ids()[0])}, self.timeout)
+            return
         notif = frames.encode_notif({"type": "pushed", "request": request, "posted": posted,
                                      "descriptors": plan.descriptor_count})
         self._post_write(peer, request, plan, deadline, 1, notif)
@@ -551,10 +566,14 @@ class PrefillServer:
         dst = frames.ids_field(message, "dst")
         timeout = float(frames.field(message, "timeout", (int, float)))
         left = float(frames.field(message, "deadline", (int, float))) - time.time()
+        copies = message.get("copy") is True
         taken = None  # a push of ours that waited for this decode: its blocks are ours to free
         try:
             if self.staging is not None:
                 raise KVRuntimeError("this prefill is host-staged: it pushes nothing directly")
+            if copies and not peer.opened:
+                raise KVRuntimeError("it asks to copy the push itself but has not opened this "
+                                     "prefill's memory (same-node engine)")
             if left <= 0:
                 self.stats.late_pushes += 1
                 raise KVRuntimeError(f"its deadline passed {-left:.3f}s before the prefill read "
@@ -566,7 +585,7 @@ class PrefillServer:
                     raise KVRuntimeError(f"request {request!r} is already in flight")
                 offer = self._offers.get(request)
                 if offer is None or offer.agent not in (None, peer.agent):
-                    peer._named(request, _Expected(dst, deadline))
+                    peer._named(request, _Expected(dst, deadline, copies))
                     self._work.set()  # the progress loop expires it
                     return
                 taken = self._offers.pop(request)
@@ -574,7 +593,8 @@ class PrefillServer:
                 raise KVRuntimeError(f"{len(dst)} blocks named, but the prefill pushes "
                                      f"{len(taken.src)}")
             plan = peer.planner(self.cache.layout).plan(taken.src, dst)
-            self._push_now(peer, request, plan, min(deadline, taken.deadline), taken.posted)
+            self._push_now(peer, request, plan, min(deadline, taken.deadline), taken.posted,
+                           copies)
         except KVRuntimeError as exc:
             self._push_failed(peer, request, str(exc), release=taken is not None)
 

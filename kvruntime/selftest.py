@@ -24,8 +24,9 @@ from .roles import (allocate_cache, device_of, prefill_main, prefill_push, prepa
 
 OPS = ("pull", "push")
 # what each engine's client proves: a push the prefill starts is NIXL's WRITE and notification
-# whatever engine the decode pulls with, so the NIXL client alone proves it (staged: none)
-ENGINE_OPS = {"nixl": OPS + ("prefill_push",), "samenode": OPS, "staged": OPS}
+# to a NIXL decode, the decode's own copy to a same-node one (its "ready"); staged: none
+ENGINE_OPS = {"nixl": OPS + ("prefill_push",), "samenode": OPS + ("prefill_push",),
+              "staged": OPS}
 # NIXL always (it is what the installer verifies), and the same-node engine beside it; the
 # host-staged modes ("staged") run in a pair of their own.
 ENGINES = ("nixl", "samenode")

@@ -72,10 +72,7 @@ def pushing_prefill():
     return spawn_pushing_prefill
 
 
-@pytest.fixture
-def pair():
-    """(server, client, peer, src cache, dst cache): a prefill server in this process (host
-    memory, random content) and a NIXL decode connected to it, endpoints already wired up."""
+def _pair(engine: str):
     from kvruntime.decode import DecodeClient
     from kvruntime.layout import CROSS_LAYER, KVLayout
     from kvruntime.memory import KVCache
@@ -85,11 +82,25 @@ def pair():
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
     src.fill_random(11)
     dst.fill_value(0)
-    with PrefillServer(src) as server, DecodeClient(dst, engine="nixl") as client:
+    with PrefillServer(src) as server, DecodeClient(dst, engine=engine) as client:
         peer = client.connect(*server.address)
         peer.pull([0], [0], timeout=20)
         yield server, client, peer, src, dst
     src.close(), dst.close()
+
+
+@pytest.fixture
+def pair():
+    """(server, client, peer, src cache, dst cache): a prefill server in this process (host
+    memory, random content) and a NIXL decode connected to it, endpoints already wired up."""
+    yield from _pair("nixl")
+
+
+@pytest.fixture(params=["nixl", "samenode"])
+def either_pair(request):
+    """``pair`` with the decode on each engine: NIXL, and the same-node engine (host memory
+    read with process_vm_readv), whose decode copies a push the prefill starts itself."""
+    yield from _pair(request.param)
 
 
 def stop_process(pid: int, timeout: float = 5.0) -> None:

@@ -124,7 +124,7 @@ def test_selftest_cli_runs_every_cuda_mode_bit_exact():
     assert {(m["layout"], m["op"], m["mode"].rsplit("/", 1)[1]) for m in cuda} == {
         (k, o, e) for k in (CROSS_LAYER, PER_LAYER) for o in ("pull", "push")
         for e in ("nixl", "samenode", "staged")} | {
-        (k, "prefill_push", "nixl") for k in (CROSS_LAYER, PER_LAYER)}
+        (k, "prefill_push", e) for k in (CROSS_LAYER, PER_LAYER) for e in ("nixl", "samenode")}
     for m in cuda:
         assert m["status"] == "passed", m
         assert m["memory"] == "VRAM" and m["digest_ok"]

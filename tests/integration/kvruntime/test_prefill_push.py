@@ -54,8 +54,8 @@ def test_named_first_then_pushed_lands_bit_exact(kind):
     src.close(), dst.close()
 
 
-def test_pushed_first_waits_for_the_decode_then_lands(pair):
-    server, client, peer, src, dst = pair
+def test_pushed_first_waits_for_the_decode_then_lands(either_pair):
+    server, client, peer, src, dst = either_pair
     server.start_push("early", [7, 8])  # no decode named it yet: kept, not an error
     assert not server.expects("early")
     time.sleep(0.05)
@@ -65,10 +65,10 @@ def test_pushed_first_waits_for_the_decode_then_lands(pair):
     assert server.wait_released("early", 5, peer=client.agent.name)
 
 
-def test_many_in_flight_beside_pulls_collected_by_get_finished(pair):
+def test_many_in_flight_beside_pulls_collected_by_get_finished(either_pair):
     """An engine's step loop: pulls and prefill pushes in flight together, collected by
     get_finished; the prefill pushes in another order than they were named."""
-    server, client, peer, src, dst = pair
+    server, client, peer, src, dst = either_pair
     named = {f"p{i}": ([2 * i, 2 * i + 1], [64 + 2 * i, 65 + 2 * i]) for i in range(16)}
     handles = [peer.expect_push(d, request_id=r, timeout=30) for r, (_s, d) in named.items()]
     handles += [peer.start_pull([100 + i], [40 + i], request_id=f"q{i}", timeout=30)
@@ -87,11 +87,11 @@ def test_many_in_flight_beside_pulls_collected_by_get_finished(pair):
     assert client.in_flight == 0
 
 
-def test_a_request_never_pushed_fails_at_its_deadline_and_is_dropped(pair):
+def test_a_request_never_pushed_fails_at_its_deadline_and_is_dropped(either_pair):
     """The decode gives up at its deadline and says so; the prefill forgets the blocks it was
     given, so a late start_push writes nothing: it waits for a decode that never comes and
     is released with agent "" at its own timeout."""
-    server, client, peer, src, dst = pair
+    server, client, peer, src, dst = either_pair
     before = dst.block_digest(5)
     handle = peer.expect_push([5], request_id="never", timeout=0.4)
     _wait_expected(server, "never")
@@ -107,11 +107,11 @@ def test_a_request_never_pushed_fails_at_its_deadline_and_is_dropped(pair):
     assert dst.block_digest(5) == before
 
 
-def test_the_prefill_drops_a_named_request_past_its_deadline(pair):
+def test_the_prefill_drops_a_named_request_past_its_deadline(either_pair):
     """The prefill's own sweep: a named request it has not pushed by the decode's deadline is
     dropped and the decode hears why, even when its own timer has not fired yet (here its
     handle's deadline is moved later, as a decode clock behind the prefill's would)."""
-    server, client, peer, src, dst = pair
+    server, client, peer, src, dst = either_pair
     before = dst.block_digest(6)
     handle = peer.expect_push([6], request_id="late", timeout=0.3)
     handle.deadline += 10
@@ -126,8 +126,8 @@ def test_the_prefill_drops_a_named_request_past_its_deadline(pair):
     assert dst.block_digest(6) == before
 
 
-def test_ids_are_checked_on_both_sides_and_a_bad_push_keeps_the_request(pair):
-    server, client, peer, src, dst = pair
+def test_ids_are_checked_on_both_sides_and_a_bad_push_keeps_the_request(either_pair):
+    server, client, peer, src, dst = either_pair
     with pytest.raises(KVRuntimeError, match="out of range|outside"):
         peer.expect_push([500], request_id="bad")  # our cache has 128 blocks
     with pytest.raises(KVRuntimeError, match="twice|duplicate"):
@@ -227,11 +227,11 @@ def test_a_host_staged_decode_is_told_to_pull():
     src.close(), dst.close()
 
 
-def test_a_push_started_just_after_the_decodes_deadline_writes_nothing(pair):
+def test_a_push_started_just_after_the_decodes_deadline_writes_nothing(either_pair):
     """Between the decode's deadline and the sweep's grace, start_push finds the named blocks
     but not the time: the decode may have reused them. It writes nothing; the decode is told
     and the push waits for a decode that names the request again."""
-    server, client, peer, src, dst = pair
+    server, client, peer, src, dst = either_pair
     before = dst.block_digest(7)
     handle = peer.expect_push([7], request_id="edge", timeout=0.3)
     _wait_expected(server, "edge")
@@ -265,11 +265,11 @@ def test_a_prefill_process_pushes_into_a_decode_process(pushing_prefill):
         cache.close()
 
 
-def test_a_decode_names_no_more_blocks_than_its_cache_holds(pair):
+def test_a_decode_names_no_more_blocks_than_its_cache_holds(either_pair):
     """What the prefill keeps for a decode's named requests is bounded by that decode's cache:
     each of its blocks named for one push at a time. Beyond it the request fails at once, and
     blocks become nameable again as pushes start."""
-    server, client, peer, src, dst = pair
+    server, client, peer, src, dst = either_pair
     first = peer.expect_push(list(range(100)), request_id="big", timeout=20)
     _wait_expected(server, "big")
     second = peer.expect_push(list(range(100, 128)) + list(range(50)), request_id="more",
@@ -286,3 +286,78 @@ def test_a_decode_names_no_more_blocks_than_its_cache_holds(pair):
     third.wait(10)
     moved = list(range(28, 128)) + list(range(28))
     assert dst.block_digests(range(128)) == src.block_digests(moved)
+
+
+# -- a same-node decode copies the push itself (protocol 8) -----------------------------------
+def test_a_same_node_decode_copies_the_push_itself():
+    """To a decode that opened its memory, the prefill sends the request's ids when it has
+    them ("ready"), and the decode copies them as a pull would: no NIXL WRITE, the prefill's
+    blocks released once the copy is done, the handle timed from the prefill's start."""
+    layout = small(PER_LAYER)
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(9)
+    dst.fill_value(0)
+    with PrefillServer(src) as server, DecodeClient(dst, engine="samenode") as client:
+        peer = client.connect(*server.address)
+        handle = peer.expect_push([10, 11, 12, 40], request_id="r1", timeout=20)
+        _wait_expected(server, "r1", client.agent.name)
+        server.start_push("r1", [3, 4, 5, 90])
+        assert not server._writes  # nothing posted to NIXL
+        result = handle.wait(10)
+        assert result.engine == "samenode:process_vm_readv"
+        assert result.nbytes == 4 * layout.block_bytes and 0 < result.seconds < 10
+        assert dst.block_digests([10, 11, 12, 40]) == src.block_digests([3, 4, 5, 90])
+        assert server.wait_released("r1", 5, peer=client.agent.name)
+        assert handle.settled and peer.in_flight == 0 and not peer._pending
+    src.close(), dst.close()
+
+
+def test_a_ready_for_a_push_the_decode_gave_up_is_given_back(caplog):
+    """The prefill said "ready" just as the decode's deadline passed: the decode copies
+    nothing into blocks it was told are free, releases the prefill's, and the answer to its
+    cancel settles the handle."""
+    layout = small()
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(10)
+    dst.fill_value(0)
+    with PrefillServer(src) as server, DecodeClient(dst, engine="samenode") as client:
+        peer = client.connect(*server.address)
+        before = dst.block_digest(20)
+        handle = peer.expect_push([20], request_id="gone", timeout=20)
+        _wait_expected(server, "gone")
+        server.start_push("gone", [3])  # the ready frame is on its way
+        handle.deadline = time.monotonic() - 1
+        handle._advance()  # its deadline seen before the frame is read: failed, cancel sent
+        with pytest.raises(TransferTimeout):
+            handle.result()
+        with caplog.at_level(logging.INFO, logger="kvruntime"):
+            until = time.monotonic() + 5
+            while not handle.settled and time.monotonic() < until:
+                peer._pump()
+                peer._flush_releases()
+                time.sleep(0.01)
+        assert handle.settled and not peer._pending
+        assert "given back" in caplog.text
+        assert server.wait_released("gone", 5, peer=client.agent.name)
+        assert dst.block_digest(20) == before
+    src.close(), dst.close()
+
+
+def test_only_a_decode_that_opened_the_prefills_memory_may_copy_its_pushes(pair):
+    """"copy" from a decode that never asked for the same-node offer is refused: the prefill
+    would otherwise hand it ids it cannot read, and never see them released."""
+    server, client, peer, src, dst = pair
+    handle = peer.expect_push([30], request_id="sly", timeout=20)
+    _wait_expected(server, "sly")
+    server.start_push("sly", [4])
+    handle.wait(10)  # a NIXL decode's push: a WRITE
+    assert handle.result().engine == "nixl"
+    peer._pending["sly2"] = handle2 = peer._handle("push", "sly2", handle.plan, 20,
+                                                   time.perf_counter())
+    handle2.by_prefill = True
+    client._track(handle2)
+    peer._send({"type": "expect", "request": "sly2", "dst": frames.pack_ids([31]),
+                "timeout": 20, "deadline": time.time() + 20, "copy": True})
+    with pytest.raises(TransferError, match="has not opened this prefill's memory"):
+        handle2.wait(10)
+    assert not server.expects("sly2")

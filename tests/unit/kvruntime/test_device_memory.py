@@ -47,9 +47,9 @@ def test_missing_device_gives_a_reason_and_skipped_modes(device):
     with pytest.raises(KVRuntimeError, match=device):
         KVCache.allocate_device(LAYOUT, device, 0)
     modes = skipped_modes(device, reason)
-    # 2 layouts x (nixl: pull, push, prefill_push; samenode and staged: pull, push)
-    assert len(modes) == 14
-    assert sum(m["op"] == "prefill_push" for m in modes) == 2
+    # 2 layouts x (nixl and samenode: pull, push, prefill_push; staged: pull, push)
+    assert len(modes) == 16
+    assert sum(m["op"] == "prefill_push" for m in modes) == 4
     assert {m['engine'] for m in modes} == {'nixl', 'samenode', 'staged'}
     assert all(m["status"] == "skipped" and m["reason"] == reason for m in modes)
     assert all(m["mode"].startswith(f"{device}/") for m in modes)
