@@ -94,8 +94,9 @@ def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
 @pytest.mark.parametrize("engine", ["nixl", "samenode"])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
 def test_pushes_the_prefill_starts_land_bit_exact_in_vram(pushing_prefill, kind, engine, ids):
-    """The prefill process WRITEs device memory into blocks the decode named, whatever engine
-    the decode pulls with; the notification that finishes the handle comes after the data."""
+    """The prefill process pushes device memory into blocks the decode named: a NIXL WRITE
+    whose notification finishes the handle after the data, or, to a same-node decode, the
+    ids it then copies itself out of the prefill's memory."""
     layout = small(kind)
     with pushing_prefill([layout], seed=23, device="cuda", device_id=ids[0]) as (
             _proc, ports, push):
@@ -109,7 +110,7 @@ def test_pushes_the_prefill_starts_land_bit_exact_in_vram(pushing_prefill, kind,
                 handle = peer.expect_push(dst, request_id=f"g{n}", timeout=30)
                 assert push(0, f"g{n}", src, client.agent.name) is None
                 res = handle.wait(30)
-                assert res.engine == "nixl" and res.nbytes == len(src) * layout.block_bytes
+                assert res.engine == peer.engine and res.nbytes == len(src) * layout.block_bytes
                 assert cache.block_digests(dst) == peer.digests(src)
         cache.close()
 

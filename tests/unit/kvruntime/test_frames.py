@@ -37,26 +37,51 @@ def test_malformed(data, msg):
         frames.decode_frame(data)
 
 
+def _packed_frame(name: str, ref, tail: bytes) -> "frames.Message":
+    """A frame whose field ``name`` names ``ref`` in a packed tail of ``tail`` bytes."""
+    head = json.dumps({"v": frames.PROTOCOL_VERSION, "type": "push", name: ref}).encode()
+    return frames.decode_frame(_raw(head + frames.TAIL + tail))
+
+
 def test_block_ids_travel_packed_and_come_back_exact():
     import numpy as np
 
     ids = np.array([0, 7, 2**40, -3, 4095], dtype=np.int64)
-    out = frames.decode_frame(frames.encode_frame({"type": "push", "src": frames.pack_ids(ids)}))
+    data = frames.encode_frame({"type": "push", "src": frames.pack_ids(ids), "n": 1})
+    assert ids.tobytes() in data  # raw after the JSON, not base64 inside it
+    out = frames.decode_frame(data)
+    assert out["src"] == [0, 40] and out["n"] == 1
     got = frames.ids_field(out, "src")
     assert got.dtype == np.int64 and got.tolist() == ids.tolist()
     got[0] = 1  # a writable copy, not a view of the frame's bytes
-    assert frames.ids_field({"type": "push", "src": frames.pack_ids([])}, "src").size == 0
+    empty = frames.decode_frame(frames.encode_frame({"type": "push", "src": frames.pack_ids([])}))
+    assert frames.ids_field(empty, "src").size == 0
+    # two packed fields share one tail, each naming its own bytes
+    two = frames.decode_frame(frames.encode_frame(
+        {"type": "push", "src": frames.pack_ids([1, 2]), "dst": frames.pack_ids([3, 4])}))
+    assert frames.ids_field(two, "src").tolist() == [1, 2]
+    assert frames.ids_field(two, "dst").tolist() == [3, 4]
 
 
-@pytest.mark.parametrize("value,msg", [
-    ([1, 2, 3], "must be base64 text"),       # a JSON list: protocol 2's form
-    ("not base64!", "not valid base64"),
-    (frames.b64(b"\x01" * 12), "not whole 8-byte block ids"),
-    (None, "must be base64 text"),
+@pytest.mark.parametrize("ref,tail,msg", [
+    ("AQIDBA==", b"", "must name packed bytes"),  # base64 text: protocol 7's form
+    ([1, 2, 3], b"\0" * 24, "must name packed bytes"),
+    ([0, True], b"\0" * 8, "must name packed bytes"),
+    ([-8, 8], b"\0" * 8, "must name packed bytes"),
+    (None, b"", "must name packed bytes"),
+    ([8, 16], b"\0" * 16, "names bytes 8..24 of a frame that packs 16"),
+    ([0, 8], b"", "of a frame that packs 0"),
+    ([0, 12], b"\1" * 12, "not whole block ids"),
 ])
-def test_malformed_block_ids_are_frame_errors(value, msg):
+def test_malformed_block_ids_are_frame_errors(ref, tail, msg):
     with pytest.raises(FrameError, match=msg):
-        frames.ids_field({"type": "push", "src": value}, "src")
+        frames.ids_field(_packed_frame("src", ref, tail), "src")
+
+
+def test_a_field_a_peer_forged_as_a_dict_has_no_tail():
+    """Packed bytes are only ever read from a frame's own tail: a plain dict has none."""
+    with pytest.raises(FrameError, match="frame that packs 0"):
+        frames.ids_field({"type": "push", "src": [0, 8]}, "src")
 
 
 def test_runs_travel_packed_and_come_back_exact():
@@ -69,13 +94,13 @@ def test_runs_travel_packed_and_come_back_exact():
     assert all(a.dtype == np.int64 for a in got)
 
 
-@pytest.mark.parametrize("value,msg", [
-    (frames.b64(b"\x01" * 16), "not whole runs of three 8-byte integers"),
-    ([[1, 2, 3]], "must be base64 text"),
+@pytest.mark.parametrize("ref,tail,msg", [
+    ([0, 16], b"\1" * 16, "not whole runs of three 8-byte integers"),
+    ([[1, 2, 3]], b"", "must name packed bytes"),
 ])
-def test_malformed_runs_are_frame_errors(value, msg):
+def test_malformed_runs_are_frame_errors(ref, tail, msg):
     with pytest.raises(FrameError, match=msg):
-        frames.runs_field({"type": "push", "runs": value}, "runs")
+        frames.runs_field(_packed_frame("runs", ref, tail), "runs")
 
 
 def test_wrong_version_is_named():
