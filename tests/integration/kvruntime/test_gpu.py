@@ -217,12 +217,13 @@ def test_mixed_tp_staged_in_vram(prefill, p, d):
 
 
 @pytest.mark.parametrize("engine", ["nixl", "samenode"])
-@pytest.mark.parametrize("op", ["pull", "push"])
+@pytest.mark.parametrize("op", ["pull", "push", "prefill_push"])
 @pytest.mark.parametrize("p,d", [(1, 2), (2, 1)])
-def test_mixed_tp_direct_in_vram(prefill, p, d, op, engine):
+def test_mixed_tp_direct_in_vram(pushing_prefill, p, d, op, engine):
     """Direct mixed TP with CUDA caches (ranks share cuda:0): NIXL moves each decode rank's
     head slice row by row, or the same-node engine copies it with one strided gather per
-    region; compared with the ranks rebuilt on the device."""
+    region; compared with the ranks rebuilt on the device. prefill_push: each prefill rank
+    the decode rank reads from starts its push (a WRITE, or the same-node decode's copy)."""
     from kvruntime.tp import head_slices
 
     heads, seed = 4, 90 + p * 10 + d
@@ -232,8 +233,8 @@ def test_mixed_tp_direct_in_vram(prefill, p, d, op, engine):
 
     full = _tp_reference([lay(p)] * p, seed)
     src, dst = [2, 3, 4, 20], [10, 0, 1, 31]
-    with prefill([lay(p)] * p, seed=seed, device="cuda", device_id=DEVICE_ID,
-                 tp_ranks=list(range(p))) as (_proc, ports):
+    with pushing_prefill([lay(p)] * p, seed=seed, device="cuda", device_id=DEVICE_ID,
+                         tp_ranks=list(range(p))) as (_proc, ports, push):
         for j in range(d):
             cache = KVCache.allocate_device(lay(d), "cuda", DEVICE_ID)
             cache.fill_value(0)
@@ -241,7 +242,13 @@ def test_mixed_tp_direct_in_vram(prefill, p, d, op, engine):
                 for s in head_slices(lay(p), cache.layout, j):
                     peer = client.connect("127.0.0.1", ports[s.prefill_rank])
                     assert peer.engine.startswith(engine) and peer.head_slice == s
-                    res = getattr(peer, op)(src, dst, timeout=30)
+                    if op == "prefill_push":
+                        handle = peer.expect_push(dst, request_id=f"r{j}", timeout=30)
+                        assert push(s.prefill_rank, f"r{j}", src, client.agent.name) is None
+                        res = handle.wait(30)
+                        assert res.engine == peer.engine
+                    else:
+                        res = getattr(peer, op)(src, dst, timeout=30)
                     assert res.nbytes == len(src) * cache.layout.block_bytes * s.count // (
                         heads // d)
                 _assert_rank_heads(cache, full, src, dst, j)
