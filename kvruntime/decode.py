@@ -292,12 +292,14 @@ class PrefillPeer:
         that cannot be planned gives the blocks straight back (a release): nothing reads
         them."""
         request = handle.request_id
+        copied = gave_up = False
         with handle._lock:
             try:
                 if handle.state != PENDING:
+                    gave_up = True  # failed here first: the answer to its cancel settles it
                     raise KVRuntimeError("it had already failed here")
                 if self._engine is None:
-                    raise KVRuntimeError("the same-node engine is closed")
+                    raise KVRuntimeError("no same-node engine serves this peer here")
                 src = frames.ids_field(message, "src")
                 plan = self._planner_now().plan(src, handle.plan.block_ids()[0])
                 posted = message.get("posted")
@@ -306,13 +308,18 @@ class PrefillPeer:
                     handle.started = time.perf_counter() - max(0.0, time.time() - posted)
                 handle._attach(self._engine.start("READ", plan, self.head_slice))
                 handle.uses_peer = False  # from here it is our copy's, as a pull's
-            except KVRuntimeError as exc:
+                copied = True
+            except Exception as exc:  # bad ids, or a launch that failed: this request fails,
+                # whoever polled (an engine's get_finished) goes on with the others
                 self._release_later([request])
-                if handle.state != PENDING:  # its cancel's answer settles it
+                if gave_up:
                     log.info("%s: ready for request %s given back: %s", self.name, request, exc)
-                    return
-                handle._fail(TransferError(f"push of request {request}: the prefill's ready "
-                                           f"could not be copied: {exc}"))
+                else:
+                    handle._fail(TransferError(f"push of request {request}: the prefill's "
+                                               f"ready could not be copied: {exc}"))
+        if not copied:  # its blocks go back now (no poll of it may come again), outside its
+            self._flush_releases()  # lock: a send that fails fails the peer's handles
+        if not gave_up:
             self._settled(handle)  # the prefill has nothing more to say of it
 
     def _on_notif(self, raw) -> str | None:

@@ -361,3 +361,37 @@ def test_only_a_decode_that_opened_the_prefills_memory_may_copy_its_pushes(pair)
     with pytest.raises(TransferError, match="has not opened this prefill's memory"):
         handle2.wait(10)
     assert not server.expects("sly2")
+
+
+def test_a_ready_the_decode_cannot_copy_fails_its_request_alone(caplog):
+    """A ready frame is the prefill's word, checked as any: ids that do not pair with the
+    named blocks fail that request (its blocks released, nothing copied), and a ready for a
+    request nobody named is logged and ignored; other requests go on."""
+    layout = small()
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(12)
+    dst.fill_value(0)
+    with PrefillServer(src) as server, DecodeClient(dst, engine="samenode") as client:
+        peer = client.connect(*server.address)
+        before = dst.block_digests([40, 41])
+        bad = peer.expect_push([40, 41], request_id="bad", timeout=20)
+        good = peer.expect_push([42], request_id="good", timeout=20)
+        _wait_expected(server, "good")
+
+        def ready(request, ids):
+            return frames.decode_frame(frames.encode_frame(
+                {"type": "ready", "request": request, "posted": time.time(),
+                 "src": frames.pack_ids(ids)}))
+
+        peer._dispatch(ready("bad", [1, 2, 3]))  # three ids for two blocks
+        with caplog.at_level(logging.WARNING, logger="kvruntime"):
+            peer._dispatch(ready("nobody", [1]))
+        assert "unexpected 'ready' frame" in caplog.text
+        with pytest.raises(TransferError, match="could not be copied"):
+            bad.wait(5)
+        assert server.wait_released("bad", 5, peer=client.agent.name)
+        assert dst.block_digests([40, 41]) == before
+        server.start_push("good", [5])
+        good.wait(10)
+        assert dst.block_digest(42) == src.block_digest(5)
+    src.close(), dst.close()
