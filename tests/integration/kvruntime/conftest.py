@@ -96,6 +96,12 @@ def pair():
     yield from _pair("nixl")
 
 
+@pytest.fixture
+def samenode_pair():
+    """``pair`` with the decode on the same-node engine (host memory, process_vm_readv)."""
+    yield from _pair("samenode")
+
+
 @pytest.fixture(params=["nixl", "samenode"])
 def either_pair(request):
     """``pair`` with the decode on each engine: NIXL, and the same-node engine (host memory

@@ -31,26 +31,32 @@ def _wait_expected(server, request, peer=None, seconds=5.0):
         time.sleep(0.001)
 
 
+@pytest.mark.parametrize("engine,op,moved_by", [
+    ("nixl", "WRITE", "nixl"),
+    # a decode that opened the prefill's memory gets the ids ("ready") and copies them itself
+    ("samenode", "READ", "samenode:process_vm_readv")])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
-def test_named_first_then_pushed_lands_bit_exact(kind):
+def test_named_first_then_pushed_lands_bit_exact(kind, engine, op, moved_by):
     layout = small(kind)
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
     src.fill_random(3)
     dst.fill_value(0)
-    with PrefillServer(src) as server, DecodeClient(dst, engine="nixl") as client:
+    with PrefillServer(src) as server, DecodeClient(dst, engine=engine) as client:
         peer = client.connect(*server.address)
         handle = peer.expect_push([10, 11, 12, 40], request_id="r1", timeout=20)
         _wait_expected(server, "r1", client.agent.name)
         assert not handle.done()  # named, not pushed: nothing has moved
         server.start_push("r1", [3, 4, 5, 90])
+        if engine == "samenode":
+            assert not server._writes  # nothing posted to NIXL
         result = handle.wait(10)
-        assert result.op == "WRITE" and result.engine == "nixl"
+        assert result.op == op and result.engine == moved_by
         assert result.nbytes == 4 * layout.block_bytes
         assert result.descriptors == 2 * layout.num_regions  # two runs
         assert 0 < result.seconds < 10  # from the prefill's start to the arrival
         assert dst.block_digests([10, 11, 12, 40]) == src.block_digests([3, 4, 5, 90])
         assert server.wait_released("r1", 5, peer=client.agent.name)  # our blocks are free
-        assert handle.settled and peer.in_flight == 0
+        assert handle.settled and peer.in_flight == 0 and not peer._pending
     src.close(), dst.close()
 
 
@@ -289,58 +295,28 @@ def test_a_decode_names_no_more_blocks_than_its_cache_holds(either_pair):
 
 
 # -- a same-node decode copies the push itself (protocol 8) -----------------------------------
-def test_a_same_node_decode_copies_the_push_itself():
-    """To a decode that opened its memory, the prefill sends the request's ids when it has
-    them ("ready"), and the decode copies them as a pull would: no NIXL WRITE, the prefill's
-    blocks released once the copy is done, the handle timed from the prefill's start."""
-    layout = small(PER_LAYER)
-    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
-    src.fill_random(9)
-    dst.fill_value(0)
-    with PrefillServer(src) as server, DecodeClient(dst, engine="samenode") as client:
-        peer = client.connect(*server.address)
-        handle = peer.expect_push([10, 11, 12, 40], request_id="r1", timeout=20)
-        _wait_expected(server, "r1", client.agent.name)
-        server.start_push("r1", [3, 4, 5, 90])
-        assert not server._writes  # nothing posted to NIXL
-        result = handle.wait(10)
-        assert result.engine == "samenode:process_vm_readv"
-        assert result.nbytes == 4 * layout.block_bytes and 0 < result.seconds < 10
-        assert dst.block_digests([10, 11, 12, 40]) == src.block_digests([3, 4, 5, 90])
-        assert server.wait_released("r1", 5, peer=client.agent.name)
-        assert handle.settled and peer.in_flight == 0 and not peer._pending
-    src.close(), dst.close()
-
-
-def test_a_ready_for_a_push_the_decode_gave_up_is_given_back(caplog):
+def test_a_ready_for_a_push_the_decode_gave_up_is_given_back(samenode_pair, caplog):
     """The prefill said "ready" just as the decode's deadline passed: the decode copies
     nothing into blocks it was told are free, releases the prefill's, and the answer to its
     cancel settles the handle."""
-    layout = small()
-    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
-    src.fill_random(10)
-    dst.fill_value(0)
-    with PrefillServer(src) as server, DecodeClient(dst, engine="samenode") as client:
-        peer = client.connect(*server.address)
-        before = dst.block_digest(20)
-        handle = peer.expect_push([20], request_id="gone", timeout=20)
-        _wait_expected(server, "gone")
-        server.start_push("gone", [3])  # the ready frame is on its way
-        handle.deadline = time.monotonic() - 1
-        handle._advance()  # its deadline seen before the frame is read: failed, cancel sent
-        with pytest.raises(TransferTimeout):
-            handle.result()
-        with caplog.at_level(logging.INFO, logger="kvruntime"):
-            until = time.monotonic() + 5
-            while not handle.settled and time.monotonic() < until:
-                peer._pump()
-                peer._flush_releases()
-                time.sleep(0.01)
-        assert handle.settled and not peer._pending
-        assert "given back" in caplog.text
-        assert server.wait_released("gone", 5, peer=client.agent.name)
-        assert dst.block_digest(20) == before
-    src.close(), dst.close()
+    server, client, peer, src, dst = samenode_pair
+    before = dst.block_digest(20)
+    handle = peer.expect_push([20], request_id="gone", timeout=20)
+    _wait_expected(server, "gone")
+    server.start_push("gone", [3])  # the ready frame is on its way
+    handle.deadline = time.monotonic() - 1
+    handle._advance()  # its deadline seen before the frame is read: failed, cancel sent
+    with pytest.raises(TransferTimeout):
+        handle.result()
+    with caplog.at_level(logging.INFO, logger="kvruntime"):
+        until = time.monotonic() + 5
+        while not handle.settled and time.monotonic() < until:
+            peer._pump()
+            time.sleep(0.01)
+    assert handle.settled and not peer._pending
+    assert "given back" in caplog.text
+    assert server.wait_released("gone", 5, peer=client.agent.name)
+    assert dst.block_digest(20) == before
 
 
 def test_only_a_decode_that_opened_the_prefills_memory_may_copy_its_pushes(pair):
@@ -363,35 +339,29 @@ def test_only_a_decode_that_opened_the_prefills_memory_may_copy_its_pushes(pair)
     assert not server.expects("sly2")
 
 
-def test_a_ready_the_decode_cannot_copy_fails_its_request_alone(caplog):
+def test_a_ready_the_decode_cannot_copy_fails_its_request_alone(samenode_pair, caplog):
     """A ready frame is the prefill's word, checked as any: ids that do not pair with the
     named blocks fail that request (its blocks released, nothing copied), and a ready for a
     request nobody named is logged and ignored; other requests go on."""
-    layout = small()
-    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
-    src.fill_random(12)
-    dst.fill_value(0)
-    with PrefillServer(src) as server, DecodeClient(dst, engine="samenode") as client:
-        peer = client.connect(*server.address)
-        before = dst.block_digests([40, 41])
-        bad = peer.expect_push([40, 41], request_id="bad", timeout=20)
-        good = peer.expect_push([42], request_id="good", timeout=20)
-        _wait_expected(server, "good")
+    server, client, peer, src, dst = samenode_pair
+    before = dst.block_digests([40, 41])
+    bad = peer.expect_push([40, 41], request_id="bad", timeout=20)
+    good = peer.expect_push([42], request_id="good", timeout=20)
+    _wait_expected(server, "good")
 
-        def ready(request, ids):
-            return frames.decode_frame(frames.encode_frame(
-                {"type": "ready", "request": request, "posted": time.time(),
-                 "src": frames.pack_ids(ids)}))
+    def ready(request, ids):
+        return frames.decode_frame(frames.encode_frame(
+            {"type": "ready", "request": request, "posted": time.time(),
+             "src": frames.pack_ids(ids)}))
 
-        peer._dispatch(ready("bad", [1, 2, 3]))  # three ids for two blocks
-        with caplog.at_level(logging.WARNING, logger="kvruntime"):
-            peer._dispatch(ready("nobody", [1]))
-        assert "unexpected 'ready' frame" in caplog.text
-        with pytest.raises(TransferError, match="could not be copied"):
-            bad.wait(5)
-        assert server.wait_released("bad", 5, peer=client.agent.name)
-        assert dst.block_digests([40, 41]) == before
-        server.start_push("good", [5])
-        good.wait(10)
-        assert dst.block_digest(42) == src.block_digest(5)
-    src.close(), dst.close()
+    peer._dispatch(ready("bad", [1, 2, 3]))  # three ids for two blocks
+    with caplog.at_level(logging.WARNING, logger="kvruntime"):
+        peer._dispatch(ready("nobody", [1]))
+    assert "unexpected 'ready' frame" in caplog.text
+    with pytest.raises(TransferError, match="could not be copied"):
+        bad.wait(5)
+    assert server.wait_released("bad", 5, peer=client.agent.name)
+    assert dst.block_digests([40, 41]) == before
+    server.start_push("good", [5])
+    good.wait(10)
+    assert dst.block_digest(42) == src.block_digest(5)
