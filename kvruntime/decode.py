@@ -306,8 +306,8 @@ class PrefillPeer:
                 if isinstance(posted, (int, float)) and not isinstance(posted, bool):
                     # its start on our clock: one host's wall clock, read on both sides
                     handle.started = time.perf_counter() - max(0.0, time.time() - posted)
-                handle._attach(self._engine.start("READ", plan, self.head_slice))
-                handle.uses_peer = False  # from here it is our copy's, as a pull's
+                handle.plan = plan  # from here it is our copy's, as a pull's
+                self._start_local(handle)
                 copied = True
             except Exception as exc:  # bad ids, or a launch that failed: this request fails,
                 # whoever polled (an engine's get_finished) goes on with the others
@@ -520,11 +520,11 @@ class PrefillPeer:
         if kind in ("pushed", "push_failed", "cancelled", "staged", "stage_failed", "ready") \
                 and isinstance(request, str):
             handle = self._pending.get(request)
-            if kind == "ready" and handle is not None and handle.by_prefill:
-                self._copy_pushed(handle, message)
-                return
             if handle is not None and kind != "ready":
                 handle._on_reply(message)
+                return
+            if handle is not None and handle.by_prefill:  # a ready: the ids for us to copy
+                self._copy_pushed(handle, message)
                 return
         log.warning("%s sent an unexpected %r frame (request %r); ignored", self.name, kind,
                     request)

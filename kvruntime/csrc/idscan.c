@@ -40,6 +40,20 @@ static inline int read_int(PyObject *item, long long *v)
     return !overflow;
 }
 
+/* Plain ints within int64 of `list` into out[0..len-1]; 0 at the first that is not one. */
+static int read_list(PyObject *list, int64_t *out)
+{
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        long long v;
+        if (!PyLong_CheckExact(item) || !read_int(item, &v))
+            return 0;
+        out[i] = (int64_t)v;
+    }
+    return 1;
+}
+
 /* scan(ids: list, out: writable C-contiguous buffer of 8-byte items, at least len(ids) of them)
  *   -> (lowest, highest, consecutive) for a non-empty list of plain ints within int64,
  *      consecutive meaning ids[i] == ids[0] + i for every i;
@@ -64,29 +78,21 @@ static PyObject *scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     int64_t *out = (int64_t *)view.buf;
-    int64_t lo = 0, hi = 0, prev = 0;
+    if (!read_list(list, out)) {
+        PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
+    int64_t lo = out[0], hi = out[0];
     int consecutive = 1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(list, i);
-        long long v;
-        if (!PyLong_CheckExact(item) || !read_int(item, &v))
-            goto general;
-        out[i] = (int64_t)v;
-        if (i == 0) {
-            lo = hi = (int64_t)v;
-        } else {
-            if (v < lo) lo = v;
-            if (v > hi) hi = v;
-            consecutive &= prev != INT64_MAX && v == prev + 1;
-        }
-        prev = (int64_t)v;
+    for (Py_ssize_t i = 1; i < n; i++) { /* over the int64s: a pass of plain C */
+        int64_t v = out[i];
+        if (v < lo) lo = v;
+        if (v > hi) hi = v;
+        consecutive &= out[i - 1] != INT64_MAX && v == out[i - 1] + 1;
     }
     PyBuffer_Release(&view);
     return Py_BuildValue("(LLO)", (long long)lo, (long long)hi,
                          consecutive ? Py_True : Py_False);
-general:
-    PyBuffer_Release(&view);
-    Py_RETURN_NONE;
 }
 
 /* A request's lists, or 0: (ids, ids or None) as a 2-tuple or 2-list, the ids a non-empty list,
@@ -107,20 +113,6 @@ static int request_lists(PyObject *request, PyObject **src, PyObject **dst)
     if (*dst == Py_None)
         return 1;
     return PyList_CheckExact(*dst) && PyList_GET_SIZE(*dst) == PyList_GET_SIZE(*src);
-}
-
-/* Plain ints within int64 of `list` into out[0..len-1]; 0 at the first that is not one. */
-static int read_list(PyObject *list, int64_t *out)
-{
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(list, i);
-        long long v;
-        if (!PyLong_CheckExact(item) || !read_int(item, &v))
-            return 0;
-        out[i] = (int64_t)v;
-    }
-    return 1;
 }
 
 /* scan_batch(requests: list of (ids, ids or None), bounds: writable k+1 int64) -> bytearray or None
