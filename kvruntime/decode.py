@@ -479,9 +479,13 @@ class PrefillPeer:
                 raise PeerError(f"connection to {self.name} is closed; connect again")
             try:
                 frames.write_frame(self.sock, message, self.client.timeout)
+                return
             except KVRuntimeError as exc:
-                self._lose(f"side channel failed: {exc}")
-                raise TransferError(f"{self.name}: {exc}") from exc
+                error = exc
+        # lost outside the send lock: the close sends "bye" under it, and fails handles,
+        # whose locks a thread holding one may be waiting on ours under (a cancel)
+        self._lose(f"side channel failed: {error}")
+        raise TransferError(f"{self.name}: {error}") from error
 
     def _await_frame(self, seconds: float) -> None:
         """Sleep until the prefill sends something, at most ``seconds``."""

@@ -5,13 +5,14 @@ threads on one peer; release ids per peer."""
 
 import os
 import signal
+import socket
 import threading
 import time
 
 import pytest
 
 from kvruntime.decode import DecodeClient
-from kvruntime.errors import PeerError, TransferTimeout, WaitTimeout
+from kvruntime.errors import KVRuntimeError, PeerError, TransferTimeout, WaitTimeout
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill import PrefillServer
@@ -305,3 +306,30 @@ def test_an_idle_connection_stays_open_past_the_servers_timeout():
         assert dst.block_digests([1, 2]) == src.block_digests([1, 2])
     src.close()
     dst.close()
+
+
+def test_a_send_that_fails_closes_the_peer_without_hanging(pair):
+    """Before: a frame that could not be written lost the peer while the send lock was still
+    held, and the close that follows sends its "bye" under that lock: the sending thread hung
+    for good. Now the call fails and the peer is closed, refusing new requests. The write
+    side of the real socket is shut, so the kernel refuses the next frame (EPIPE)."""
+    server, client, peer, src_cache, dst = pair
+    handle = peer.start_push([1], [2], request_id="waits", timeout=30)
+    handle.wait(10)
+    peer.sock.shutdown(socket.SHUT_WR)
+    outcome = []
+
+    def digests():
+        try:
+            peer.digests([0], timeout=5)
+        except Exception as exc:  # noqa: BLE001 - what it raised is the outcome
+            outcome.append(exc)
+
+    th = threading.Thread(target=digests, daemon=True)
+    th.start()
+    th.join(20)
+    assert not th.is_alive(), "the failed send hung"
+    assert len(outcome) == 1 and isinstance(outcome[0], KVRuntimeError), outcome
+    assert peer.closed
+    with pytest.raises(PeerError, match="closed"):
+        peer.start_pull([3], [4])
