@@ -42,6 +42,7 @@ from .inflight import PENDING, Pace, TransferHandle
 from .memory import KVCache
 from .plan import Planner, TransferPlan, make_plan
 from .registration import Registration, Scratch
+from .releases import ReleaseSender
 from .samenode import (ENGINES, Batch, SameNodeUnavailable, SharedJob, host_copy_streams,
                        open_engine)
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
@@ -78,6 +79,7 @@ class PrefillPeer:
         # requests done here whose blocks the prefill may free, sent by _flush_releases
         self._releases: list[str] = []
         self._releases_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
         self._engine = None  # a same-node engine (samenode.py) when one serves this peer
         # host-staged and on this host: the engine that copies its pool's runs into ours
         self._pool_engine = None
@@ -385,23 +387,27 @@ class PrefillPeer:
 
     def _release_later(self, request_ids: list) -> None:
         """``request_ids`` are done here (a pull's READ, a same-node copy): the prefill may
-        free their blocks. Sent by the next ``_flush_releases``, which every poll of a handle
-        and every ``get_finished`` ends with: requests seen done together go in one frame."""
+        free their blocks. Sent when the host waits anyway (releases.py): requests seen done
+        together go in one frame."""
         with self._releases_lock:
             self._releases.extend(request_ids)
+        self.client._releaser.due(self)
 
     def _flush_releases(self) -> None:
-        if not self._releases:
-            return
-        with self._releases_lock:
-            ids, self._releases = self._releases, []
-        for i in range(0, len(ids), RELEASE_FRAME_IDS):
-            chunk = ids[i:i + RELEASE_FRAME_IDS]
-            try:
-                self._send({"type": "release", "requests": chunk})
-            except KVRuntimeError as exc:
-                log.warning("%s: telling the prefill to free requests %s: %s", self.name,
-                            ", ".join(chunk), exc)
+        """Send the pending release ids; one flush at a time, so that a close's waits for the
+        backstop's (nothing is sent after the "bye")."""
+        with self._flush_lock:
+            with self._releases_lock:
+                ids, self._releases = self._releases, []
+            if not ids or self.closed:  # closed: its close sent what was pending, then "bye"
+                return
+            for i in range(0, len(ids), RELEASE_FRAME_IDS):
+                chunk = ids[i:i + RELEASE_FRAME_IDS]
+                try:
+                    self._send({"type": "release", "requests": chunk})
+                except KVRuntimeError as exc:
+                    log.warning("%s: telling the prefill to free requests %s: %s", self.name,
+                                ", ".join(chunk), exc)
 
     def pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
              timeout: float = 30.0, split: int | None = None) -> TransferResult:
@@ -633,6 +639,7 @@ class DecodeClient:
         self._inflight: dict[int, TransferHandle] = {}
         self._lock = threading.Lock()
         self._progress_lock = threading.Lock()
+        self._releaser = ReleaseSender(name or "decode")
         self.staging: StagingPool | None = None
         self._scratch: Scratch | None = None  # the lane probe's destination (registration.py)
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
@@ -760,8 +767,7 @@ class DecodeClient:
             handle._advance()
             if handle.state != PENDING:
                 finished.append(handle)
-        for peer in {h.peer for h in finished}:  # one release frame a peer for all of them
-            peer._flush_releases()
+        self._releaser.flush()  # one release frame a peer for all of them
         with self._lock:
             for handle in finished:
                 self._inflight.pop(id(handle), None)
@@ -854,6 +860,7 @@ class DecodeClient:
         self._closed = True
         for peer in list(self._peers.values()):
             peer.close()
+        self._releaser.close()
         if self._scratch is not None:
             self._scratch.close()
         self.registration.close()

@@ -105,7 +105,8 @@ class TransferHandle:
             self._advance()
             if self.state == FAILED and not self.uses_peer:
                 self.peer._pump()  # a failed copy: notice at once if the peer's connection died
-            self.peer._flush_releases()
+            elif self.state == PENDING:  # our copy runs meanwhile: finished ones are released
+                self.peer.client._releaser.flush()  # now (releases.py), not as a wait returns
         return self.state
 
     def wait(self, timeout: float | None = None) -> TransferResult:

@@ -211,7 +211,9 @@ def test_threads_share_one_peer(prefill, engine):
 
 def test_release_ids_are_per_peer_consumed_and_collected():
     """Before: every released id was kept forever and shared by all peers, so a reused id
-    counted as released at once. Prefill and decode in one process (real agents)."""
+    counted as released at once. The decode calls nothing after each pull: its release goes
+    out all the same (releases.py's backstop). Prefill and decode in one process (real
+    agents)."""
     layout = small()
     src_cache, dst_a, dst_b = (KVCache.allocate_host(layout) for _ in range(3))
     src_cache.fill_random(1)
