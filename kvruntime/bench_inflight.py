@@ -9,9 +9,14 @@ peer, in the same iteration:
 - ``batched``: the same, each peer starting its share as one batch (``start_pulls``, an engine
   step's worth);
 - ``processes``: each peer is a decode process of its own, as deployments run them (a decode
-  instance or TP rank is a process), started together; the rate counts from the first
-  process's first request to the last one's end, on the host's monotonic clock, which
-  ``time.perf_counter`` reads in every process.
+  instance or TP rank is a process), each starting its requests one at a time;
+- ``processes_batched``: the same processes, each starting its share as one batch.
+
+The processes start together: the bench names a moment a few milliseconds ahead and each
+waits for it (telling them in turn over pipes would start the last ~0.1 ms after the first,
+a tenth of what a GiB takes on one H100). Their rate counts from the first process's first
+request to the last one's end, on the host's monotonic clock, which ``time.perf_counter``
+reads in every process.
 
 In one process the peers' host work (planning, launching, polling) runs one request after
 another; in processes it runs side by side, and what is shared is the prefill and the device.
@@ -27,6 +32,7 @@ from .bench import _range
 
 START_TIMEOUT = 300.0  # a decode process: import, NIXL agent, cache, handshake, warm-up
 ROUND_TIMEOUT = 120.0
+START_AHEAD = 0.005  # seconds between naming the processes' start and the start
 
 
 def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dict:
@@ -55,7 +61,7 @@ def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dic
         workers = DecodeProcesses(layout, port, decode_options, cfg, engine,
                                   [requests[p::n_peers] for p in range(n_peers)])
         nbytes = per_request * n_requests * layout.block_bytes
-        agg, batched, one, procs = [], [], [], []
+        agg, batched, one, procs, procs_batched = [], [], [], [], []
         for _ in range(cfg.iters):
             t = time.perf_counter()
             handles = [peers[i % n_peers].start_pull(r, timeout=120)
@@ -70,8 +76,9 @@ def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dic
                 h.wait()
             batched.append(nbytes / (time.perf_counter() - t) / 1e9)
             one.append(peers[0].pull(blocks, timeout=120).gbps)
-            procs.append(nbytes / workers.round() / 1e9)
-        a, b, o, s = (statistics.median(v) for v in (agg, batched, one, procs))
+            procs.append(nbytes / workers.round(batched=False) / 1e9)
+            procs_batched.append(nbytes / workers.round(batched=True) / 1e9)
+        a, b, o, s, sb = (statistics.median(v) for v in (agg, batched, one, procs, procs_batched))
         return {"layout": layout.kind, "engine": peers[0].engine, "decode_peers": n_peers,
                 "requests_in_flight": n_requests, "blocks_per_request": per_request,
                 "bytes_total": nbytes,
@@ -79,9 +86,12 @@ def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dic
                 "ratio": round(a / o, 3), "batched_gbps": round(b, 3),
                 "ratio_batched": round(b / o, 3),
                 "processes_gbps": round(s, 3), "ratio_processes": round(s / o, 3),
+                "processes_batched_gbps": round(sb, 3),
+                "ratio_processes_batched": round(sb / o, 3),
                 "processes_engines": workers.engines,
                 "spread": {"aggregate": _range(agg), "batched": _range(batched),
-                           "one": _range(one), "processes": _range(procs)}}
+                           "one": _range(one), "processes": _range(procs),
+                           "processes_batched": _range(procs_batched)}}
     finally:
         if workers is not None:
             workers.close()
@@ -93,8 +103,8 @@ def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dic
 
 class DecodeProcesses:
     """One spawned decode process per share of the requests, each with its own cache, client
-    and connection to the prefill at ``port``; ``round()`` starts them all and returns the
-    seconds from the first request started to the last one finished."""
+    and connection to the prefill at ``port``; ``round()`` starts them all at one moment and
+    returns the seconds from the first request started to the last one finished."""
 
     def __init__(self, layout, port, options, cfg, engine, shares):
         ctx = mp.get_context("spawn")
@@ -127,9 +137,10 @@ class DecodeProcesses:
             raise RuntimeError(f"decode process {i}: {msg['error']}")
         return msg
 
-    def round(self) -> float:
+    def round(self, batched: bool) -> float:
+        at = time.perf_counter() + START_AHEAD
         for pipe in self.pipes:
-            pipe.send("go")
+            pipe.send(("go", at, batched))
         spans = [self._recv(i, ROUND_TIMEOUT) for i in range(len(self.pipes))]
         return max(end for _, end in spans) - min(start for start, _ in spans)
 
@@ -151,8 +162,9 @@ class DecodeProcesses:
 def decode_worker(pipe, layout_spec: dict, port: int, options: dict, engine: str,
                   ucx_threads: int, host_streams, requests: list) -> None:
     """A decode process of ``run_inflight``: connects, pulls its first request once (warm-up),
-    says ready, then per "go" keeps all its requests in flight and answers with its
-    (first start, last end) on the monotonic clock; "stop" ends it."""
+    says ready, then per ``("go", at, batched)`` waits for the moment ``at``, keeps all its
+    requests in flight (started one at a time, or as one batch) and answers with its (first
+    start, last end) on the monotonic clock; anything else ("stop") ends it."""
     client = cache = None
     try:
         from .roles import _log_from_env, allocate_cache, prepare_process
@@ -171,9 +183,13 @@ def decode_worker(pipe, layout_spec: dict, port: int, options: dict, engine: str
         peer = client.connect("127.0.0.1", port)
         peer.pull(requests[0], timeout=120)
         pipe.send({"ok": True, "engine": peer.engine})
-        while pipe.recv() == "go":
+        batch = [(r, None, None) for r in requests]
+        while isinstance(order := pipe.recv(), tuple) and order[0] == "go":
+            _, at, batched = order
+            _until(at)
             start = time.perf_counter()
-            handles = [peer.start_pull(r, timeout=120) for r in requests]
+            handles = (peer.start_pulls(batch, timeout=120) if batched else
+                       [peer.start_pull(r, timeout=120) for r in requests])
             for h in handles:
                 h.wait()
             pipe.send((start, time.perf_counter()))
@@ -189,3 +205,13 @@ def decode_worker(pipe, layout_spec: dict, port: int, options: dict, engine: str
             client.close()
         if cache is not None:
             cache.close()
+
+
+def _until(moment: float) -> None:
+    """Return at ``moment`` on the monotonic clock: asleep until the last half millisecond
+    (the scheduler's wake-up is late by tens of µs), then reading the clock."""
+    ahead = moment - time.perf_counter()
+    if ahead > 0.0005:
+        time.sleep(ahead - 0.0005)
+    while time.perf_counter() < moment:
+        pass
