@@ -40,7 +40,7 @@ from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
 from .memory import KVCache
-from .plan import Planner, TransferPlan, make_plan
+from .plan import Planner, TransferPlan, make_plan, spans_ids as _spans_ids
 from .registration import Registration, Scratch
 from .releases import ReleaseSender
 from .samenode import (ENGINES, Batch, SameNodeUnavailable, SharedJob, host_copy_streams,
@@ -302,8 +302,7 @@ class PrefillPeer:
                     raise KVRuntimeError("it had already failed here")
                 if self._engine is None:
                     raise KVRuntimeError("no same-node engine serves this peer here")
-                src = frames.ids_field(message, "src")
-                plan = self._planner_now().plan(src, handle.plan.block_ids()[0])
+                plan = self._pushed_plan(handle.plan, message)
                 posted = message.get("posted")
                 if isinstance(posted, (int, float)) and not isinstance(posted, bool):
                     # its start on our clock: one host's wall clock, read on both sides
@@ -323,6 +322,23 @@ class PrefillPeer:
             self._flush_releases()  # lock: a send that fails fails the peer's handles
         if not gave_up:
             self._settled(handle)  # the prefill has nothing more to say of it
+
+    def _pushed_plan(self, named: TransferPlan, message: dict) -> TransferPlan:
+        """The plan of a ready's source blocks (its ``src`` ids, or ``src_spans``) into the
+        ones we ``named``, checked against both caches as a pull's. Spans are bounded before
+        any id is made from them: as many blocks as we named, each span at least one. One
+        span into one run of ours is planned from the three numbers alone."""
+        planner = self._planner_now()
+        if "src" in message:
+            return planner.plan(frames.ids_field(message, "src"), named.block_ids()[0])
+        starts, counts = frames.spans_field(message, "src_spans")
+        n = named.num_blocks
+        if not len(counts) or counts.min() < 1 or counts.max() > n or counts.sum() != n:
+            raise KVRuntimeError(f"its spans name {int(counts.sum()) if len(counts) else 0} "
+                                 f"blocks (each at least one), we named {named.num_blocks}")
+        if len(counts) == 1 and named.num_runs == 1:
+            return planner.plan_runs(starts, named.run_dst, counts)
+        return planner.plan(_spans_ids(starts, counts), named.block_ids()[0])
 
     def _on_notif(self, raw) -> str | None:
         """A NIXL notification from this peer's agent: a push of its own that has landed.

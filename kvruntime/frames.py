@@ -38,7 +38,9 @@ HEADER = struct.Struct(">4sI")
 #    prefill sends the request's source ids when ready (a "ready" frame), the decode copies
 #    them itself and releases them as a pull's. Block ids and runs travel packed, after the
 #    JSON (Packed), not as base64 text inside it.
-PROTOCOL_VERSION = 8
+# 9: a ready names its source blocks as spans (first id, count) where those are fewer than
+#    its ids (src_spans).
+PROTOCOL_VERSION = 9
 MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -230,6 +232,20 @@ def runs_field(message: dict, name: str) -> tuple[np.ndarray, np.ndarray, np.nda
     raw = _packed(message, name, 3 * ID.itemsize, f"runs of three {ID.itemsize}-byte integers")
     src, dst, count = np.frombuffer(raw, dtype=ID).astype(np.int64).reshape(3, -1)
     return src, dst, count
+
+
+def pack_spans(starts, counts) -> Packed:
+    """Block ids as spans (first id, count: equal-length integer arrays) for a frame: the two
+    little-endian int64 arrays one after the other, packed."""
+    return Packed(np.ascontiguousarray(np.stack((starts, counts)), dtype=ID).tobytes())
+
+
+def spans_field(message: dict, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """A frame's packed spans as two int64 arrays (values unchecked: the reader bounds them),
+    or FrameError naming what is wrong."""
+    raw = _packed(message, name, 2 * ID.itemsize, f"spans of two {ID.itemsize}-byte integers")
+    starts, counts = np.frombuffer(raw, dtype=ID).astype(np.int64).reshape(2, -1)
+    return starts, counts
 
 
 def _packed(message: dict, name: str, unit: int, what: str) -> bytes:

@@ -112,6 +112,16 @@ def _run_arrays(ids: np.ndarray, cuts: np.ndarray | None = None
     return run[0], run[1], bounds[1:] - firsts
 
 
+def spans_ids(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The ids of spans (first id, count: int64 arrays; counts at least one, and bounded by
+    the caller) as int64, in order."""
+    before = np.cumsum(counts)
+    before -= counts
+    out = np.repeat(starts - before, counts)
+    out += np.arange(len(out))
+    return out
+
+
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The concatenation of ``range(start, start + count)`` for every pair, as int32."""
     total = int(counts.sum())

@@ -175,6 +175,7 @@ class PrefillServer:
     ):
         kv_buffer = resolve_kv_buffer(kv_buffer, device_kind, offered_transports)
         self.cache = cache
+        self._own = Planner(cache.layout)  # our ids alone (pushes' sources), made once
         self.kv_buffer = kv_buffer
         self.staging: StagingPool | None = None
         self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
@@ -500,13 +501,13 @@ class PrefillServer:
                 if request in self._offers:
                     raise KVRuntimeError(f"request {request!r} is already waiting for its "
                                          f"decode")
-                src = make_plan(self.cache.layout, src_blocks).block_ids()[0]  # checked now
+                src = self._own.plan(src_blocks).block_ids()[0]  # checked now
                 self._offers[request] = _Offer(peer, src, time.monotonic() + timeout, posted)
                 self._work.set()  # the progress loop expires it
                 return
             dst_peer, expected = target
             # our ids' range and duplicates, and as many as the decode named
-            plan = dst_peer.planner(self.cache.layout).plan(src_blocks, expected.dst)
+            plan = self._push_plan(dst_peer, src_blocks, expected)
             dst_peer._unnamed(request)
         deadline = min(expected.deadline, time.monotonic() + timeout)
         try:
@@ -536,14 +537,32 @@ class PrefillServer:
                                  f"({', '.join(p.agent for p in named[:3])}...): pass peer=")
         return (named[0], named[0].expected[request]) if named else None
 
+    def _push_plan(self, peer: _Peer, src_blocks, expected: "_Expected"):
+        """Our ``src_blocks`` for the blocks a decode named: the plan of a WRITE into them, or,
+        to a decode that copies them itself (and checks both sides again), our ids alone,
+        checked against our cache and counted against its (the pair's plan took 65-119 µs of
+        a 4096-block push's 160-230 on an H100 host, its destinations read the general way)."""
+        if not expected.copies:
+            return peer.planner(self.cache.layout).plan(src_blocks, expected.dst)
+        plan = self._own.plan(src_blocks)
+        if plan.num_blocks != len(expected.dst):
+            raise KVRuntimeError(f"{plan.num_blocks} source blocks but the decode named "
+                                 f"{len(expected.dst)}")
+        return plan
+
     def _push_now(self, peer: _Peer, request: str, plan, deadline: float, posted: float,
                   copies: bool) -> None:
         """Our blocks for ``request`` go to ``peer`` now: a same-node decode that asked to copy
-        them (``copies``) gets their ids and copies them itself, as a pull, releasing them once
-        done; any other gets a WRITE whose notification tells it they landed."""
+        them (``copies``) gets their ids, as spans (first id, count) where those are fewer,
+        and copies them itself, as a pull, releasing them once done; any other gets a WRITE
+        whose notification tells it they landed."""
         if copies:
-            peer.send({"type": "ready", "request": request, "posted": posted,
-                       "src": frames.pack_ids(plan.block_ids()[0])}, self.timeout)
+            message = {"type": "ready", "request": request, "posted": posted}
+            if 2 * plan.num_runs < plan.num_blocks:
+                message["src_spans"] = frames.pack_spans(plan.run_src, plan.run_count)
+            else:
+                message["src"] = frames.pack_ids(plan.block_ids()[0])
+            peer.send(message, self.timeout)
             return
         notif = frames.encode_notif({"type": "pushed", "request": request, "posted": posted,
                                      "descriptors": plan.descriptor_count})
@@ -592,7 +611,7 @@ class PrefillServer:
             if len(taken.src) != len(dst):
                 raise KVRuntimeError(f"{len(dst)} blocks named, but the prefill pushes "
                                      f"{len(taken.src)}")
-            plan = peer.planner(self.cache.layout).plan(taken.src, dst)
+            plan = self._push_plan(peer, taken.src, _Expected(dst, deadline, copies))
             self._push_now(peer, request, plan, min(deadline, taken.deadline), taken.posted,
                            copies)
         except KVRuntimeError as exc:

@@ -349,11 +349,23 @@ def test_a_ready_the_decode_cannot_copy_fails_its_request_alone(samenode_pair, c
     good = peer.expect_push([42], request_id="good", timeout=20)
     _wait_expected(server, "good")
 
-    def ready(request, ids):
-        return frames.decode_frame(frames.encode_frame(
-            {"type": "ready", "request": request, "posted": time.time(),
-             "src": frames.pack_ids(ids)}))
+    def ready(request, ids=None, spans=None):
+        message = {"type": "ready", "request": request, "posted": time.time()}
+        if spans is None:
+            message["src"] = frames.pack_ids(ids)
+        else:
+            message["src_spans"] = frames.pack_spans(*spans)
+        return frames.decode_frame(frames.encode_frame(message))
 
+    # as spans: three blocks for two; and counts whose int64 sum wraps to two (refused
+    # before any id is made of them)
+    for name, spans in (("spans3", ([1], [3])),
+                        ("wraps", ([0, 9, 20, 30], [2**62, 2**62, 2**62, 2**62 + 2]))):
+        h = peer.expect_push([50, 51], request_id=name, timeout=20)
+        peer._dispatch(ready(name, spans=spans))
+        with pytest.raises(TransferError, match="its spans name"):
+            h.wait(5)
+        assert server.wait_released(name, 5, peer=client.agent.name)
     peer._dispatch(ready("bad", [1, 2, 3]))  # three ids for two blocks
     with caplog.at_level(logging.WARNING, logger="kvruntime"):
         peer._dispatch(ready("nobody", [1]))

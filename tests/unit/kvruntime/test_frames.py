@@ -103,6 +103,29 @@ def test_malformed_runs_are_frame_errors(ref, tail, msg):
         frames.runs_field(_packed_frame("runs", ref, tail), "runs")
 
 
+def test_spans_travel_packed_and_come_back_exact():
+    import numpy as np
+
+    from kvruntime.plan import spans_ids
+
+    starts, counts = np.array([7, 0, 2**40]), np.array([3, 1, 2])
+    out = frames.decode_frame(frames.encode_frame({"type": "ready",
+                                                   "src_spans": frames.pack_spans(starts, counts)}))
+    got = frames.spans_field(out, "src_spans")
+    assert [a.tolist() for a in got] == [starts.tolist(), counts.tolist()]
+    assert spans_ids(*got).tolist() == [7, 8, 9, 0, 2**40, 2**40 + 1]
+    assert spans_ids(*got).dtype == np.int64
+
+
+@pytest.mark.parametrize("ref,tail,msg", [
+    ([0, 24], b"\1" * 24, "not whole spans of two 8-byte integers"),
+    ([0, 32], b"\1" * 16, "names bytes 0..32 of a frame that packs 16"),
+])
+def test_malformed_spans_are_frame_errors(ref, tail, msg):
+    with pytest.raises(FrameError, match=msg):
+        frames.spans_field(_packed_frame("src_spans", ref, tail), "src_spans")
+
+
 def test_wrong_version_is_named():
     with pytest.raises(ProtocolVersionError, match="version 99"):
         frames.decode_frame(_raw(json.dumps({"v": 99, "type": "hello"}).encode()))
