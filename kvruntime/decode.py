@@ -333,11 +333,12 @@ class PrefillPeer:
             return planner.plan(frames.ids_field(message, "src"), named.block_ids()[0])
         starts, counts = frames.spans_field(message, "src_spans")
         n = named.num_blocks
-        if not len(counts) or counts.min() < 1 or counts.max() > n or counts.sum() != n:
+        if len(counts) == 1 and counts[0] == n:  # one span, bounded by this one comparison
+            if named.num_runs == 1:
+                return planner.plan_runs(starts, named.run_dst, counts)
+        elif not len(counts) or counts.min() < 1 or counts.max() > n or counts.sum() != n:
             raise KVRuntimeError(f"its spans name {int(counts.sum()) if len(counts) else 0} "
-                                 f"blocks (each at least one), we named {named.num_blocks}")
-        if len(counts) == 1 and named.num_runs == 1:
-            return planner.plan_runs(starts, named.run_dst, counts)
+                                 f"blocks (each at least one), we named {n}")
         return planner.plan(_spans_ids(starts, counts), named.block_ids()[0])
 
     def _on_notif(self, raw) -> str | None:

@@ -302,6 +302,14 @@ def test_a_plan_from_its_runs_is_the_plan_from_its_ids(req):
     got = planner.plan_runs(want.run_src, want.run_dst, want.run_count)
     assert [a.tolist() for a in got.block_ids()] == [a.tolist() for a in want.block_ids()]
     assert got.runs == want.runs
+    # one run comes back as a OneRun, its arrays made when read: every view of it agrees
+    assert [a.tolist() for a in (got.run_src, got.run_dst, got.run_count)] == \
+        [a.tolist() for a in (want.run_src, want.run_dst, want.run_count)]
+    assert (got.num_blocks, got.num_runs, got.nbytes, got.descriptors()) == \
+        (want.num_blocks, want.num_runs, want.nbytes, want.descriptors())
+    for split in (1, 3):
+        assert [a.tolist() for a in got.nixl_indices(split)] == \
+            [a.tolist() for a in want.nixl_indices(split)]
 
 
 def test_runs_split_where_both_sides_go_on_are_one_run():
