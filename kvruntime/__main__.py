@@ -150,7 +150,9 @@ def _bench(args, out) -> int:
                 f"({r['ratio_batched']:.2f} batched); each peer a process of its own "
                 f"{r['processes_gbps']:.2f} GB/s: ratio {r['ratio_processes']:.2f} "
                 f"({r['processes_batched_gbps']:.2f} batched: ratio "
-                f"{r['ratio_processes_batched']:.2f})")
+                f"{r['ratio_processes_batched']:.2f}; the processes' own copies of the same "
+                f"bytes {r['processes_copy_gbps']:.2f} GB/s: batched "
+                f"{r['ratio_processes_batched_to_copy']:.2f} of them)")
         for c in report.get("staging_copies", []):
             say(f"staging ({c['layout']}, {c['blocks']} random blocks): gather "
                 f"{c['gather_gbps']:.1f} GB/s vs pinned D2H {c['d2h_pinned_gbps']:.1f} "

@@ -10,7 +10,12 @@ peer, in the same iteration:
   step's worth);
 - ``processes``: each peer is a decode process of its own, as deployments run them (a decode
   instance or TP rank is a process), each starting its requests one at a time;
-- ``processes_batched``: the same processes, each starting its share as one batch.
+- ``processes_batched``: the same processes, each starting its share as one batch;
+- ``processes_copy``: what bounds them: each process copies its share's bytes at the same
+  moment with the bench's reference copy (a device copy on the decode's device, or a peer
+  copy from the prefill's; memmove on the host), no kvruntime in it. On one H100, without
+  MPS, four processes' copies of 256 MiB each end ~0.70 of one copy of the GiB: the GPU runs
+  one CUDA context at a time.
 
 The processes start together: the bench names a moment a few milliseconds ahead and each
 waits for it (telling them in turn over pipes would start the last ~0.1 ms after the first,
@@ -28,7 +33,7 @@ import multiprocessing as mp
 import statistics
 import time
 
-from .bench import _range
+from .bench import DeviceReference, HostReference, _range
 
 START_TIMEOUT = 300.0  # a decode process: import, NIXL agent, cache, handshake, warm-up
 ROUND_TIMEOUT = 120.0
@@ -59,9 +64,10 @@ def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dic
         for r in requests[:n_peers]:  # warm-up, every peer
             peers[requests.index(r) % n_peers].pull(r, timeout=120)
         workers = DecodeProcesses(layout, port, decode_options, cfg, engine,
-                                  [requests[p::n_peers] for p in range(n_peers)])
+                                  [requests[p::n_peers] for p in range(n_peers)],
+                                  per_request * layout.block_bytes)
         nbytes = per_request * n_requests * layout.block_bytes
-        agg, batched, one, procs, procs_batched = [], [], [], [], []
+        agg, batched, one, procs, procs_batched, copies = [], [], [], [], [], []
         for _ in range(cfg.iters):
             t = time.perf_counter()
             handles = [peers[i % n_peers].start_pull(r, timeout=120)
@@ -76,9 +82,11 @@ def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dic
                 h.wait()
             batched.append(nbytes / (time.perf_counter() - t) / 1e9)
             one.append(peers[0].pull(blocks, timeout=120).gbps)
-            procs.append(nbytes / workers.round(batched=False) / 1e9)
-            procs_batched.append(nbytes / workers.round(batched=True) / 1e9)
-        a, b, o, s, sb = (statistics.median(v) for v in (agg, batched, one, procs, procs_batched))
+            procs.append(nbytes / workers.round("one") / 1e9)
+            procs_batched.append(nbytes / workers.round("batch") / 1e9)
+            copies.append(nbytes / workers.round("copy") / 1e9)
+        a, b, o, s, sb, c = (statistics.median(v)
+                             for v in (agg, batched, one, procs, procs_batched, copies))
         return {"layout": layout.kind, "engine": peers[0].engine, "decode_peers": n_peers,
                 "requests_in_flight": n_requests, "blocks_per_request": per_request,
                 "bytes_total": nbytes,
@@ -88,10 +96,13 @@ def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dic
                 "processes_gbps": round(s, 3), "ratio_processes": round(s / o, 3),
                 "processes_batched_gbps": round(sb, 3),
                 "ratio_processes_batched": round(sb / o, 3),
+                "processes_copy_gbps": round(c, 3), "processes_copy": workers.reference,
+                "ratio_processes_batched_to_copy": round(sb / c, 3),
                 "processes_engines": workers.engines,
                 "spread": {"aggregate": _range(agg), "batched": _range(batched),
                            "one": _range(one), "processes": _range(procs),
-                           "processes_batched": _range(procs_batched)}}
+                           "processes_batched": _range(procs_batched),
+                           "processes_copy": _range(copies)}}
     finally:
         if workers is not None:
             workers.close()
@@ -106,7 +117,7 @@ class DecodeProcesses:
     and connection to the prefill at ``port``; ``round()`` starts them all at one moment and
     returns the seconds from the first request started to the last one finished."""
 
-    def __init__(self, layout, port, options, cfg, engine, shares):
+    def __init__(self, layout, port, options, cfg, engine, shares, request_bytes: int):
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
         try:
@@ -114,7 +125,9 @@ class DecodeProcesses:
                 ours, theirs = ctx.Pipe()
                 proc = ctx.Process(target=decode_worker, name=f"decode{i}", daemon=True,
                                    args=(theirs, layout.to_dict(), port, options, engine,
-                                         cfg.ucx_threads, cfg.host_streams, share))
+                                         cfg.ucx_threads, cfg.host_streams, share,
+                                         (cfg.device, cfg.device_ids, cfg.huge_pages,
+                                          len(share) * request_bytes)))
                 proc.start()
                 theirs.close()
                 self.pipes.append(ours)
@@ -124,6 +137,7 @@ class DecodeProcesses:
             self.close()
             raise
         self.engines = sorted({r["engine"] for r in ready})
+        self.reference = ready[0]["reference"]
 
     def _recv(self, i: int, timeout: float):
         pipe = self.pipes[i]
@@ -137,10 +151,12 @@ class DecodeProcesses:
             raise RuntimeError(f"decode process {i}: {msg['error']}")
         return msg
 
-    def round(self, batched: bool) -> float:
+    def round(self, how: str) -> float:
+        """``how``: "one" (requests started one at a time), "batch" (one start_pulls), or
+        "copy" (the reference copy of the process's share of bytes)."""
         at = time.perf_counter() + START_AHEAD
         for pipe in self.pipes:
-            pipe.send(("go", at, batched))
+            pipe.send(("go", at, how))
         spans = [self._recv(i, ROUND_TIMEOUT) for i in range(len(self.pipes))]
         return max(end for _, end in spans) - min(start for start, _ in spans)
 
@@ -160,12 +176,14 @@ class DecodeProcesses:
 
 
 def decode_worker(pipe, layout_spec: dict, port: int, options: dict, engine: str,
-                  ucx_threads: int, host_streams, requests: list) -> None:
+                  ucx_threads: int, host_streams, requests: list, reference) -> None:
     """A decode process of ``run_inflight``: connects, pulls its first request once (warm-up),
-    says ready, then per ``("go", at, batched)`` waits for the moment ``at``, keeps all its
-    requests in flight (started one at a time, or as one batch) and answers with its (first
-    start, last end) on the monotonic clock; anything else ("stop") ends it."""
-    client = cache = None
+    makes its reference copy (``reference``: the bench's device, device ids, page setting,
+    and the bytes of its share) and says ready; then per ``("go", at, how)`` waits for the
+    moment ``at``, keeps all its requests in flight (started one at a time, or as one batch)
+    or copies its share's bytes, and answers with its (first start, last end) on the monotonic
+    clock; anything else ("stop") ends it."""
+    client = cache = copier = None
     try:
         from .roles import _log_from_env, allocate_cache, prepare_process
 
@@ -182,16 +200,23 @@ def decode_worker(pipe, layout_spec: dict, port: int, options: dict, engine: str
                               engine=engine)
         peer = client.connect("127.0.0.1", port)
         peer.pull(requests[0], timeout=120)
-        pipe.send({"ok": True, "engine": peer.engine})
+        device, device_ids, huge, nbytes = reference
+        copier = (HostReference(nbytes, huge) if device == "cpu" else
+                  DeviceReference(nbytes, device, device_ids))
+        copier.gbps(nbytes)  # warm-up
+        pipe.send({"ok": True, "engine": peer.engine, "reference": copier.label})
         batch = [(r, None, None) for r in requests]
         while isinstance(order := pipe.recv(), tuple) and order[0] == "go":
-            _, at, batched = order
+            _, at, how = order
             _until(at)
             start = time.perf_counter()
-            handles = (peer.start_pulls(batch, timeout=120) if batched else
-                       [peer.start_pull(r, timeout=120) for r in requests])
-            for h in handles:
-                h.wait()
+            if how == "copy":
+                copier.gbps(nbytes)
+            else:
+                handles = (peer.start_pulls(batch, timeout=120) if how == "batch" else
+                           [peer.start_pull(r, timeout=120) for r in requests])
+                for h in handles:
+                    h.wait()
             pipe.send((start, time.perf_counter()))
     except EOFError:  # the bench went away
         pass
@@ -201,6 +226,8 @@ def decode_worker(pipe, layout_spec: dict, port: int, options: dict, engine: str
         except OSError:
             pass
     finally:
+        if copier is not None:
+            copier.close()
         if client is not None:
             client.close()
         if cache is not None:

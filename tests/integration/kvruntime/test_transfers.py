@@ -207,7 +207,8 @@ def test_bench_reports_medians_spread_and_ucx_settings():
     assert inflight["batched_gbps"] > 0
     # the same requests from decode processes of their own, on the same engine
     assert inflight["processes_gbps"] > 0 and inflight["processes_engines"] == [inflight["engine"]]
-    for kind in ("processes", "processes_batched"):
+    assert inflight["processes_copy"] == "host memmove, same run"
+    for kind in ("processes", "processes_batched", "processes_copy"):
         lo, hi = inflight["spread"][kind]
         assert 0 < lo <= inflight[f"{kind}_gbps"] <= hi
     for row in report["results"]:
