@@ -24,6 +24,7 @@ id. NIXL calls take the agent lock for one call at a time, never for a transfer'
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import replace
 import logging
 import os
@@ -43,6 +44,7 @@ from .memory import KVCache
 from .plan import Planner, TransferPlan, make_plan, spans_ids as _spans_ids
 from .registration import Registration, Scratch
 from .releases import ReleaseSender
+from .mailbox import MailboxReader
 from .samenode import (ENGINES, Batch, SameNodeUnavailable, SharedJob, host_copy_streams,
                        open_engine)
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
@@ -53,6 +55,7 @@ from .transfer import PostedTransfer, Rows, TransferResult
 log = logging.getLogger("kvruntime")
 _request_ids = itertools.count()
 RELEASE_FRAME_IDS = 1024  # request ids a release frame names at most (frames stay small)
+MAX_FROM_RING = 65536  # readies taken from a prefill's ring whose frames have not come yet
 # How long a prefill may leave a cancel unanswered before its peer is treated as unusable.
 SETTLE_SECONDS = 5.0
 
@@ -81,6 +84,10 @@ class PrefillPeer:
         self._releases_lock = threading.Lock()
         self._flush_lock = threading.Lock()
         self._engine = None  # a same-node engine (samenode.py) when one serves this peer
+        # the prefill's ring of readies, read from its memory as we poll (mailbox.py), and the
+        # requests whose ready came that way (their frame, which follows, is dropped)
+        self._ring: MailboxReader | None = None
+        self._from_ring: OrderedDict[str, None] = OrderedDict()
         # host-staged and on this host: the engine that copies its pool's runs into ours
         self._pool_engine = None
         self._planner: Planner | None = None  # made at the first request (plan.py)
@@ -123,6 +130,7 @@ class PrefillPeer:
             else:
                 self._engine = engine
                 self.engine_reason = proved
+                self._ring = MailboxReader.from_offer(offer.get("pid"), offer)
         except KVRuntimeError as exc:
             if required:
                 raise SameNodeUnavailable(f"{self.name}: same-node engine unavailable: {exc}"
@@ -524,6 +532,8 @@ class PrefillPeer:
         if self.closed or not self._recv_lock.acquire(blocking=False):
             return
         try:
+            if self._ring is not None and self._pending:  # pushes the prefill may have readied
+                self._read_ring()
             while not self.closed and select.select([self.sock], [], [], 0)[0]:
                 try:
                     message = frames.read_frame(self.sock, self.client.timeout)
@@ -536,8 +546,38 @@ class PrefillPeer:
         finally:
             self._recv_lock.release()
 
+    def _read_ring(self) -> None:
+        """Take the readies the prefill wrote into its ring since the last read (under the
+        receive lock). A ring that cannot be read or trusted is given up: the frames carry
+        every ready too."""
+        try:
+            messages = self._ring.read()
+        except (KVRuntimeError, OSError) as exc:
+            log.warning("%s: its ring of readies is given up (%s); they come by frame", self.name,
+                        exc)
+            self._ring = None
+            return
+        for message in messages:
+            request = message.get("request")
+            if message.get("type") != "ready" or not isinstance(request, str):
+                log.warning("%s: its ring holds a %r record; given up, readies come by frame",
+                            self.name, message.get("type"))
+                self._ring = None
+                return
+            self._from_ring[request] = None
+            while len(self._from_ring) > MAX_FROM_RING:
+                self._from_ring.popitem(last=False)
+            self._dispatch(message)
+
     def _dispatch(self, message: dict) -> None:
         kind, request = message.get("type"), message.get("request")
+        if kind == "ready" and message.get("ring") is True:
+            # its record was written first: taken from the ring already, or now
+            if self._ring is not None and request not in self._from_ring:
+                self._read_ring()
+            if request in self._from_ring:
+                del self._from_ring[request]
+                return
         if kind == "error" and not isinstance(request, str):
             self._lose(f"prefill closed the connection: {message.get('message')}")
             return

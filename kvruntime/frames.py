@@ -40,7 +40,9 @@ HEADER = struct.Struct(">4sI")
 #    JSON (Packed), not as base64 text inside it.
 # 9: a ready names its source blocks as spans (first id, count) where those are fewer than
 #    its ids (src_spans).
-PROTOCOL_VERSION = 9
+# 10: a same-node prefill also writes each ready into a ring in its memory that the decode reads
+#     as it polls (mailbox.py: the offer's "mailbox"); the ready's frame says so ("ring").
+PROTOCOL_VERSION = 10
 MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -79,6 +81,12 @@ def _payload(message: dict) -> bytes:
         tail.append(message[name])
         at += len(message[name])
     return b"".join((_json(doc), TAIL, *tail))
+
+
+def encode_payload(message: dict) -> bytes:
+    """A message as a frame's payload, without the header (a same-node ring's record:
+    mailbox.py); ``parse_payload`` reads it back."""
+    return _payload(message)
 
 
 def encode_frame(message: dict, max_size: int = DEFAULT_MAX_FRAME) -> bytes:

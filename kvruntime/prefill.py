@@ -40,6 +40,7 @@ from .memory import KVCache
 from .naps import tighten_timer_slack
 from .plan import Planner, make_plan
 from .registration import Registration
+from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
@@ -62,6 +63,7 @@ class _Peer:
     head_slice: HeadSlice | None = None  # mixed TP, direct: our heads -> its heads (tp.py)
     lanes_checked: bool = False  # UCX's lanes for its device memory looked at (ucxlog.py)
     opened: bool = False  # it asked for our same-node offer: it may copy our pushes itself
+    mailbox: Mailbox | None = None  # what it reads of our readies before their frames
     # request -> where its blocks go, for the pushes we start (start_push); at most MAX_EXPECTED
     # requests and, together, as many blocks as its cache has (held by _named/_unnamed)
     expected: dict = field(default_factory=dict)
@@ -388,6 +390,9 @@ class PrefillServer:
             # host-staged: what a same-node decode may read is our staging pool
             offer = serve_offer(self.staging.cache if self.staging else self.cache, self._token)
             peer.opened = "unavailable" not in offer
+            if peer.opened and self.staging is None:  # ours to push from: readies by ring too
+                peer.mailbox = peer.mailbox or Mailbox()
+                offer.update(peer.mailbox.offer())
             peer.send({**offer, "request": message.get("request")}, self.timeout)
         elif kind == "stage":
             self._stage(peer, message)
@@ -562,6 +567,8 @@ class PrefillServer:
                 message["src_spans"] = frames.pack_spans(plan.run_src, plan.run_count)
             else:
                 message["src"] = frames.pack_ids(plan.block_ids()[0])
+            if peer.mailbox is not None:  # it may read it there before the frame comes
+                message["ring"] = peer.mailbox.post(frames.encode_payload(message))
             peer.send(message, self.timeout)
             return
         notif = frames.encode_notif({"type": "pushed", "request": request, "posted": posted,

@@ -377,3 +377,54 @@ def test_a_ready_the_decode_cannot_copy_fails_its_request_alone(samenode_pair, c
     server.start_push("good", [5])
     good.wait(10)
     assert dst.block_digest(42) == src.block_digest(5)
+
+
+def test_a_same_node_decode_takes_readies_from_the_prefills_ring(samenode_pair, caplog):
+    """A same-node decode reads the prefill's readies out of its memory (mailbox.py) and drops
+    their frames, which follow; a ring it fell behind on is given up and the frames carry on.
+    Here the ring is lapped on purpose: records for nobody written into it while the decode
+    does not poll."""
+    server, client, peer, src, dst = samenode_pair
+    assert peer._ring is not None
+    with caplog.at_level(logging.WARNING, logger="kvruntime"):
+        for i, (s, d) in enumerate([([1, 2, 3], [60, 61, 62]), ([9, 4], [63, 64])]):
+            handle = peer.expect_push(d, request_id=f"ring{i}", timeout=20)
+            _wait_expected(server, f"ring{i}")
+            server.start_push(f"ring{i}", s)
+            handle.wait(10)
+            assert dst.block_digests(d) == src.block_digests(s)
+        assert peer._ring is not None and peer._ring.tail > 0  # they came by the ring
+        assert not peer._from_ring  # and each frame after it was dropped, unseen
+        assert not caplog.records  # nothing unexpected: no ready handled twice
+        box = next(iter(server._peers.values())).mailbox
+        junk = frames.encode_payload({"type": "ready", "request": "nobody", "posted": 0.0,
+                                      "src": frames.pack_ids([0])})
+        for _ in range(box.size // len(junk) + 2):
+            box.post(junk)
+        handle = peer.expect_push([70], request_id="after", timeout=20)
+        _wait_expected(server, "after")
+        server.start_push("after", [5])
+        handle.wait(10)
+    assert dst.block_digest(70) == src.block_digest(5)
+    assert peer._ring is None
+    assert "its ring of readies is given up" in caplog.text
+
+
+def test_a_ready_whose_frame_comes_before_the_ring_is_read_is_copied_once(samenode_pair, caplog):
+    """The frame of a ready written to the ring can reach the decode before its poll reads the
+    ring: the frame says so ("ring"), the decode reads the ring then and there, copies the
+    request once, and the record's frame is not handled again. Written here as the prefill
+    writes them (its real ring, then the frame's message)."""
+    server, client, peer, src, dst = samenode_pair
+    handle = peer.expect_push([80, 81], request_id="early", timeout=20)
+    _wait_expected(server, "early")
+    box = next(iter(server._peers.values())).mailbox
+    message = {"type": "ready", "request": "early", "posted": time.time(),
+               "src": frames.pack_ids([6, 7])}
+    assert box.post(frames.encode_payload(message))
+    with caplog.at_level(logging.WARNING, logger="kvruntime"):
+        with peer._recv_lock:  # as _pump holds it
+            peer._dispatch(frames.decode_frame(frames.encode_frame({**message, "ring": True})))
+        handle.wait(10)
+    assert dst.block_digests([80, 81]) == src.block_digests([6, 7])
+    assert not peer._from_ring and not caplog.records
