@@ -202,6 +202,7 @@ class TransferHandle:
             self._fail(TransferError(
                 f"{xfer.engine if not nixl else 'NIXL READ'} of {self.nbytes} bytes for "
                 f"request {self.request_id} failed: {why}"))
+            self._give_back(xfer, nixl)
         elif time.monotonic() > self.deadline:
             aborted = xfer.abort()
             why = ("it was aborted" if aborted else
@@ -211,8 +212,19 @@ class TransferHandle:
                                        f"{self.request_id} missed its {self.timeout:.3f}s "
                                        f"deadline (peer dead or stalled); {why}"),
                        settled=aborted)
-            if not aborted and nixl:
+            if aborted:
+                self._give_back(xfer, nixl)
+            elif nixl:
                 self.peer._distrust(f"READ of request {self.request_id} could not be aborted")
+
+    def _give_back(self, xfer, nixl: bool) -> None:
+        """A failed copy that nothing reads any more (it ended, or was aborted): the prefill
+        may free its blocks now, not at its engine's own timeout. One that may still read
+        them (a READ that could not be aborted) never gets here."""
+        if nixl:
+            self.peer._release_later([self.request_id])
+        else:
+            xfer.give_back(self.peer, self.request_id)
 
     def _done_elsewhere(self) -> None:
         """Another handle saw the copy that also moves this request end well (a batch's

@@ -479,9 +479,10 @@ class PrefillServer:
         When the WRITE has ended, or the decode has copied them, or the push was dropped,
         ``get_released`` lists the request and our blocks may be reused (with agent ``""``
         for a push no decode ever named). A failed WRITE is the decode's to report (it gets a
-        ``push_failed`` frame); a same-node copy that fails once started is not released,
-        as a failed pull is not (it may still be reading them): the engine's own timeout
-        frees those. Raises
+        ``push_failed`` frame); a same-node copy that fails once started is released once
+        it reads nothing any more, as a failed pull is; one that may still be reading them
+        (a READ that could not be aborted) is not: the engine's own timeout frees those.
+        Raises
         ``KVRuntimeError`` for bad ids or a count other than the decode named (its request
         stays expected: push again), or a WRITE NIXL refuses (the decode is told); then
         nothing is released, the blocks are the caller's."""
@@ -871,7 +872,10 @@ class PrefillServer:
 
     def get_released(self) -> list[tuple[str, str]]:
         """Every (decode agent, request id) released since the last call: the blocks an
-        engine's step loop may free now (vLLM's ``get_finished`` "done sending" set)."""
+        engine's step loop may free now (vLLM's ``get_finished`` "done sending" set). A
+        decode releases a request once nothing of it reads them: when its copy is done, and
+        also when it failed but ended or was aborted (not when a READ it could not abort may
+        still be reading)."""
         with self._released_cv:
             out = list(self._released)
             self._released.clear()

@@ -237,6 +237,10 @@ class CopyJob:
         """The copy of ``request_id`` is done: tell the prefill it may free the blocks."""
         peer._release_later([request_id])
 
+    def give_back(self, peer, request_id: str) -> None:
+        """The copy of ``request_id`` failed and reads nothing any more: the same."""
+        peer._release_later([request_id])
+
     def abort(self) -> bool:
         """A local copy cannot be stopped; True once it has ended (then nothing writes)."""
         return self.poll() != "PROC"
@@ -364,6 +368,10 @@ class SharedJob:
 
     def release(self, peer, _request_id: str) -> None:
         self.batch.ended(peer)
+
+    def give_back(self, peer, request_id: str) -> None:
+        """The batch's gather failed: each request gives its own blocks back."""
+        peer._release_later([request_id])
 
     def abort(self) -> bool:
         return self.job.abort()

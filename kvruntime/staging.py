@@ -352,6 +352,9 @@ class StagedPull(CopyJob):
     def release(self, peer, request_id: str) -> None:
         """Nothing to say: the request's "unstage" frees the prefill's pool blocks."""
 
+    def give_back(self, peer, request_id: str) -> None:
+        """Nothing to say: a failed request's cleanup sends its "unstage" too."""
+
     def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float):
         super().__init__("READ", plan)
         self.peer = peer

@@ -335,3 +335,40 @@ def test_a_send_that_fails_closes_the_peer_without_hanging(pair):
     assert peer.closed
     with pytest.raises(PeerError, match="closed"):
         peer.start_pull([3], [4])
+
+
+def test_a_copy_the_kernel_refuses_fails_and_gives_the_blocks_back():
+    """Before: a pull that failed while the prefill lived never released its blocks; the
+    prefill's engine held them until its own timeout. Now a failed copy that reads nothing any
+    more releases them. The failure is the kernel's: a page of the prefill's cache (this
+    process's memory; prefill and decode in one process, real agents) is made unreadable, so
+    the same-node engine's process_vm_readv gets EFAULT. (Under NIXL, UCX takes that fault for
+    the peer's endpoint failing: the READ is refused as it is posted, and the agent must be
+    connected again.)"""
+    engine = "samenode"
+    import ctypes
+    import mmap
+
+    layout = small()
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(5)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    start = (src.regions[0].address + 5 * layout.chunk_bytes) // page * page
+    with PrefillServer(src) as server, DecodeClient(dst, engine=engine) as client:
+        peer = client.connect(*server.address)
+        peer.pull([0], [0], timeout=20)
+        assert libc.mprotect(start, page, 0) == 0, ctypes.get_errno()  # PROT_NONE
+        try:
+            handle = peer.start_pull([5], [9], request_id="denied", timeout=10)
+            with pytest.raises(KVRuntimeError):
+                handle.wait(15)
+        finally:
+            assert libc.mprotect(start, page, mmap.PROT_READ | mmap.PROT_WRITE) == 0
+        assert handle.settled
+        assert server.wait_released("denied", 5, peer=client.agent.name)
+        if not peer.closed:  # the same blocks again, now readable
+            peer.pull([5], [9], timeout=20)
+            assert dst.block_digest(9) == src.block_digest(5)
+    src.close(), dst.close()
