@@ -40,11 +40,11 @@ from .binding import NixlBinding
 from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
+from .mailbox import MailboxReader
 from .memory import KVCache
-from .plan import Planner, TransferPlan, make_plan, spans_ids as _spans_ids
+from .plan import Planner, TransferPlan, make_plan, spans_ids
 from .registration import Registration, Scratch
 from .releases import ReleaseSender
-from .mailbox import MailboxReader
 from .samenode import (ENGINES, Batch, SameNodeUnavailable, SharedJob, host_copy_streams,
                        open_engine)
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
@@ -347,7 +347,7 @@ class PrefillPeer:
         elif not len(counts) or counts.min() < 1 or counts.max() > n or counts.sum() != n:
             raise KVRuntimeError(f"its spans name {int(counts.sum()) if len(counts) else 0} "
                                  f"blocks (each at least one), we named {n}")
-        return planner.plan(_spans_ids(starts, counts), named.block_ids()[0])
+        return planner.plan(spans_ids(starts, counts), named.block_ids()[0])
 
     def _on_notif(self, raw) -> str | None:
         """A NIXL notification from this peer's agent: a push of its own that has landed.
