@@ -50,7 +50,7 @@ from .samenode import (ENGINES, Batch, SameNodeUnavailable, SharedJob, host_copy
 from .staging import StagedPull, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import head_rows
-from .transfer import PostedTransfer, Rows, TransferResult
+from .transfer import Draining, PostedTransfer, Rows, TransferResult
 
 log = logging.getLogger("kvruntime")
 _request_ids = itertools.count()
@@ -609,9 +609,6 @@ class PrefillPeer:
             del self._pending[handle.request_id]
         self._unsettled.pop(handle.request_id, None)
 
-    def _distrust(self, why: str) -> None:
-        self._broken = why
-
     def _lose(self, why: str) -> None:
         """The side channel is unusable: fail what waits on it and close. Once: a request's
         cleanup may send (a staged run's "unstage"), fail, and land here again while its
@@ -697,6 +694,10 @@ class DecodeClient:
         self._lock = threading.Lock()
         self._progress_lock = threading.Lock()
         self._releaser = ReleaseSender(name or "decode")
+        # failed copies UCX (or the GPU) still runs, polled until they end (transfer.py), and
+        # the failed handles that settled since get_settled was last called
+        self._draining = Draining()
+        self._late_settled: list[TransferHandle] = []
         self.staging: StagingPool | None = None
         self._scratch: Scratch | None = None  # the lane probe's destination (registration.py)
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
@@ -795,10 +796,8 @@ class DecodeClient:
             if probe.state != "DONE":
                 raise TransferError(f"{peer.name}: the connect-time probe READ failed")
         finally:
-            if probe.state == "PROC":
-                probe.abort()
-            else:
-                probe.finish()
+            if not probe.abort():  # still in flight: released once UCX ends it
+                self._draining.add(probe, lambda: None)
         peer.lanes = self.agent.lanes()
         self.agent.check_device_lanes(peer.name, self._scratch.mem_type == "VRAM",
                                       peer.info.mem_type == "VRAM")
@@ -829,6 +828,26 @@ class DecodeClient:
             for handle in finished:
                 self._inflight.pop(id(handle), None)
         return finished
+
+    def get_settled(self) -> list[TransferHandle]:
+        """Failed handles that were reported unsettled and have settled since the last call
+        (nothing more lands in their blocks: they may be reused now). Polls what is still
+        settling; never blocks."""
+        self._progress_settling()
+        with self._lock:
+            out, self._late_settled = self._late_settled, []
+        return out
+
+    def _progress_settling(self) -> None:
+        """Poll the copies still in flight after their request failed, and the peers' frames
+        (a prefill's answer settles a push)."""
+        for peer in list(self._peers.values()):
+            peer._pump()
+        self._draining.poll()
+
+    def _settled_late(self, handle: TransferHandle) -> None:
+        with self._lock:
+            self._late_settled.append(handle)
 
     def wait_all(self, handles, timeout: float | None = None) -> list[TransferResult]:
         """Wait for every handle; results in order. Raises the first request's error after
@@ -875,6 +894,8 @@ class DecodeClient:
         if not self._progress_lock.acquire(blocking=False):
             return
         try:
+            if len(self._draining):  # failed copies still in flight: settled as they end
+                self._draining.poll()
             try:
                 notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
             except KVRuntimeError as exc:
@@ -894,7 +915,7 @@ class DecodeClient:
             self._progress_lock.release()
 
     def _log_late(self, handle: TransferHandle, what: str) -> None:
-        log.error("push request %s to %s reported failed, but %s", handle.request_id,
+        log.warning("push request %s to %s reported failed, but %s", handle.request_id,
                   handle.peer.name, what)
 
     # -- peers -------------------------------------------------------------------------------
@@ -917,6 +938,10 @@ class DecodeClient:
         self._closed = True
         for peer in list(self._peers.values()):
             peer.close()
+        left = self._draining.drain(self.timeout)
+        if left:  # the agent goes now: its worker's end stops them (nothing of ours lands)
+            log.error("closing with %d failed READ(s) still in flight after %.1fs", left,
+                      self.timeout)
         self._releaser.close()
         if self._scratch is not None:
             self._scratch.close()

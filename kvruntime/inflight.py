@@ -7,9 +7,14 @@ spins in the background, so on a 2-core host the cores stay with the copies.
 
 Every handle ends in exactly one of ``DONE`` or ``FAILED``, at the latest at its deadline, and is
 reported once: by the ``wait``/``get_finished`` call that saw it finish. A failed handle says
-whether it is *settled*: True when nothing can write into its destination blocks any more (the
-transfer was aborted, refused, or the peer acknowledged the cancel). An unsettled handle's peer
-is not trusted with new requests until it settles or is reconnected.
+whether it is *settled*: True when nothing can write into its destination blocks any more — its
+copy ended (UCX completed the READ or WRITE, well or not; our own copy returned), never
+started (refused, cancelled before it was posted), or the prefill said its WRITE ended. A
+transfer cannot be cancelled once posted (transfer.py), so a request failed at its deadline
+while its copy is in flight is *unsettled*: its blocks may still be written and must not be
+reused until ``settled`` turns True, which happens as the client is polled (``get_finished``,
+``get_settled``, ``wait_settled``) once the copy ends. A push's peer that leaves a cancel
+unanswered is not trusted with new requests until it answers or is reconnected.
 """
 
 from __future__ import annotations
@@ -145,6 +150,18 @@ class TransferHandle:
         self.peer.client._consumed(self)
         return self.result()
 
+    def wait_settled(self, timeout: float) -> bool:
+        """Poll until nothing more can land in this request's blocks (``settled``), at most
+        ``timeout`` seconds; returns ``settled``. A pending request is waited for first."""
+        until = time.monotonic() + timeout
+        while self.poll() == PENDING and time.monotonic() < until:
+            time.sleep(0.0002)
+        while not self.settled and time.monotonic() < until:
+            self.peer.client._progress_settling()
+            if not self.settled:
+                time.sleep(0.0005)
+        return self.settled
+
     def result(self) -> TransferResult:
         if self.state == PENDING:
             raise WaitTimeout(f"{self.op} request {self.request_id} has not finished")
@@ -204,18 +221,28 @@ class TransferHandle:
                 f"request {self.request_id} failed: {why}"))
             self._give_back(xfer, nixl)
         elif time.monotonic() > self.deadline:
-            aborted = xfer.abort()
-            why = ("it was aborted" if aborted else
-                   "it could not be aborted and may still land" +
-                   (": the peer is marked unusable until it is reconnected" if nixl else ""))
+            stopped = xfer.abort()
+            why = ("its copy had ended: nothing more lands" if stopped else
+                   "its copy is still in flight and may still write into the destination "
+                   "blocks: reuse them only once handle.settled is True")
             self._fail(TransferTimeout(f"{self.op} of {self.nbytes} bytes for request "
                                        f"{self.request_id} missed its {self.timeout:.3f}s "
                                        f"deadline (peer dead or stalled); {why}"),
-                       settled=aborted)
-            if aborted:
-                self._give_back(xfer, nixl)
-            elif nixl:
-                self.peer._distrust(f"READ of request {self.request_id} could not be aborted")
+                       settled=stopped)
+            self._stopped_or_drained(xfer, nixl, stopped)
+
+    def _stopped_or_drained(self, xfer, nixl: bool, stopped: bool) -> None:
+        """A failed copy: given back now if it has ended, else once it ends (settled then)."""
+        if stopped:
+            self._give_back(xfer, nixl)
+            return
+
+        def ended():
+            self.settled = True
+            self._give_back(xfer, nixl)
+            self.peer.client._settled_late(self)
+
+        self.peer.client._draining.add(xfer, ended)
 
     def _give_back(self, xfer, nixl: bool) -> None:
         """A failed copy that nothing reads any more (it ended, or was aborted): the prefill
@@ -253,10 +280,11 @@ class TransferHandle:
             # Ask the prefill to cancel; it also refuses any push read after its deadline, so
             # a stalled prefill that wakes up later never writes. Settled once it answers.
             self.peer._cancel(self)
-            why = ("the prefill had not pushed it or its WRITE had not landed; cancel sent (the "
-                   "prefill drops the request and aborts a WRITE it started)" if self.by_prefill
-                   else "cancel sent (the prefill refuses the request once its deadline has "
-                        "passed)")
+            why = ("the prefill had not pushed it or its WRITE had not landed" if self.by_prefill
+                   else "the prefill had not answered it")
+            why += ("; cancel sent: a WRITE the prefill has started cannot be stopped, so the "
+                    "destination blocks may still be written: reuse them only once "
+                    "handle.settled is True (the prefill's answer)")
             self._fail(TransferTimeout(
                 f"push of request {self.request_id} ({self.nbytes} bytes) missed its "
                 f"{self.timeout:.3f}s deadline; {why}"), settled=False)
@@ -273,26 +301,45 @@ class TransferHandle:
                 self._arrived = time.time()
                 self._reply = message
                 if self.state == FAILED:  # it landed after we gave up: the blocks were written
-                    self.settled = True
-                    self.peer._settled(self)
-                    self.peer.client._log_late(self, "the prefill wrote it after its deadline")
+                    self._settle_now()
+                    self.peer.client._log_late(self, "the prefill's WRITE ended after its "
+                                                     "deadline (the blocks were written)")
             elif kind in ("push_failed", "cancelled"):
-                self.settled = True  # the prefill says it has not written and will not
-                self.peer._settled(self)
+                # the prefill says its WRITE has ended (in error) or never started
                 if self.state == PENDING:
                     self._fail(TransferError(f"prefill refused push of request "
                                              f"{self.request_id}: {message.get('error')}"))
+                    self.peer._settled(self)
+                else:
+                    self._settle_now()
+
+    def _settle_now(self) -> None:
+        """A failed push the prefill has now answered: nothing more of it lands."""
+        was = self.settled
+        self.settled = True
+        self.peer._settled(self)
+        if not was:
+            self.peer.client._settled_late(self)
 
     def _on_peer_lost(self, why: str) -> None:
-        """The side channel broke: pending requests fail. A push's WRITE cannot outlive the
-        prefill's connection (it drops our agent when the connection ends)."""
+        """The side channel broke: pending requests fail. A push the prefill has not answered
+        stays unsettled: its WRITE may be running (a stalled prefill resumes and goes on with
+        it before it reads that the connection ended)."""
         with self._lock:
             if self.state == PENDING:
-                if self._xfer is not None:
-                    self._xfer.abort()
-                self._fail(TransferError(f"{self.op} request {self.request_id}: {why}"))
-            if self.op == "push":
-                self.settled = True
+                if self._xfer is not None:  # our own copy: settled once it has ended
+                    nixl = isinstance(self._xfer, PostedTransfer)
+                    stopped = self._xfer.abort()
+                    self._fail(TransferError(f"{self.op} request {self.request_id}: {why}" + (
+                        "" if stopped else "; its copy is still in flight and may still write "
+                        "into the destination blocks until handle.settled")), settled=stopped)
+                    self._stopped_or_drained(self._xfer, nixl, stopped)
+                    return
+                # a WRITE the prefill may have started: only its word settles it, and it is gone
+                self._fail(TransferError(
+                    f"{self.op} request {self.request_id}: {why}; the prefill never said its "
+                    f"WRITE ended, so the destination blocks may still be written: reuse them "
+                    f"only once that prefill process has exited"), settled=False)
 
     def _finish(self, result: TransferResult) -> None:
         if result.nbytes != self.nbytes:  # a copy job counts whole blocks; we got a head slice

@@ -16,9 +16,11 @@ NIXL notification, and the notification is the decode's only answer: nothing cro
 channel between our start and the data's arrival. That is the one NIXL notification kvruntime
 sends: one on a READ would keep it from completing until the other side's UCX worker
 progressed, and a push the decode asks for is answered by a frame. A push
-whose deadline (the decode's wall clock) has passed when it is read is refused, and a WRITE
-still running at its deadline is aborted: a decode told that a push failed never finds it
-written later.
+whose deadline (the decode's wall clock) has passed when it is read is refused. A WRITE once
+posted cannot be stopped (UCX cancels no RMA, transfer.py): one still running at its deadline,
+at a cancel, or when its decode leaves is polled until UCX ends it and only then answered
+(``pushed``: it landed late; ``push_failed``: it ended in error), which is what settles the
+decode's failed request; a departed decode's agent is removed once its WRITEs have ended.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from .samenode import NodeToken, serve_offer
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import HeadSlice, direct_slice, head_rows
-from .transfer import PostedTransfer, Rows
+from .transfer import Draining, PostedTransfer, Rows
 
 log = logging.getLogger("kvruntime")
 
@@ -197,6 +199,10 @@ class PrefillServer:
         self._writes_lock = threading.RLock()  # also guards peers' expected, and _offers
         self._offers: dict[str, _Offer] = {}  # request -> a push waiting for its decode
         self._work = threading.Event()
+        # WRITEs of decodes that left, still in flight (transfer.py), and the agents whose
+        # removal waits for them (NIXL's rkeys of a WRITE in flight must outlive it)
+        self._orphans = Draining()
+        self._leaving: dict[str, int] = {}
         self._token = NodeToken()
         self._peers: dict[str, _Peer] = {}
         # Adding and dropping a peer are atomic: a reconnecting decode reuses its agent name,
@@ -337,6 +343,11 @@ class PrefillServer:
             old = self._peers.get(info.agent)
             if old is not None:  # the same agent name again: a restarted or reconnected peer
                 self._drop_peer(old)
+            if info.agent in self._leaving:  # its previous connection's WRITEs: wait them out
+                self._orphans.drain(self.timeout)
+                if info.agent in self._leaving:
+                    raise KVRuntimeError(f"WRITEs of this agent's previous connection are still "
+                                         f"in flight after {self.timeout:.1f}s; retry later")
             name = self.agent.add_remote(info.metadata)
             try:
                 self.registration.prepare_peer(name, info.layout, info.regions, info.mem_type)
@@ -365,17 +376,37 @@ class PrefillServer:
             if self._peers.get(peer.agent) is not peer:
                 return
             del self._peers[peer.agent]
-            with self._writes_lock:  # its WRITEs stop before its agent and list go
+            running = []
+            with self._writes_lock:  # its WRITEs end before its agent and list go
                 for write in [w for w in self._writes.values() if w.peer is peer]:
                     del self._writes[(peer.agent, write.request)]
                     if not write.xfer.abort():
-                        log.error("push %s to departed %s could not be aborted", write.request,
-                                  peer.agent)
-            self.registration.release_peer(peer.agent)
-            try:
-                self.agent.remove_remote(peer.agent)
-            except KVRuntimeError as exc:
-                log.warning("removing agent %s: %s", peer.agent, exc)
+                        running.append(write)
+            if not running:
+                self._forget_agent(peer.agent)
+                return
+            log.warning("%d push(es) to departed %s still in flight; its agent goes once they "
+                        "end", len(running), peer.agent)
+            self._leaving[peer.agent] = len(running)
+            for write in running:
+                self._orphans.add(write.xfer, lambda agent=peer.agent: self._orphan_ended(agent))
+
+    def _orphan_ended(self, agent: str) -> None:
+        with self._peers_lock:
+            left = self._leaving[agent] - 1
+            if left:
+                self._leaving[agent] = left
+                return
+            del self._leaving[agent]
+            self._forget_agent(agent)
+
+    def _forget_agent(self, agent: str) -> None:
+        """Release a departed decode's list and agent (under _peers_lock)."""
+        self.registration.release_peer(agent)
+        try:
+            self.agent.remove_remote(agent)
+        except KVRuntimeError as exc:
+            log.warning("removing agent %s: %s", agent, exc)
 
     def _handle(self, peer: _Peer, message: dict) -> None:
         kind = message["type"]
@@ -734,8 +765,12 @@ class PrefillServer:
     def _cancel_write(self, peer: _Peer, request: str) -> None:
         with self._writes_lock:
             write = self._writes.get((peer.agent, request))
-            if write is not None:  # abort without polling: a poll could complete it now
-                self._end_write(write, "cancelled by the decode side")
+            if write is not None:  # posted: it cannot be stopped, only answered once it ends
+                state = write.xfer.poll()
+                if state != "PROC":
+                    write.xfer.finish()
+                    self._end_write(write, None if state == "DONE" else
+                                    "the WRITE failed in NIXL (decode gone?)")
                 return
             if peer._unnamed(request) is not None:  # named, not pushed yet
                 peer.send({"type": "cancelled", "request": request, "state": "not pushed"},
@@ -746,19 +781,13 @@ class PrefillServer:
         peer.send({"type": "cancelled", "request": request, "state": "not in flight"},
                   self.timeout)
 
-    def _expire_writes(self) -> None:
-        """Abort WRITEs past their deadline *before* anything drives UCX's progress: after a
-        stall (SIGSTOP, a long GC pause) the next progress call would complete a WRITE the
-        decode has already been told failed."""
-        now = time.monotonic()
-        with self._writes_lock:
-            for write in [w for w in self._writes.values() if now > w.deadline]:
-                self._end_write(write, "its deadline passed during the WRITE")
-
     def _progress_writes(self) -> bool:
-        """One pass over the WRITEs in flight; True while any remain."""
+        """One pass over the WRITEs in flight; True while any remain. One past its deadline
+        runs on (nothing stops a posted WRITE) and is answered as it ends: the decode, which
+        failed it at its deadline, counts its blocks as written until that answer."""
+        if len(self._orphans):
+            self._orphans.poll()
         with self._writes_lock:
-            self._expire_writes()
             for write in list(self._writes.values()):
                 state = write.xfer.poll()
                 if state == "DONE":
@@ -768,7 +797,7 @@ class PrefillServer:
                 elif state == "ERR":
                     write.xfer.finish()
                     self._end_write(write, "the WRITE failed in NIXL (decode gone?)")
-            return bool(self._writes)
+            return bool(self._writes) or bool(len(self._orphans))
 
     def _check_lanes(self, peer: _Peer) -> None:
         """After a peer's first WRITE of device memory: a lane on TCP is logged as an error
@@ -783,7 +812,7 @@ class PrefillServer:
             log.error("%s", exc)
 
     def _end_write(self, write: "_Write", error: str | None) -> None:
-        """Answer a WRITE that finished (error None) or must stop; called under _writes_lock."""
+        """Answer a WRITE that ended well (error None) or in error; called under _writes_lock."""
         del self._writes[(write.peer.agent, write.request)]
         if error is None and write.notified:  # the decode has its notification
             self._release(write.peer.agent, write.request)
@@ -794,13 +823,9 @@ class PrefillServer:
             reply = {"type": "pushed", "request": write.request, "nbytes": result.nbytes,
                      "seconds": result.seconds, "descriptors": result.descriptors,
                      "nixl_descriptors": result.nixl_descriptors}
-        else:
-            stopped = write.xfer.state != "PROC" or write.xfer.abort()
-            if not stopped:
-                error += "; the WRITE could not be aborted and may still land"
-                log.error("push %s to %s: %s", write.request, write.peer.agent, error)
+        else:  # it ended in error (UCX completed it): nothing more of it lands
             reply = {"type": "push_failed", "request": write.request, "error": error}
-            if write.notified and stopped:  # ours: nothing reads the caller's blocks now
+            if write.notified:  # ours: nothing reads the caller's blocks now
                 self._release(write.peer.agent, write.request)
         try:
             write.peer.send(reply, self.timeout)
@@ -821,7 +846,6 @@ class PrefillServer:
                 self._work.wait(0.001)
                 self._work.clear()
             try:
-                self._expire_writes()
                 if self._staged:
                     self._expire_staged()
                 if self._offers or any(p.expected for p in list(self._peers.values())):
@@ -907,6 +931,8 @@ class PrefillServer:
             t.join(max(0.0, deadline - time.monotonic()))
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
+        if self._orphans.drain(self.timeout):  # the agent goes now: its worker's end stops them
+            log.error("closing with WRITEs still in flight after %.1fs", self.timeout)
         self.registration.close()
         if self.staging is not None:
             self.staging.close()

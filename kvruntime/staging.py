@@ -465,33 +465,45 @@ class StagedPull(CopyJob):
         self.end = time.perf_counter()
         self._cleanup()
 
-    def _cleanup(self) -> bool:
-        """Stop what is in flight, then free our pool blocks and tell the prefill to free its
-        own. False when a READ could not be aborted: our blocks then stay taken (it may still
-        write into them)."""
+    def _cleanup(self) -> None:
+        """Stop what has ended, then free our pool blocks and tell the prefill to free its
+        own. A READ still in flight (a posted READ cannot be stopped, transfer.py) keeps our
+        pool blocks taken until it ends (the client drains it): it may still write into them.
+        The cache's blocks are ours alone to write (the scatter)."""
         reading = [c.xfer for c in self._chunks if not c.scattered and not c.xfer.released]
-        stopped = all([xfer.abort() for xfer in reading])
+        running = [xfer for xfer in reading if not xfer.abort()]
         for chunk in self._chunks:
             wait(chunk.event)  # a scatter still reading our blocks (the pool's stream only)
-        if self._local is not None and stopped:
-            self.peer.client.staging.release(self._local, self._remote[1])
+        if self._local is not None:
+            local, units, pool = self._local, self._remote[1], self.peer.client.staging
             self._local = None
-        elif not stopped:
-            log.error("%s: a staged READ could not be aborted; %d staging units stay taken",
-                      self.peer.name, self._remote[1])
+            if not running:
+                pool.release(local, units)
+            else:
+                left = [len(running)]
+
+                def ended():  # the last READ into them has ended: the units are free again
+                    left[0] -= 1
+                    if not left[0]:
+                        pool.release(local, units)
+
+                for xfer in running:
+                    self.peer.client._draining.add(xfer, ended)
         if not self._unstaged and not self.peer._broken:  # gone: the prefill frees ours
             self._unstaged = True
             try:
                 self.peer._send({"type": "unstage", "request": self.request_id})
             except KVRuntimeError:
                 pass  # the connection is gone: the prefill frees everything of ours
-        return stopped
 
     def abort(self) -> bool:
+        """True: the cache's blocks are written only by our scatter, which stops here (a READ
+        still running lands in our pool blocks, kept taken until it ends)."""
         if self.state != "PROC":
             return True
         self.state = "ERR"
-        return self._cleanup()
+        self._cleanup()
+        return True
 
     def result(self):
         from .transfer import TransferResult

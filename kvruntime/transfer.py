@@ -4,14 +4,22 @@ Posting (``make_prepped_xfer`` + ``transfer``) and each poll take the agent lock
 call only, never for the transfer's duration: transfers of one agent to different peers, and
 many requests in flight to one peer, progress side by side. A dead peer shows up as NIXL's ERR
 state (UCX's peer-failure handling) or, if UCX never notices, as the deadline passing: either
-way the request fails, never hangs. A transfer that cannot be aborted after its deadline is
-reported as such (``PostedTransfer.abort`` returns False) so that its owner can stop trusting
-the memory it may still touch.
+way the request fails, never hangs.
+
+A posted READ or WRITE cannot be stopped: UCX's ``ucp_request_cancel`` cancels tag receives only,
+and NIXL's release of a handle still in flight calls it and lets the request run on, so the bytes
+of a "released" transfer land at a later progress of either side's worker (over tcp every time,
+measured: a 32 MiB READ released at its 2 ms deadline was written whole into blocks the caller
+had reused). So a transfer ends only when UCX says it has: ``abort`` releases the handle of one
+that has ended and otherwise keeps it (False: it may still touch its memory), and ``Draining``
+holds such transfers, polled by their owner's progress until UCX completes them, then released,
+and only then is their memory trusted again (``settled``).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -90,7 +98,7 @@ class PostedTransfer:
         try:
             self.state = _state(agent.call("transfer", nixl.transfer, self._handle))
         except NixlError as exc:
-            self.abort()
+            self._release()  # never posted: nothing of it is in flight
             raise TransferError(f"{op} of {self.nbytes} bytes could not be posted: {exc}"
                                 ) from exc
         self.end = time.perf_counter() if self.state != "PROC" else None
@@ -121,9 +129,16 @@ class PostedTransfer:
         self._release()
 
     def abort(self) -> bool:
-        """Abort a transfer still in flight (NIXL releases an in-flight handle by cancelling
-        it). False when NIXL refused: the transfer may still touch its memory."""
-        return self._release()
+        """Stop this transfer if it has ended: True once UCX has completed it (DONE or ERR)
+        and its handle is released, so that nothing more touches its memory. False while it
+        is still in flight: the handle is kept (releasing it would not stop the READ or
+        WRITE, module doc) and the owner hands it to a ``Draining``."""
+        if self.released:
+            return True
+        if self.poll() == "PROC":
+            return False
+        self.finish()
+        return self.released
 
     def _release(self) -> bool:
         if self.released:
@@ -151,3 +166,48 @@ class PostedTransfer:
 def _state(value) -> str:
     state = value.decode() if isinstance(value, bytes) else str(value)
     return state if state in ("PROC", "DONE") else "ERR"
+
+
+class Draining:
+    """Copies that failed while still in flight (a READ or WRITE past its deadline, a same-node
+    gather on the GPU), each with what to do once it has ended: polled by their owner's
+    progress (``poll``) until UCX, or the copy's own engine, says it has ended, then released
+    and ``on_end`` called — the moment their memory is settled."""
+
+    def __init__(self):
+        self._items: list = []
+        self._lock = threading.Lock()
+
+    def add(self, xfer, on_end) -> None:
+        with self._lock:
+            self._items.append((xfer, on_end))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def poll(self) -> int:
+        """Poll each once; end those done. Returns how many are still in flight."""
+        if not self._items:
+            return 0
+        with self._lock:
+            items, self._items = self._items, []
+        left = []
+        for xfer, on_end in items:
+            if xfer.poll() == "PROC":
+                left.append((xfer, on_end))
+                continue
+            xfer.finish()
+            try:
+                on_end()
+            except Exception:  # one owner's callback never keeps the others in flight
+                log.exception("settling a drained %s", getattr(xfer, "op", "copy"))
+        with self._lock:
+            self._items.extend(left)
+            return len(self._items)
+
+    def drain(self, seconds: float) -> int:
+        """Poll until none is left or ``seconds`` have passed (a close); how many are left."""
+        until = time.monotonic() + seconds
+        while self.poll() and time.monotonic() < until:
+            time.sleep(0.001)
+        return len(self._items)

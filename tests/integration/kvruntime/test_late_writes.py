@@ -1,0 +1,275 @@
+"""Nothing lands after a request is reported failed and settled, on tcp and on cma: real NIXL
+agents in two processes, deadlines shorter than the transfer, a prefill stopped (SIGSTOP) in
+the middle of its WRITE and resumed, a prefill killed, and churn of many short-deadline
+requests in flight.
+
+The rule under test (README, "Failed requests"): a failed request's destination blocks are
+untouched unless the failure says its copy may still be in flight (``settled`` False); such
+blocks are reused only once ``settled`` is True, and from then on nothing writes into them. The
+tests reuse every failed request's blocks exactly when the rule allows it — painting a canary
+into them — and then keep both processes progressing: a canary that changes is a late write.
+
+Before the fix, a 32 MiB pull over tcp released at its 2 ms deadline ("aborted", settled) was
+written whole into its blocks by the decode's next progress in 6 trials of 6: UCX cannot cancel
+a posted READ or WRITE (transfer.py).
+"""
+
+import ctypes
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from kvruntime.decode import DecodeClient
+from kvruntime.errors import KVRuntimeError
+from kvruntime.layout import CROSS_LAYER, KVLayout
+from kvruntime.memory import KVCache
+
+pytestmark = pytest.mark.integration
+
+# 512 KiB blocks: 64 of them (32 MiB) take ~10-40 ms over tcp loopback, far past 2 ms
+BIG = KVLayout(CROSS_LAYER, 2, 128, 64, 8, 128, "float16")
+TRANSPORTS = ["tcp", "cma,tcp"]  # the bulk lane: tcp alone, or cma beside tcp's messages
+
+
+@pytest.fixture(params=TRANSPORTS)
+def tls(request, monkeypatch):
+    """UCX_TLS for both processes (the prefill is spawned with this environment)."""
+    monkeypatch.setenv("UCX_TLS", request.param)
+    return request.param
+
+
+def paint(cache: KVCache, blocks, value: int) -> None:
+    for block in blocks:
+        for region, offset, length in cache.layout.block_extents(block):
+            ctypes.memset(cache.regions[region].address + offset, value, length)
+
+
+def painted(cache: KVCache, block: int, value: int) -> bool:
+    want = bytes([value]) * 4096
+    for region, offset, length in cache.layout.block_extents(block):
+        data = ctypes.string_at(cache.regions[region].address + offset, length)
+        if data != want * (length // 4096) + want[:length % 4096]:
+            return False
+    return True
+
+
+def keep_progressing(client: DecodeClient, seconds: float) -> None:
+    """Drive our UCX worker (a late tcp WRITE or READ reply lands as it progresses)."""
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        client.get_finished()
+        client.get_settled()
+        time.sleep(0.001)
+
+
+class Canaries:
+    """Blocks reused under the rule: painted once their request settled, checked at the end."""
+
+    def __init__(self, cache: KVCache):
+        self.cache = cache
+        self.blocks: dict[int, int] = {}
+
+    def reuse(self, handle, dst, value: int) -> None:
+        assert handle.state == "failed"
+        if not handle.settled:  # the failure said so: it may still be written
+            assert "settled" in str(handle.error), handle.error
+            assert handle.wait_settled(30), f"{handle} never settled: {handle.error}"
+        paint(self.cache, dst, value)
+        self.blocks.update((b, value) for b in dst)
+
+    def check(self) -> None:
+        late = [b for b, v in self.blocks.items() if not painted(self.cache, b, v)]
+        assert not late, f"{len(late)} block(s) written after their request settled: {late[:8]}"
+
+
+def _connected(client, port):
+    peer = client.connect("127.0.0.1", port)
+    peer.pull([0], [0], timeout=20)  # endpoints wired up
+    return peer
+
+
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_deadline_shorter_than_the_transfer(prefill, tls, op):
+    with prefill([BIG], seed=5) as (_proc, ports):
+        cache = KVCache.allocate_host(BIG)
+        cache.fill_value(0)
+        canaries = Canaries(cache)
+        with DecodeClient(cache, engine="nixl") as client:
+            peer = _connected(client, ports[0])
+            start = peer.start_pull if op == "pull" else peer.start_push
+            failed = 0
+            for trial in range(6):
+                dst = list(range(64, 128))
+                handle = start(list(range(64)), dst, request_id=f"{op}{trial}", timeout=0.002)
+                try:
+                    handle.wait()
+                    continue  # it made its deadline: nothing to reuse under the rule
+                except KVRuntimeError:
+                    failed += 1
+                canaries.reuse(handle, dst, 0x40 + trial)
+                keep_progressing(client, 0.2)
+                canaries.check()  # before the next trial writes the same blocks
+            if tls == "tcp":  # cma copies a READ whole as it is posted: it cannot miss
+                assert failed >= 3, f"only {failed} of 6 requests missed a 2 ms deadline"
+        cache.close()
+
+
+def test_churn_of_short_deadlines(prefill, tls):
+    """Many requests in flight, pulls and pushes mixed, deadlines from 0.5 to 8 ms: the ones
+    that made it hold the prefill's bytes, the failed ones' reused blocks keep their canary."""
+    layout = KVLayout(CROSS_LAYER, 2, 128, 16, 8, 128, "float16")  # 128 KiB blocks
+    rnd = random.Random(7)
+    with prefill([layout], seed=6) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0)
+        canaries = Canaries(cache)
+        with DecodeClient(cache, engine="nixl") as client:
+            peer = _connected(client, ports[0])
+            outcomes = {"done": 0, "failed": 0}
+            for round_ in range(4):
+                dsts = list(range(128))
+                rnd.shuffle(dsts)
+                handles = {}
+                for i in range(32):
+                    dst = dsts[4 * i:4 * i + 4]
+                    src = rnd.sample(range(128), 4)
+                    start = peer.start_pull if i % 2 else peer.start_push
+                    h = start(src, dst, request_id=f"c{round_}-{i}",
+                              timeout=rnd.uniform(0.0005, 0.008))
+                    handles[id(h)] = (h, src, dst)
+                finished = []
+                until = time.monotonic() + 30
+                while len(finished) < len(handles) and time.monotonic() < until:
+                    finished += client.get_finished()
+                assert len(finished) == len(handles)
+                good = []
+                for h in finished:
+                    _h, src, dst = handles[id(h)]
+                    if h.ok:
+                        outcomes["done"] += 1
+                        good.append((src, dst))
+                        canaries.blocks = {b: v for b, v in canaries.blocks.items()
+                                           if b not in dst}
+                    else:
+                        outcomes["failed"] += 1
+                        canaries.reuse(h, dst, 0x80 + round_)
+                keep_progressing(client, 0.1)
+                canaries.check()
+                for src, dst in good:
+                    assert peer.digests(src) == cache.block_digests(dst)
+            assert outcomes["failed"] and outcomes["done"], outcomes
+        cache.close()
+
+
+def test_push_to_a_prefill_stopped_in_its_write(prefill, stall, tls):
+    """The prefill is stopped while its WRITE runs and resumed after the decode gave up: the
+    push fails at its deadline unsettled (the WRITE may go on), settles when the resumed
+    prefill answers, and the blocks reused from then on keep their canary."""
+    with prefill([BIG], seed=8) as (proc, ports):
+        cache = KVCache.allocate_host(BIG)
+        cache.fill_value(0)
+        canaries = Canaries(cache)
+        with DecodeClient(cache, engine="nixl") as client:
+            peer = _connected(client, ports[0])
+            for trial in range(3):
+                dst = list(range(64, 128))
+                handle = peer.start_push(list(range(64)), dst, request_id=f"s{trial}",
+                                         timeout=0.5)
+                time.sleep(0.003)  # the prefill has read it and posted its WRITE
+                stall(proc.pid)
+                try:
+                    handle.wait()
+                    continue  # it landed before the stop (cma copies as it posts)
+                except KVRuntimeError:
+                    pass
+                finally:
+                    os.kill(proc.pid, signal.SIGCONT)
+                canaries.reuse(handle, dst, 0x20 + trial)
+                keep_progressing(client, 0.3)
+                canaries.check()
+        cache.close()
+
+
+def test_pull_from_a_killed_prefill(prefill, tls):
+    """A prefill killed during a READ: the READ ends in error (UCX notices the peer's end),
+    the request settles, and its reused blocks stay as painted."""
+    with prefill([BIG], seed=9) as (proc, ports):
+        cache = KVCache.allocate_host(BIG)
+        cache.fill_value(0)
+        canaries = Canaries(cache)
+        with DecodeClient(cache, engine="nixl") as client:
+            peer = _connected(client, ports[0])
+            stop_at = time.monotonic() + 0.002
+            handle = peer.start_pull(list(range(64)), list(range(64, 128)), timeout=10)
+            while time.monotonic() < stop_at:
+                handle.done()
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            try:
+                handle.wait()
+            except KVRuntimeError:
+                canaries.reuse(handle, list(range(64, 128)), 0x33)
+            keep_progressing(client, 0.3)
+            canaries.check()
+        cache.close()
+
+
+def test_push_to_a_killed_prefill_stays_unsettled(prefill):
+    """A push whose prefill dies before answering: the prefill never said its WRITE ended, so
+    the request stays unsettled and says what the caller must know before reusing the blocks."""
+    with prefill([BIG], seed=10) as (proc, ports):
+        cache = KVCache.allocate_host(BIG)
+        with DecodeClient(cache, engine="nixl") as client:
+            peer = _connected(client, ports[0])
+            os.kill(proc.pid, signal.SIGSTOP)
+            handle = peer.start_push(list(range(64)), list(range(64, 128)), timeout=5)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join(10)
+            with pytest.raises(KVRuntimeError) as info:
+                handle.wait()
+            assert handle.settled is False
+            assert "exited" in str(info.value)
+        cache.close()
+
+
+@pytest.mark.gpu
+def test_cuda_ipc_pulls_and_pushes_never_land_after_settled(prefill, monkeypatch):
+    """The same rule over CUDA IPC (UCX_TLS=cuda_ipc,cuda_copy,tcp), VRAM on one GPU: run by
+    the lead on the device host; skips without a GPU."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    monkeypatch.setenv("UCX_TLS", "cuda_ipc,cuda_copy,tcp")
+    layout = KVLayout(CROSS_LAYER, 8, 128, 64, 8, 128, "float16")  # 2 MiB blocks, 256 MiB
+    with prefill([layout], seed=11, device="cuda", device_id=0) as (_proc, ports):
+        cache = KVCache.allocate_device(layout, "cuda", 0)
+        cache.fill_value(0)
+        with DecodeClient(cache, engine="nixl", device_kind="cuda") as client:
+            peer = _connected(client, ports[0])
+            checked = 0
+            for trial in range(8):
+                start = peer.start_pull if trial % 2 else peer.start_push
+                dst = list(range(64, 128))
+                handle = start(list(range(64)), dst, request_id=f"g{trial}", timeout=0.0002)
+                try:
+                    handle.wait()
+                    continue
+                except KVRuntimeError:
+                    pass
+                assert handle.wait_settled(30), handle.error
+                value = 0x50 + trial
+                for t in cache._byte_views():
+                    for b in dst:
+                        for _region, offset, length in layout.block_extents(b):
+                            t[offset:offset + length].fill_(value)
+                cache.synchronize()
+                keep_progressing(client, 0.2)
+                views = cache._byte_views()
+                for b in dst:
+                    for _region, offset, length in layout.block_extents(b):
+                        assert bool((views[0][offset:offset + length] == value).all()), b
+                checked += 1
+        cache.close()
