@@ -76,6 +76,7 @@ class PrefillPeer:
         self._losing = False  # _lose is failing our requests (their cleanup may send, fail, lose)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
+        self._poller = None  # select.poll on the socket, made at the first look (_readable)
         self._pending: dict[str, TransferHandle] = {}  # request id -> handle awaiting frames
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
@@ -518,10 +519,24 @@ class PrefillPeer:
         self._lose(f"side channel failed: {error}")
         raise TransferError(f"{self.name}: {error}") from error
 
+    def _readable(self, seconds: float = 0.0) -> bool:
+        """Whether the prefill has sent something (or closed), waiting at most ``seconds``.
+        poll, not select: select fails for fds of 1024 and above, which engines reach.
+        poll's timeout is whole milliseconds, so a shorter wait is a look, then a sleep."""
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock, select.POLLIN | select.POLLPRI)
+        wait_ms = int(seconds * 1000) if seconds >= 0.001 else 0
+        if self._poller.poll(wait_ms):
+            return True
+        if 0 < seconds < 0.001:
+            time.sleep(seconds)
+        return False
+
     def _await_frame(self, seconds: float) -> None:
         """Sleep until the prefill sends something, at most ``seconds``."""
         try:
-            select.select([self.sock], [], [], seconds)
+            self._readable(seconds)
         except (OSError, ValueError):  # closed under us: the next pump says so
             pass
 
@@ -534,7 +549,7 @@ class PrefillPeer:
         try:
             if self._ring is not None and self._pending:  # pushes the prefill may have readied
                 self._read_ring()
-            while not self.closed and select.select([self.sock], [], [], 0)[0]:
+            while not self.closed and self._readable():
                 try:
                     message = frames.read_frame(self.sock, self.client.timeout)
                 except KVRuntimeError as exc:
@@ -761,6 +776,9 @@ class DecodeClient:
                 peer._open_samenode(required=self.engine == "samenode")
                 if peer.head_slice is not None and self.staging is None:
                     peer._check_engine_heads(info, required=self.engine == "samenode")
+                if peer.closed or peer._broken:  # the side channel broke on the way
+                    raise PeerError(f"{peer.name}: the connection failed during the connect: "
+                                    f"{peer._broken or 'closed'}; connect again")
             except BaseException:
                 peer.close()
                 raise
