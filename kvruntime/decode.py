@@ -47,7 +47,7 @@ from .registration import Registration, Scratch
 from .releases import ReleaseSender
 from .samenode import (ENGINES, Batch, SameNodeUnavailable, SharedJob, host_copy_streams,
                        open_engine)
-from .staging import StagedPull, StagingPool, resolve_kv_buffer
+from .staging import StagedPull, StagingExhausted, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import head_rows
 from .transfer import Draining, PostedTransfer, Rows, TransferResult
@@ -186,8 +186,13 @@ class PrefillPeer:
         if handle.request_id in self._pending:
             raise KVRuntimeError(f"request id {handle.request_id!r} is already in flight on "
                                  f"{self.name}")
-        handle._attach(StagedPull(self, handle.plan, handle.request_id,
-                                  time.time() + handle.timeout))
+        job = StagedPull(self, handle.plan, handle.request_id, time.time() + handle.timeout)
+        pool = self.client.staging
+        if job.units > pool.units:  # it could never fit: refused now, not at its deadline
+            raise StagingExhausted(f"request {handle.request_id} can never fit the decode's "
+                                   f"staging pool: {pool.numbers(job.units)}; size the pool "
+                                   f"(staging_blocks) for the largest request")
+        handle._attach(job)
         handle.uses_peer = True  # the prefill's "staged" answer comes over the side channel
         self._pending[handle.request_id] = handle
         self.client._track(handle)

@@ -225,10 +225,10 @@ class TransferHandle:
             why = ("its copy had ended: nothing more lands" if stopped else
                    "its copy is still in flight and may still write into the destination "
                    "blocks: reuse them only once handle.settled is True")
+            waiting = getattr(xfer, "waiting", None) or "peer dead or stalled"
             self._fail(TransferTimeout(f"{self.op} of {self.nbytes} bytes for request "
                                        f"{self.request_id} missed its {self.timeout:.3f}s "
-                                       f"deadline (peer dead or stalled); {why}"),
-                       settled=stopped)
+                                       f"deadline ({waiting}); {why}"), settled=stopped)
             self._stopped_or_drained(xfer, nixl, stopped)
 
     def _stopped_or_drained(self, xfer, nixl: bool, stopped: bool) -> None:

@@ -697,7 +697,8 @@ class PrefillServer:
             if units > self.staging.units:
                 raise KVRuntimeError(f"a request of {units} units ({plan.num_blocks} blocks x "
                                      f"{heads[1] - heads[0]} heads) cannot fit a staging pool "
-                                     f"of {self.staging.units} units")
+                                     f"of {self.staging.units} units (the prefill's: "
+                                     f"{self.staging.numbers(units)})")
         except KVRuntimeError as exc:
             peer.send({"type": "stage_failed", "request": request, "error": str(exc)},
                       self.timeout)
@@ -720,9 +721,9 @@ class PrefillServer:
                     self._stage_queue.popleft()
                     start, reply = None, {
                         "type": "stage_failed", "request": request,
-                        "error": f"staging pool exhausted: {n} units wanted, largest free run "
-                                 f"{self.staging.largest_free_run()} of {self.staging.units}, "
-                                 f"waited {time.monotonic() - queued:.3f}s until the request's "
+                        "error": f"the prefill's staging pool is exhausted: "
+                                 f"{self.staging.numbers(n)}; waited "
+                                 f"{time.monotonic() - queued:.3f}s until the request's "
                                  f"deadline"}
                 else:
                     start = self.staging.try_acquire(n)

@@ -157,6 +157,12 @@ class StagingPool:
         with self._cv:
             return self._largest_free_run()
 
+    def numbers(self, wanted: int) -> str:
+        """The pool's numbers for an error: asked, free, largest free run, size."""
+        with self._cv:
+            return (f"{wanted} units asked, {sum(self._free)} free (largest free run "
+                    f"{self._largest_free_run()}) of {self.units}")
+
     def _largest_free_run(self) -> int:
         best = run = 0
         for free in self._free:
@@ -364,6 +370,8 @@ class StagedPull(CopyJob):
         self._units = plan.num_blocks * (tp.count if tp else
                                          peer.client.cache.layout.num_kv_heads)
         self.request_id = request_id
+        # what it waits for, for the deadline's error: the prefill's run, then our pool blocks
+        self.waiting = "the prefill had not staged it (its pool busy, or it stalled or died)"
         self._remote: tuple[int, int] | None = None
         self._local: int | None = None
         self._chunks: list[_Chunk] = []
@@ -373,6 +381,11 @@ class StagedPull(CopyJob):
                          "deadline": deadline_wall}
         if self._src_heads is not None:
             self._message["heads"] = list(self._src_heads)
+
+    @property
+    def units(self) -> int:
+        """Pool units the request takes (a block's heads of ours, each one unit)."""
+        return self._units
 
     def send(self) -> None:
         """Ask the prefill to stage (once the handle holds this job: another thread's poll may
@@ -397,7 +410,9 @@ class StagedPull(CopyJob):
         if self._remote is not None and not self._chunks:
             self._local = pool.try_acquire(self._remote[1])
             if self._local is None:
+                self.waiting = f"the decode's staging pool is exhausted: {pool.numbers(self._units)}"
                 return self.state  # waits for pool blocks until the handle's deadline
+            self.waiting = "its READ of the staged run had not ended (peer dead or stalled)"
             try:
                 self._post_chunks(pool)
             except KVRuntimeError as exc:

@@ -146,3 +146,39 @@ def test_a_prefill_killed_while_staged_runs_are_read_fails_them_and_frees_our_po
         finally:
             client.close()
             cache.close()
+
+
+def test_a_request_larger_than_the_decodes_pool_is_refused_at_once(prefill):
+    """Before: it waited for pool blocks until its deadline and then failed "missed its
+    deadline (peer dead or stalled)". Now refused when started, with the pool's numbers."""
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=3, kv_buffer="host_staged", staging_blocks=16) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=4) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            t = time.monotonic()
+            with pytest.raises(StagingExhausted, match=r"can never fit the decode's staging pool: "
+                               r"32 units asked, 16 free \(largest free run 16\) of 16"):
+                peer.start_pull(list(range(8)), timeout=10)
+            assert time.monotonic() - t < 1.0
+            peer.pull([1, 2], timeout=10)
+            assert peer.digests([1, 2]) == cache.block_digests([1, 2])
+        cache.close()
+
+
+def test_an_exhausted_decode_pool_fails_at_the_deadline_with_its_numbers(prefill):
+    """A request that fits the decode's pool, but not beside the units other requests hold
+    (taken here straight from the pool), fails at its deadline saying so, with the numbers."""
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=3, kv_buffer="host_staged", staging_blocks=16) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=3) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            held = client.staging.try_acquire(8)
+            with pytest.raises(KVRuntimeError, match=r"the decode's staging pool is exhausted: "
+                               r"8 units asked, 4 free \(largest free run 4\) of 12"):
+                peer.pull([3, 4], [3, 4], timeout=0.5)
+            client.staging.release(held, 8)
+            peer.pull([3, 4], [3, 4], timeout=10)
+            assert peer.digests([3, 4]) == cache.block_digests([3, 4])
+        cache.close()
