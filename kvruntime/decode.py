@@ -119,10 +119,10 @@ class PrefillPeer:
         staged = self.client.staging is not None
         try:
             offer = self._call({"type": "samenode"}, "samenode", self.client.timeout)
-            engine = open_engine(offer, self.client.staging.cache if staged else
+            engine = open_engine(offer, self.sock, self.client.staging.cache if staged else
                                  self.client.cache, self.info.layout, self.info.regions,
                                  self.client.host_streams)
-            proved = "same host and user proved over the side channel"
+            proved = f"proved: {engine.proved}"
             if staged:
                 self._pool_engine = engine
                 n = engine.streams

@@ -8,8 +8,10 @@ That is *proved*, never assumed, over the authenticated side channel: the prefil
 random token in its memory and sends its pid, the token's address and the token; the decode
 reads the token back out of the prefill's address space with ``process_vm_readv``. Only the
 same kernel, the same process and a user allowed to read that process's memory can do so (the
-kernel checks exactly what ``ptrace`` would). A peer on another host, in another pid namespace,
-or of another user fails the proof and NIXL stays the path.
+kernel checks exactly what ``ptrace`` would). And the pid must hold the socket at the other end
+of the side channel (peercred.py): a prefill cannot name another process and have us read its
+memory. A peer on another host, in another pid namespace, of another user, or naming a pid
+that is not its own fails the proof and NIXL stays the path.
 
 Then, by memory kind:
 
@@ -37,6 +39,7 @@ import numpy as np
 from . import cudart, frames
 from .errors import KVRuntimeError
 from .layout import KVLayout
+from .peercred import owner_uid, prove_peer
 from .plan import TransferPlan
 from .transfer import TransferResult
 
@@ -390,6 +393,8 @@ class HostEngine:
     stream moves ~5.6 GB/s on the H100 host, against 10.4 for its memcpy); the count comes from
     host_copy_streams."""
 
+    proved = ""  # what the proof established (open_engine)
+
     name = "samenode:process_vm_readv"
 
     def __init__(self, pid: int, remote_regions, local_cache, remote_layout: KVLayout,
@@ -429,6 +434,8 @@ class HostEngine:
 
 class CudaEngine:
     """The prefill's CUDA regions opened once by IPC handle; one gather per request."""
+
+    proved = ""  # what the proof established (open_engine)
 
     name = "samenode:cuda-ipc"
 
@@ -589,22 +596,40 @@ def serve_offer(cache, token: NodeToken) -> dict:
     return offer
 
 
-def open_engine(offer: dict, local_cache, remote_layout: KVLayout, remote_regions,
+def what_was_proved(pid: int) -> str:
+    """The proof's facts, for ``engine_reason``: same host, the pid bound to the connection,
+    its memory readable by us, and whose that memory is."""
+    uid, ours = owner_uid(pid), os.geteuid()
+    if uid == ours:
+        who = "same user"
+    else:
+        who = (f"another user's process (uid {uid}), readable by us as "
+               f"{'root' if ours == 0 else f'uid {ours} with the right to trace it'}")
+    return (f"same host (boot id), pid {pid} holds the side channel's other end, its token "
+            f"read back from its memory; {who}")
+
+
+def open_engine(offer: dict, sock, local_cache, remote_layout: KVLayout, remote_regions,
                 host_streams: int = 1):
-    """Decode side: prove the peer is on this node, then open its memory (host memory read
-    by ``host_streams`` threads). Raises SameNodeUnavailable with the reason when it cannot
-    serve."""
+    """Decode side: prove the peer is on this node and is the process at the other end of
+    ``sock`` (peercred.py), then open its memory (host memory read by ``host_streams``
+    threads). Raises SameNodeUnavailable with the reason when it cannot serve."""
     if offer.get("unavailable"):
         raise SameNodeUnavailable(str(offer["unavailable"]))
     pid, why = prove_same_node(offer)
+    if why is None:
+        why = prove_peer(sock, pid)
     if why is not None:
         raise SameNodeUnavailable(why)
     mem = offer.get("mem_type")
     if mem != local_cache.mem_type:
         raise SameNodeUnavailable(f"peer memory is {mem}, ours {local_cache.mem_type}")
     if mem == "DRAM":
-        return HostEngine(pid, remote_regions, local_cache, remote_layout, host_streams)
-    exported = offer.get("cuda_ipc")
-    if not isinstance(exported, list) or len(exported) != remote_layout.num_regions:
-        raise SameNodeUnavailable("the peer exported no CUDA IPC handle per region")
-    return CudaEngine(exported, local_cache, remote_layout)
+        engine = HostEngine(pid, remote_regions, local_cache, remote_layout, host_streams)
+    else:
+        exported = offer.get("cuda_ipc")
+        if not isinstance(exported, list) or len(exported) != remote_layout.num_regions:
+            raise SameNodeUnavailable("the peer exported no CUDA IPC handle per region")
+        engine = CudaEngine(exported, local_cache, remote_layout)
+    engine.proved = what_was_proved(pid)
+    return engine

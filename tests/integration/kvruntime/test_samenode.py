@@ -14,6 +14,7 @@ from kvruntime.decode import DecodeClient
 from kvruntime.errors import KVRuntimeError, PlanError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
+from kvruntime.prefill import PrefillServer
 from kvruntime.samenode import NodeToken, SameNodeUnavailable, prove_same_node, read_remote
 
 pytestmark = pytest.mark.integration
@@ -196,3 +197,64 @@ def test_a_batch_of_requests_is_one_gather_with_a_handle_each(prefill, engine):
             with pytest.raises(PlanError, match="appears twice"):  # two requests, one block
                 peer.start_pulls([([1], [7], None), ([2], [7], None)])
         cache.close()
+
+
+def test_a_prefill_naming_another_process_is_not_trusted(prefill, monkeypatch):
+    """A prefill that holds the secret and offers another process's pid, token address and
+    token — a victim of the same user, here another prefill whose offer it read as one of its
+    decodes — is refused: that pid does not hold our connection's other end. Before, the
+    decode accepted the offer and read the victim's memory at the addresses the liar named."""
+    import kvruntime.prefill as prefill_mod
+
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=31, secret=b"s") as (victim, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, secret=b"s", engine="nixl") as spy:
+            peer = spy.connect("127.0.0.1", ports[0])
+            stolen = peer._call({"type": "samenode"}, "samenode", 10)
+        assert stolen["pid"] == victim.pid and stolen["pid"] != os.getpid()
+        monkeypatch.setattr(prefill_mod, "serve_offer", lambda *_a: dict(stolen))
+        liar_cache = KVCache.allocate_host(layout)
+        liar_cache.fill_random(5)
+        with PrefillServer(liar_cache, secret=b"s") as liar:
+            with DecodeClient(cache, secret=b"s") as client:
+                peer = client.connect(*liar.address)
+                assert peer.engine == "nixl"
+                assert "does not hold the side channel's other end" in peer.engine_reason
+                cache.fill_value(0)
+                peer.pull([1, 2], [1, 2], timeout=10)  # NIXL, from the liar's own cache
+                assert cache.block_digests([1, 2]) == liar_cache.block_digests([1, 2])
+            with DecodeClient(cache, secret=b"s", engine="samenode") as client:
+                with pytest.raises(SameNodeUnavailable, match="does not hold"):
+                    client.connect(*liar.address)
+        liar_cache.close()
+        cache.close()
+
+
+def test_engine_reason_says_what_was_proved(prefill):
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=32) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.engine == "samenode:process_vm_readv"
+            assert (f"pid {proc.pid} holds the side channel's other end" in peer.engine_reason
+                    and "same user" in peer.engine_reason), peer.engine_reason
+        cache.close()
+
+
+def test_the_reason_names_another_users_process_read_as_root():
+    """Root reads any user's process: the reason says so instead of "same user"."""
+    from kvruntime.samenode import what_was_proved
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to start a process of another user")
+    other = subprocess.Popen(["sleep", "30"], user="nobody")
+    try:
+        reason = what_was_proved(other.pid)
+        assert f"another user's process (uid {os.stat(f'/proc/{other.pid}').st_uid})" in reason
+        assert "readable by us as root" in reason and "same user" not in reason
+    finally:
+        other.kill()
+        other.wait()
+    assert "same user" in what_was_proved(os.getpid())
