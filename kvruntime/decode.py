@@ -69,6 +69,7 @@ class PrefillPeer:
         self.address = address
         self.sock = sock
         self.info = info
+        self.session = info.session  # the frames' MACs and counts (frames.Session)
         self.agent = agent
         self.handshake_seconds = handshake_seconds
         self.closed = False
@@ -515,7 +516,7 @@ class PrefillPeer:
             if self.closed:
                 raise PeerError(f"connection to {self.name} is closed; connect again")
             try:
-                frames.write_frame(self.sock, message, self.client.timeout)
+                frames.write_frame(self.sock, message, self.client.timeout, self.session)
                 return
             except KVRuntimeError as exc:
                 error = exc
@@ -556,7 +557,8 @@ class PrefillPeer:
                 self._read_ring()
             while not self.closed and self._readable():
                 try:
-                    message = frames.read_frame(self.sock, self.client.timeout)
+                    message = frames.read_frame(self.sock, self.client.timeout,
+                                                  session=self.session)
                 except KVRuntimeError as exc:
                     self._lose(f"side channel failed: {exc}")
                     return
@@ -669,7 +671,7 @@ class PrefillPeer:
             handle._on_peer_lost(self._broken or "the connection was closed")
         try:
             with self._send_lock:
-                frames.write_frame(self.sock, {"type": "bye"}, 0.5)
+                frames.write_frame(self.sock, {"type": "bye"}, 0.5, self.session)
         except KVRuntimeError:
             pass
         try:

@@ -13,7 +13,11 @@ grants memory access (NIXL metadata) is sent before the peer proved it knows the
 
 Each proof covers the whole transcript so far (H: SHA-256 over the canonical JSON of every
 message, proofs left out), not just the nonces: a relay without the secret cannot change a
-layout, an address, a region or an agent's metadata without both sides refusing. A layout
+layout, an address, a region or an agent's metadata without both sides refusing. From ``ready``
+on, every frame carries a MAC (frames.Session) under a key of its direction derived from the
+secret and the transcript through ``info``: HMAC(secret, "k" | H), then HMAC of that with the
+direction's name. Without a secret the keys come from the transcript alone, which a relay saw:
+the MACs then catch corruption, not a relay (configure a secret for that). A layout
 mismatch is refused by the prefill side with an ``incompatible`` error listing every differing
 field; the decode side runs the same check on the welcome.
 """
@@ -26,7 +30,7 @@ import json
 import os
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from . import frames
 from .errors import (
@@ -56,6 +60,8 @@ class PeerInfo:
     kv_buffer: str = "device"
     device_layout: KVLayout | None = None
     tp_rank: int = 0  # this side's rank among cache_layout.tp_size
+    # the connection's frame keys, set on the info a handshake returns (never sent)
+    session: frames.Session | None = field(default=None, compare=False, repr=False)
 
     @property
     def cache_layout(self) -> KVLayout:
@@ -135,6 +141,15 @@ class _Transcript:
     def proof(self, secret: bytes, tag: bytes) -> str:
         return hmac.new(secret, tag + self._hash.digest(), hashlib.sha256).hexdigest()
 
+    def session(self, secret: bytes | None, decode_side: bool) -> frames.Session:
+        """The frame keys of the connection this transcript opened (module doc)."""
+        key = hmac.new(secret or b"", b"k" + self._hash.digest(), hashlib.sha256).digest()
+        to_prefill, to_decode = (hmac.new(key, d, hashlib.sha256).digest()[:32]
+                                 for d in (b"decode->prefill", b"prefill->decode"))
+        if decode_side:
+            return frames.Session(to_prefill, to_decode)
+        return frames.Session(to_decode, to_prefill)
+
 
 def _proof_ok(got: object, expected: str) -> bool:
     """Constant-time compare; a proof that is not ASCII text is simply wrong."""
@@ -189,6 +204,7 @@ def serve_handshake(
     (the server adds the decode's agent there), so a decode that got ``ready`` can be served at
     once. The caller closes the socket."""
     transcript = _Transcript()
+    session = None  # from the decode's info on, every frame of ours is sealed (errors too)
     try:
         hello = frames.expect(frames.read_frame(sock, timeout), "hello")
         _nonce(hello)  # checked; the transcript carries it into every proof
@@ -226,24 +242,26 @@ def serve_handshake(
         if secret is not None and not _proof_ok(info.get("proof"),
                                                 transcript.proof(secret, b"i")):
             raise AuthError("the decode's info failed its proof (changed on the way?)")
+        session = transcript.session(secret, decode_side=False)
         peer = PeerInfo.from_dict(info.get("info"))
-        check_compat(local.layout, peer.layout)
         try:
+            check_compat(local.layout, peer.layout)
             check_buffers(local, peer)
         except IncompatiblePeerError as exc:
-            _send_error(sock, str(exc), "incompatible", exc.fields, timeout)
+            _send_error(sock, str(exc), "incompatible", exc.fields, timeout, session)
             raise
+        peer = replace(peer, session=session)
         if admit is not None:
             admit(peer)
-        frames.write_frame(sock, {"type": "ready"}, timeout)
+        frames.write_frame(sock, {"type": "ready"}, timeout, session)
         return peer
     except IncompatiblePeerError:
         raise
     except AuthError as exc:
-        _send_error(sock, "authentication failed", "auth", [], timeout)
+        _send_error(sock, "authentication failed", "auth", [], timeout, session)
         raise exc
     except FrameError as exc:
-        _send_error(sock, str(exc), "frame", [], timeout)
+        _send_error(sock, str(exc), "frame", [], timeout, session)
         raise
 
 
@@ -280,8 +298,10 @@ def client_handshake(
     transcript.add(info)
     info["proof"] = transcript.proof(secret, b"i") if secret is not None else ""
     frames.write_frame(sock, info, timeout)
-    _expect_or_raise(frames.read_frame(sock, timeout), "ready")
-    return peer
+    session = transcript.session(secret, decode_side=True)
+    _expect_or_raise(frames.read_frame(sock, timeout, session=session, unsealed_error=True),
+                     "ready")
+    return replace(peer, session=session)
 
 
 def _expect_or_raise(message: dict, type_: str) -> dict:
@@ -298,10 +318,11 @@ def _expect_or_raise(message: dict, type_: str) -> dict:
     return frames.expect(message, type_)
 
 
-def _send_error(sock, text: str, code: str, fields: list, timeout: float) -> None:
+def _send_error(sock, text: str, code: str, fields: list, timeout: float,
+                session: frames.Session | None = None) -> None:
     try:
         frames.write_frame(sock, {"type": "error", "code": code, "message": text,
-                                  "fields": fields}, min(timeout, 1.0))
+                                  "fields": fields}, min(timeout, 1.0), session)
     except KVRuntimeError:
         pass  # the peer is gone; the caller closes the socket anyway
 

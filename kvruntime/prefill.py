@@ -104,7 +104,7 @@ class _Peer:
         """Frames to one decode go out whole: the connection thread and the progress loop
         both answer on this socket."""
         with self.send_lock:
-            frames.write_frame(self.sock, message, timeout)
+            frames.write_frame(self.sock, message, timeout, self.info.session)
 
 
 @dataclass
@@ -307,7 +307,7 @@ class PrefillServer:
             self.stats.handshakes += 1
             while not self._stop.is_set():
                 try:
-                    message = frames.read_frame(sock, None)
+                    message = frames.read_frame(sock, None, session=peer.info.session)
                 except PeerError as exc:
                     log.info("connection from %s:%s ended: %s", addr[0], addr[1], exc)
                     return  # the decode side left

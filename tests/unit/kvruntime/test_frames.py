@@ -236,3 +236,44 @@ def test_notifications_are_frame_payloads_bounded_and_versioned():
             frames.parse_notif(bad)
     with pytest.raises(ProtocolVersionError):
         frames.parse_notif(b'{"v":6,"type":"pushed","request":"r"}')
+
+
+def _sessions():
+    import os
+
+    a, b = os.urandom(32), os.urandom(32)
+    return frames.Session(a, b), frames.Session(b, a)
+
+
+def test_sealed_frames_round_trip_with_packed_ids():
+    import numpy as np
+
+    out, back = _sessions()
+    for n in (1, 5000):  # a short payload, and one past LONG_PAYLOAD (hashed first)
+        message = {"type": "push", "request": "r", "src": frames.pack_ids(np.arange(n))}
+        got = frames.parse_payload(back.check(out.seal(frames._payload(message))))
+        assert got["type"] == "push" and "mac" not in got
+        assert frames.ids_field(got, "src").tolist() == list(range(n))
+
+
+@pytest.mark.parametrize("attack", ["flip_json", "flip_tail", "replay", "reorder", "drop",
+                                    "other_direction", "strip"])
+def test_a_frame_changed_replayed_reordered_or_dropped_fails_its_mac(attack):
+    import numpy as np
+
+    out, back = _sessions()
+    payloads = [frames._payload({"type": "push", "request": f"r{i}",
+                                 "src": frames.pack_ids(np.arange(3) + i)}) for i in range(3)]
+    sealed = [out.seal(p) for p in payloads]
+    wire = {
+        "flip_json": [sealed[0].replace(b'"r0"', b'"r9"')],
+        "flip_tail": [sealed[0][:-1] + bytes([sealed[0][-1] ^ 1])],
+        "replay": [sealed[0], sealed[0]],
+        "reorder": [sealed[1]],
+        "drop": [sealed[0], sealed[2]],
+        "other_direction": [back.seal(payloads[0])],
+        "strip": [payloads[0]],
+    }[attack]
+    with pytest.raises(FrameError, match="MAC"):
+        for data in wire:
+            back.check(data)
