@@ -1,7 +1,8 @@
 """CLI: ``python -m kvruntime selftest|bench [--json]``. The only place that prints.
 
-Exit codes: 0 success, 1 a mode failed (or a bench ratio missed with --require-ratio), 2 the
-stack is unusable (NIXL missing, a process failed to start), 64 bad arguments.
+Exit codes (README, "Exit codes"): 0 success, 1 a selftest mode failed, 2 the stack is unusable
+(NIXL missing, a process failed to start; bench: any failure), 64 bad arguments (one line, before
+anything runs), 130 interrupted.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import sys
 
@@ -92,28 +94,64 @@ def _transports(mode: dict) -> str:
     return f" [rma {','.join(t['rma']) or '-'}, am {','.join(t['am']) or '-'}]" if t else ""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+def _at_least(low: int, what: str = ""):
+    """An argparse type: a whole number of at least ``low`` (and ``what`` it must also be)."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            n = low - 1
+        if n < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least "
+                                             f"{low}{what}")
+        return n
+    return parse
+
+
+_positive_int = _at_least(1)
+
+
+def _even_kib(text: str) -> int:
+    """A bench block's KiB: a block is 2 KiB per unit of head_dim (4 layers x K/V x 16 tokens
+    x 8 heads x fp16), so an even number of at least 2."""
+    n = _positive_int(text)
+    if n % 2:
+        raise argparse.ArgumentTypeError(f"{text!r} KiB is not a bench block size: blocks are "
+                                         f"multiples of 2 KiB (4, 256, ...)")
     return n
 
 
-def _tp_pairs(text: str):
-    """'1x2,2x1' -> ((1, 2), (2, 1)); 'none' -> ()."""
-    if text == "none":
-        return ()
+def _seconds(text: str) -> float:
     try:
-        pairs = tuple(tuple(int(n) for n in item.split("x")) for item in text.split(","))
+        value = float(text)
     except ValueError:
-        pairs = ((),)
-    if any(len(pair) != 2 or min(pair) < 1 for pair in pairs):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a list like 1x2,2x1 (prefill TP x "
-                                         f"decode TP) or none")
-    return pairs
+        value = -1.0
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def _tp_pairs(heads: int):
+    """An argparse type for ``--tp-pairs``: '1x2,2x1' -> ((1, 2), (2, 1)); 'none' -> (). Each
+    TP size must split the model's ``heads`` KV heads evenly."""
+    def parse(text: str):
+        if text == "none":
+            return ()
+        try:
+            pairs = tuple(tuple(int(n) for n in item.split("x")) for item in text.split(","))
+        except ValueError:
+            pairs = ((),)
+        if any(len(pair) != 2 or min(pair) < 1 for pair in pairs):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a list like 1x2,2x1 (prefill TP "
+                                             f"x decode TP) or none")
+        bad = next((n for pair in pairs for n in pair if heads % n), None)
+        if bad is not None:
+            sizes = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
+            raise argparse.ArgumentTypeError(
+                f"TP size {bad} in {text!r} does not split the model's {heads} KV heads "
+                f"(TP sizes here: {sizes})")
+        return pairs
+    return parse
 
 
 def _bench(args, out) -> int:
@@ -184,6 +222,9 @@ def _bench(args, out) -> int:
 
 
 def main(argv=None) -> int:
+    from .bench import BENCH_HEADS  # the model's KV heads the TP pairs split, in each command
+    from .selftest import TP_HEADS
+
     parser = _Parser(prog="python -m kvruntime")
     parser.add_argument("--nixl-module", help="NIXL module to import (default: search "
                         "nixl_cpu, nixl_xpu, nixl_cu13, nixl_cu12, nixl; env "
@@ -193,14 +234,15 @@ def main(argv=None) -> int:
     st = sub.add_parser("selftest", help="move KV blocks between two processes, bit-exact")
     st.add_argument("--json", action="store_true")
     st.add_argument("--compact", action="store_true", help="one-line JSON")
-    st.add_argument("--timeout", type=float, default=120.0)
+    st.add_argument("--timeout", type=_seconds, default=120.0)
     ids_help = ("device ids of the prefill and decode sides for device memory (default: 0 0; "
                 "two ids put the caches on two GPUs)")
-    st.add_argument("--device-ids", type=int, nargs=2, default=[0, 0], metavar=("P", "D"),
+    st.add_argument("--device-ids", type=_at_least(0), nargs=2, default=[0, 0], metavar=("P", "D"),
                     help=ids_help)
     st.add_argument("--secret", help="shared secret for the handshake (env KVRUNTIME_SECRET; "
                     "default: a random one)")
-    st.add_argument("--tp-pairs", type=_tp_pairs, default="1x2,2x1,2x4,4x2", metavar="PxD,...",
+    st.add_argument("--tp-pairs", type=_tp_pairs(TP_HEADS), default="1x2,2x1,2x4,4x2",
+                    metavar="PxD,...",
                     help="mixed tensor-parallel pairs to prove on host memory, direct and staged "
                          "(default: 1x2,2x1,2x4,4x2; none: skip)")
     st.add_argument("--pairs-at-once", type=_positive_int, default=None, metavar="N",
@@ -209,7 +251,8 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="GB/s and descriptors per request vs memcpy")
     b.add_argument("--json", action="store_true")
     b.add_argument("--compact", action="store_true")
-    b.add_argument("--sizes", type=int, nargs="+", default=[64, 256, 1024], metavar="MIB")
+    b.add_argument("--sizes", type=_positive_int, nargs="+", default=[64, 256, 1024],
+                   metavar="MIB")
     b.add_argument("--patterns", nargs="+", default=["contiguous", "random"],
                    choices=["contiguous", "random"])
     b.add_argument("--layouts", nargs="+", default=["cross_layer", "per_layer"],
@@ -220,21 +263,23 @@ def main(argv=None) -> int:
                         "starts the push into blocks the decode named (expect_push), timed "
                         "from its start to the notification's arrival (NIXL) or to the end of "
                         "the decode's own copy (same-node)")
-    b.add_argument("--split", type=int, nargs="+", default=None,
+    b.add_argument("--split", type=_positive_int, nargs="+", default=None,
                    help="pieces per contiguous run (parallel descriptors; default: one per "
                         "copy stream for host memory, else 1)")
-    b.add_argument("--ucx-threads", type=int, default=0, help="NIXL UCX engine threads")
-    b.add_argument("--host-streams", type=int, default=None,
+    b.add_argument("--ucx-threads", type=_at_least(0), default=0,
+                   help="NIXL UCX engine threads")
+    b.add_argument("--host-streams", type=_positive_int, default=None,
                    help="same-node engine's reader threads for host memory (default: 4 on "
                         "hosts of 8 cores or more, else 1)")
     b.add_argument("--no-huge", action="store_true", help="4 KiB pages instead of MADV_HUGEPAGE")
-    b.add_argument("--iters", type=int, default=5)
-    b.add_argument("--block-kib", type=int, default=256, help="bytes of one block, all layers")
-    b.add_argument("--handshakes", type=int, default=10)
+    b.add_argument("--iters", type=_positive_int, default=5)
+    b.add_argument("--block-kib", type=_even_kib, default=256,
+                   help="KiB of one block, all layers (even)")
+    b.add_argument("--handshakes", type=_positive_int, default=10)
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xpu"],
                    help="where both sides keep their KV caches: host DRAM or device VRAM "
                    "(reference: memmove, or a device-to-device copy)")
-    b.add_argument("--device-ids", type=int, nargs=2, default=[0, 0], metavar=("P", "D"),
+    b.add_argument("--device-ids", type=_at_least(0), nargs=2, default=[0, 0], metavar=("P", "D"),
                    help=ids_help)
     b.add_argument("--engines", nargs="+", default=["nixl", "samenode"],
                    choices=["nixl", "samenode", "auto"],
@@ -244,16 +289,19 @@ def main(argv=None) -> int:
     b.add_argument("--no-bare", action="store_true",
                    help="skip timing a bare transfer beside each request (a NIXL READ of the same "
                    "descriptors, or the same-node engine's copy of the same plan)")
-    b.add_argument("--tp-pairs", type=_tp_pairs, default="none", metavar="PxD,...",
+    b.add_argument("--tp-pairs", type=_tp_pairs(BENCH_HEADS), default="none", metavar="PxD,...",
                    help="also pull as decode rank 0 of TP D from P prefill ranks, direct and "
                         "host-staged (e.g. 1x2,2x1,2x4,4x2; default: none)")
-    b.add_argument("--inflight", type=int, nargs=2, metavar=("PEERS", "REQUESTS"),
+    b.add_argument("--inflight", type=_at_least(0), nargs=2, metavar=("PEERS", "REQUESTS"),
                    default=[4, 32], help="decode peers and requests kept in flight on one "
                    "prefill, beside one request of the same bytes: the peers as clients of "
                    "this process, and as decode processes of their own (0 0: skip)")
     args = parser.parse_args(argv)
     if args.command == "bench" and args.inflight == [0, 0]:
         args.inflight = None
+    elif args.command == "bench" and 0 in args.inflight:
+        b.error(f"argument --inflight: {args.inflight[0]} {args.inflight[1]}: peers and "
+                f"requests must both be at least 1, or both 0 (skip)")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
     try:

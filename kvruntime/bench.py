@@ -50,12 +50,16 @@ class BenchConfig:
     tp_pairs: list = field(default_factory=list)  # [[p, d], ...]: mixed TP rows (bench_tp.py)
 
 
+BENCH_HEADS = 8  # KV heads of the bench's model (its TP pairs split them)
+
+
 def bench_layout(kind: str, block_kib: int, max_mib: int) -> KVLayout:
     """4 layers, 16 tokens, 8 heads, fp16; head_dim sized so a block is ``block_kib`` KiB."""
     page = block_kib * 1024 // 8
-    head_dim = max(1, page // (16 * 8 * 2))
+    head_dim = max(1, page // (16 * BENCH_HEADS * 2))
     blocks_needed = -(-max_mib * 1024 // block_kib)
-    return KVLayout(kind, 4, blocks_needed + blocks_needed // 4 + 1, 16, 8, head_dim, "float16")
+    return KVLayout(kind, 4, blocks_needed + blocks_needed // 4 + 1, 16, BENCH_HEADS, head_dim,
+                    "float16")
 
 
 def pick_blocks(pattern: str, count: int, num_blocks: int, rnd: random.Random):
