@@ -96,6 +96,14 @@ def _read_toml(path: Path) -> dict[str, Any]:
                           fix="check the path, or run from a kvstack checkout") from None
     except tomllib.TOMLDecodeError as e:
         raise RecipeError(f"{path}: malformed TOML: {e}", fix="fix the syntax at that line") from None
+    except IsADirectoryError:
+        raise RecipeError(f"recipe file {path} is a directory", fix="pass a TOML file") from None
+    except UnicodeDecodeError as e:  # tomllib decodes UTF-8 before it parses: a binary file
+        raise RecipeError(f"{path}: not a UTF-8 text file (byte {e.start}: {e.reason})",
+                          fix="pass a TOML file") from None
+    except OSError as e:
+        raise RecipeError(f"recipe file {path} cannot be read: {e.strerror}",
+                          fix="check the path and its permissions") from None
 
 
 def _merge(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
