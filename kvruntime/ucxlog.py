@@ -139,6 +139,7 @@ class UcxLog:
         self._rows: list[str] = []
         self._head: list[str] | None = None  # title and operation rows of the table being read
         self._header = False  # its Range/Description/Config row was read
+        self._open_error: int | None = None  # errno of the last failed open (said once)
         self._lock = threading.Lock()
 
     def read(self) -> list[Lane]:
@@ -164,6 +165,14 @@ class UcxLog:
             self._file = open(self.path, "r", errors="replace")
         except FileNotFoundError:
             return False
+        except OSError as exc:  # EMFILE in a process out of fds: tried again at the next read
+            if self._open_error != exc.errno:  # said once, not every half second
+                self._open_error = exc.errno
+                log.warning("cannot open UCX's log %s yet (%s); UCX's messages follow once it "
+                            "opens", self.path, exc.strerror)
+            return False
+        if self._open_error is not None:
+            log.warning("UCX's log %s is open now; its messages follow", self.path)
         if self._private_dir:
             try:
                 os.unlink(self.path)
@@ -299,8 +308,13 @@ def this_process(env: MutableMapping[str, str] | None = None) -> UcxLog | None:
 
 
 def _follow(reader: UcxLog, stop: threading.Event) -> None:
+    """Re-emit UCX's messages every half second until the process ends; a read that fails
+    (out of fds, a file gone) is tried again, never ends the thread."""
     while not stop.wait(0.5):
-        reader.read()
+        try:
+            reader.read()
+        except Exception:
+            log.exception("reading UCX's log %s; trying again", reader.path)
 
 
 def _finish(reader: UcxLog, stop: threading.Event) -> None:

@@ -143,3 +143,50 @@ def test_lanes_of_an_agent_whose_nixl_leaves_ucx_contexts_unnamed(tmp_path):
     lanes = read(tmp_path, unnamed + CUDA_TCP_TABLE).read()
     assert [lane.transports for lane in ucxlog.lanes_of(lanes, "kvr-decode-1-aa")] == [("tcp",)]
     assert [lane.transports for lane in ucxlog.lanes_of(lanes, "kvr-prefill-2-bb")] == [("cma",)]
+
+
+def test_the_reader_thread_survives_emfile(tmp_path):
+    """A process out of fds when UCX's log first appears: the follower thread (real, started
+    by this_process) says so once and reads the messages once fds are back. Before, the
+    thread died on EMFILE and UCX's messages never reached logging again. In a child process:
+    it lowers its own fd limit."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f'''
+        import logging, os, resource, sys, time
+        from kvruntime import ucxlog
+        records = []
+        class Keep(logging.Handler):
+            def emit(self, record):
+                records.append(record.getMessage())
+        logging.getLogger("kvruntime.ucx").addHandler(Keep())
+        env = {{}}
+        ucxlog.install(env)
+        os.environ.update(env)
+        reader = ucxlog.this_process()
+        path = reader.path
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        held = []
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        with open(path, "w") as f:  # what UCX writes, before we are out of fds
+            f.write({P!r} + "ucs_sys.c:5 UCX  WARN  first words\\n")
+        try:
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        time.sleep(1.2)  # the follower tries (EMFILE) at least twice
+        for fd in held:
+            os.close(fd)
+        deadline = time.time() + 5
+        while not any("first words" in r for r in records) and time.time() < deadline:
+            time.sleep(0.1)
+        print(sum("cannot open UCX's log" in r for r in records),
+              sum("first words" in r for r in records))
+    ''')
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1", "1"], (r.stdout, r.stderr)
