@@ -757,12 +757,12 @@ class DecodeClient:
                 if peer.info.agent == info.agent:  # same name from another address
                     peer.close()
             if info.agent in self.registration.peers:
-                self._remove_agent(info.agent)
+                self.registration.forget_peer(info.agent)
             name = self.agent.add_remote(info.metadata)
             try:
                 self.registration.prepare_peer(name, info.layout, info.regions, info.mem_type)
             except Exception:
-                self._remove_agent(name)
+                self.registration.forget_peer(name)
                 raise
         except BaseException:
             sock.close()
@@ -772,7 +772,7 @@ class DecodeClient:
             peer.head_slice = self._head_slice(info)
         except KVRuntimeError:
             sock.close()
-            self._remove_agent(name)
+            self.registration.forget_peer(name)
             raise
         self._peers[address] = peer
         if self.engine == "nixl":
@@ -944,18 +944,11 @@ class DecodeClient:
                   handle.peer.name, what)
 
     # -- peers -------------------------------------------------------------------------------
-    def _remove_agent(self, name: str) -> None:
-        self.registration.release_peer(name)
-        try:
-            self.agent.remove_remote(name)
-        except KVRuntimeError as exc:
-            log.warning("removing agent %s: %s", name, exc)
-
     def _forget(self, peer: PrefillPeer) -> None:
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
         if peer.agent in self.registration.peers:
-            self._remove_agent(peer.agent)
+            self.registration.forget_peer(peer.agent)
 
     def close(self) -> None:
         if self._closed:

@@ -383,7 +383,7 @@ class PrefillServer:
                     if not write.xfer.abort():
                         running.append(write)
             if not running:
-                self._forget_agent(peer.agent)
+                self.registration.forget_peer(peer.agent)
                 return
             log.warning("%d push(es) to departed %s still in flight; its agent goes once they "
                         "end", len(running), peer.agent)
@@ -398,15 +398,7 @@ class PrefillServer:
                 self._leaving[agent] = left
                 return
             del self._leaving[agent]
-            self._forget_agent(agent)
-
-    def _forget_agent(self, agent: str) -> None:
-        """Release a departed decode's list and agent (under _peers_lock)."""
-        self.registration.release_peer(agent)
-        try:
-            self.agent.remove_remote(agent)
-        except KVRuntimeError as exc:
-            log.warning("removing agent %s: %s", agent, exc)
+            self.registration.forget_peer(agent)
 
     def _handle(self, peer: _Peer, message: dict) -> None:
         kind = message["type"]

@@ -82,6 +82,15 @@ class Registration:
         if handle is not None:
             self._release(handle, f"peer list of {peer_agent}")
 
+    def forget_peer(self, peer_agent: str) -> None:
+        """A peer is gone: its prepared list, then its agent (NIXL's remote metadata, its
+        endpoints) — a failure is logged, the peer is gone either way."""
+        self.release_peer(peer_agent)
+        try:
+            self.agent.remove_remote(peer_agent)
+        except NixlError as exc:
+            log.warning("removing agent %s: %s", peer_agent, exc)
+
     def _release(self, handle, what: str) -> None:
         try:
             with self.agent.lock:

@@ -14,6 +14,7 @@ written whole into its blocks by the decode's next progress in 6 trials of 6: UC
 a posted READ or WRITE (transfer.py).
 """
 
+import contextlib
 import ctypes
 import os
 import random
@@ -85,36 +86,42 @@ class Canaries:
         assert not late, f"{len(late)} block(s) written after their request settled: {late[:8]}"
 
 
-def _connected(client, port):
-    peer = client.connect("127.0.0.1", port)
-    peer.pull([0], [0], timeout=20)  # endpoints wired up
-    return peer
+@contextlib.contextmanager
+def decode_beside(prefill, layout, seed, device="cpu"):
+    """A prefill process and a NIXL decode connected to it (endpoints wired up), its cache
+    zeroed: yields (prefill process, cache, canaries, client, peer)."""
+    options = {} if device == "cpu" else {"device": device, "device_id": 0}
+    with prefill([layout], seed=seed, **options) as (proc, ports):
+        cache = (KVCache.allocate_host(layout) if device == "cpu" else
+                 KVCache.allocate_device(layout, device, 0))
+        cache.fill_value(0)
+        try:
+            with DecodeClient(cache, engine="nixl", device_kind=device) as client:
+                peer = client.connect("127.0.0.1", ports[0])
+                peer.pull([0], [0], timeout=20)
+                yield proc, cache, Canaries(cache), client, peer
+        finally:
+            cache.close()
 
 
 @pytest.mark.parametrize("op", ["pull", "push"])
 def test_deadline_shorter_than_the_transfer(prefill, tls, op):
-    with prefill([BIG], seed=5) as (_proc, ports):
-        cache = KVCache.allocate_host(BIG)
-        cache.fill_value(0)
-        canaries = Canaries(cache)
-        with DecodeClient(cache, engine="nixl") as client:
-            peer = _connected(client, ports[0])
-            start = peer.start_pull if op == "pull" else peer.start_push
-            failed = 0
-            for trial in range(6):
-                dst = list(range(64, 128))
-                handle = start(list(range(64)), dst, request_id=f"{op}{trial}", timeout=0.002)
-                try:
-                    handle.wait()
-                    continue  # it made its deadline: nothing to reuse under the rule
-                except KVRuntimeError:
-                    failed += 1
-                canaries.reuse(handle, dst, 0x40 + trial)
-                keep_progressing(client, 0.2)
-                canaries.check()  # before the next trial writes the same blocks
-            if tls == "tcp":  # cma copies a READ whole as it is posted: it cannot miss
-                assert failed >= 3, f"only {failed} of 6 requests missed a 2 ms deadline"
-        cache.close()
+    with decode_beside(prefill, BIG, 5) as (_proc, cache, canaries, client, peer):
+        start = peer.start_pull if op == "pull" else peer.start_push
+        failed = 0
+        for trial in range(6):
+            dst = list(range(64, 128))
+            handle = start(list(range(64)), dst, request_id=f"{op}{trial}", timeout=0.002)
+            try:
+                handle.wait()
+                continue  # it made its deadline: nothing to reuse under the rule
+            except KVRuntimeError:
+                failed += 1
+            canaries.reuse(handle, dst, 0x40 + trial)
+            keep_progressing(client, 0.2)
+            canaries.check()  # before the next trial writes the same blocks
+        if tls == "tcp":  # cma copies a READ whole as it is posted: it cannot miss
+            assert failed >= 3, f"only {failed} of 6 requests missed a 2 ms deadline"
 
 
 def test_churn_of_short_deadlines(prefill, tls):
@@ -122,154 +129,127 @@ def test_churn_of_short_deadlines(prefill, tls):
     that made it hold the prefill's bytes, the failed ones' reused blocks keep their canary."""
     layout = KVLayout(CROSS_LAYER, 2, 128, 16, 8, 128, "float16")  # 128 KiB blocks
     rnd = random.Random(7)
-    with prefill([layout], seed=6) as (_proc, ports):
-        cache = KVCache.allocate_host(layout)
-        cache.fill_value(0)
-        canaries = Canaries(cache)
-        with DecodeClient(cache, engine="nixl") as client:
-            peer = _connected(client, ports[0])
-            outcomes = {"done": 0, "failed": 0}
-            for round_ in range(4):
-                dsts = list(range(128))
-                rnd.shuffle(dsts)
-                handles = {}
-                for i in range(32):
-                    dst = dsts[4 * i:4 * i + 4]
-                    src = rnd.sample(range(128), 4)
-                    start = peer.start_pull if i % 2 else peer.start_push
-                    h = start(src, dst, request_id=f"c{round_}-{i}",
-                              timeout=rnd.uniform(0.0005, 0.008))
-                    handles[id(h)] = (h, src, dst)
-                finished = []
-                until = time.monotonic() + 30
-                while len(finished) < len(handles) and time.monotonic() < until:
-                    finished += client.get_finished()
-                assert len(finished) == len(handles)
-                good = []
-                for h in finished:
-                    _h, src, dst = handles[id(h)]
-                    if h.ok:
-                        outcomes["done"] += 1
-                        good.append((src, dst))
-                        canaries.blocks = {b: v for b, v in canaries.blocks.items()
-                                           if b not in dst}
-                    else:
-                        outcomes["failed"] += 1
-                        canaries.reuse(h, dst, 0x80 + round_)
-                keep_progressing(client, 0.1)
-                canaries.check()
-                for src, dst in good:
-                    assert peer.digests(src) == cache.block_digests(dst)
-            assert outcomes["failed"] and outcomes["done"], outcomes
-        cache.close()
+    with decode_beside(prefill, layout, 6) as (_proc, cache, canaries, client, peer):
+        outcomes = {"done": 0, "failed": 0}
+        for round_ in range(4):
+            dsts = list(range(128))
+            rnd.shuffle(dsts)
+            handles = {}
+            for i in range(32):
+                dst = dsts[4 * i:4 * i + 4]
+                src = rnd.sample(range(128), 4)
+                start = peer.start_pull if i % 2 else peer.start_push
+                h = start(src, dst, request_id=f"c{round_}-{i}",
+                          timeout=rnd.uniform(0.0005, 0.008))
+                handles[id(h)] = (h, src, dst)
+            finished = []
+            until = time.monotonic() + 30
+            while len(finished) < len(handles) and time.monotonic() < until:
+                finished += client.get_finished()
+            assert len(finished) == len(handles)
+            good = []
+            for h in finished:
+                _h, src, dst = handles[id(h)]
+                if h.ok:
+                    outcomes["done"] += 1
+                    good.append((src, dst))
+                    canaries.blocks = {b: v for b, v in canaries.blocks.items()
+                                       if b not in dst}
+                else:
+                    outcomes["failed"] += 1
+                    canaries.reuse(h, dst, 0x80 + round_)
+            keep_progressing(client, 0.1)
+            canaries.check()
+            for src, dst in good:
+                assert peer.digests(src) == cache.block_digests(dst)
+        assert outcomes["failed"] and outcomes["done"], outcomes
 
 
 def test_push_to_a_prefill_stopped_in_its_write(prefill, stall, tls):
     """The prefill is stopped while its WRITE runs and resumed after the decode gave up: the
     push fails at its deadline unsettled (the WRITE may go on), settles when the resumed
     prefill answers, and the blocks reused from then on keep their canary."""
-    with prefill([BIG], seed=8) as (proc, ports):
-        cache = KVCache.allocate_host(BIG)
-        cache.fill_value(0)
-        canaries = Canaries(cache)
-        with DecodeClient(cache, engine="nixl") as client:
-            peer = _connected(client, ports[0])
-            for trial in range(3):
-                dst = list(range(64, 128))
-                handle = peer.start_push(list(range(64)), dst, request_id=f"s{trial}",
-                                         timeout=0.5)
-                time.sleep(0.003)  # the prefill has read it and posted its WRITE
-                stall(proc.pid)
-                try:
-                    handle.wait()
-                    continue  # it landed before the stop (cma copies as it posts)
-                except KVRuntimeError:
-                    pass
-                finally:
-                    os.kill(proc.pid, signal.SIGCONT)
-                canaries.reuse(handle, dst, 0x20 + trial)
-                keep_progressing(client, 0.3)
-                canaries.check()
-        cache.close()
+    with decode_beside(prefill, BIG, 8) as (proc, cache, canaries, client, peer):
+        for trial in range(3):
+            dst = list(range(64, 128))
+            handle = peer.start_push(list(range(64)), dst, request_id=f"s{trial}",
+                                     timeout=0.5)
+            time.sleep(0.003)  # the prefill has read it and posted its WRITE
+            stall(proc.pid)
+            try:
+                handle.wait()
+                continue  # it landed before the stop (cma copies as it posts)
+            except KVRuntimeError:
+                pass
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            canaries.reuse(handle, dst, 0x20 + trial)
+            keep_progressing(client, 0.3)
+            canaries.check()
 
 
 def test_pull_from_a_killed_prefill(prefill, tls):
     """A prefill killed during a READ: the READ ends in error (UCX notices the peer's end),
     the request settles, and its reused blocks stay as painted."""
-    with prefill([BIG], seed=9) as (proc, ports):
-        cache = KVCache.allocate_host(BIG)
-        cache.fill_value(0)
-        canaries = Canaries(cache)
-        with DecodeClient(cache, engine="nixl") as client:
-            peer = _connected(client, ports[0])
-            stop_at = time.monotonic() + 0.002
-            handle = peer.start_pull(list(range(64)), list(range(64, 128)), timeout=10)
-            while time.monotonic() < stop_at:
-                handle.done()
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)
-            try:
-                handle.wait()
-            except KVRuntimeError:
-                canaries.reuse(handle, list(range(64, 128)), 0x33)
-            keep_progressing(client, 0.3)
-            canaries.check()
-        cache.close()
+    with decode_beside(prefill, BIG, 9) as (proc, cache, canaries, client, peer):
+        stop_at = time.monotonic() + 0.002
+        handle = peer.start_pull(list(range(64)), list(range(64, 128)), timeout=10)
+        while time.monotonic() < stop_at:
+            handle.done()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        try:
+            handle.wait()
+        except KVRuntimeError:
+            canaries.reuse(handle, list(range(64, 128)), 0x33)
+        keep_progressing(client, 0.3)
+        canaries.check()
 
 
 def test_push_to_a_killed_prefill_stays_unsettled(prefill):
     """A push whose prefill dies before answering: the prefill never said its WRITE ended, so
     the request stays unsettled and says what the caller must know before reusing the blocks."""
-    with prefill([BIG], seed=10) as (proc, ports):
-        cache = KVCache.allocate_host(BIG)
-        with DecodeClient(cache, engine="nixl") as client:
-            peer = _connected(client, ports[0])
-            os.kill(proc.pid, signal.SIGSTOP)
-            handle = peer.start_push(list(range(64)), list(range(64, 128)), timeout=5)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.join(10)
-            with pytest.raises(KVRuntimeError) as info:
-                handle.wait()
-            assert handle.settled is False
-            assert "exited" in str(info.value)
-        cache.close()
+    with decode_beside(prefill, BIG, 10) as (proc, _cache, _canaries, _client, peer):
+        os.kill(proc.pid, signal.SIGSTOP)
+        handle = peer.start_push(list(range(64)), list(range(64, 128)), timeout=5)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        with pytest.raises(KVRuntimeError) as info:
+            handle.wait()
+        assert handle.settled is False
+        assert "exited" in str(info.value)
 
 
 @pytest.mark.gpu
 def test_cuda_ipc_pulls_and_pushes_never_land_after_settled(prefill, monkeypatch):
-    """The same rule over CUDA IPC (UCX_TLS=cuda_ipc,cuda_copy,tcp), VRAM on one GPU: run by
-    the lead on the device host; skips without a GPU."""
+    """The same rule over CUDA IPC (UCX_TLS=cuda_ipc,cuda_copy,tcp), VRAM on one GPU, 0.2 ms
+    deadlines for 128 MiB: run by the lead on the device host; skips without a GPU."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     monkeypatch.setenv("UCX_TLS", "cuda_ipc,cuda_copy,tcp")
     layout = KVLayout(CROSS_LAYER, 8, 128, 64, 8, 128, "float16")  # 2 MiB blocks, 256 MiB
-    with prefill([layout], seed=11, device="cuda", device_id=0) as (_proc, ports):
-        cache = KVCache.allocate_device(layout, "cuda", 0)
-        cache.fill_value(0)
-        with DecodeClient(cache, engine="nixl", device_kind="cuda") as client:
-            peer = _connected(client, ports[0])
-            checked = 0
-            for trial in range(8):
-                start = peer.start_pull if trial % 2 else peer.start_push
-                dst = list(range(64, 128))
-                handle = start(list(range(64)), dst, request_id=f"g{trial}", timeout=0.0002)
-                try:
-                    handle.wait()
-                    continue
-                except KVRuntimeError:
-                    pass
-                assert handle.wait_settled(30), handle.error
-                value = 0x50 + trial
-                for t in cache._byte_views():
-                    for b in dst:
-                        for _region, offset, length in layout.block_extents(b):
-                            t[offset:offset + length].fill_(value)
-                cache.synchronize()
-                keep_progressing(client, 0.2)
-                views = cache._byte_views()
-                for b in dst:
-                    for _region, offset, length in layout.block_extents(b):
-                        assert bool((views[0][offset:offset + length] == value).all()), b
-                checked += 1
-        cache.close()
+
+    def blocks(cache, dst):
+        view = cache._byte_views()[0]  # cross_layer: one region
+        return [view[o:o + n] for b in dst for _r, o, n in layout.block_extents(b)]
+
+    with decode_beside(prefill, layout, 11, "cuda") as (_proc, cache, _c, client, peer):
+        reused = []
+        for trial in range(8):
+            start = peer.start_pull if trial % 2 else peer.start_push
+            dst = list(range(64, 128))
+            handle = start(list(range(64)), dst, request_id=f"g{trial}", timeout=0.0002)
+            try:
+                handle.wait()
+                continue
+            except KVRuntimeError:
+                pass
+            assert handle.wait_settled(30), handle.error
+            for piece in blocks(cache, dst):  # reused under the rule
+                piece.fill_(0x50 + trial)
+            cache.synchronize()
+            keep_progressing(client, 0.2)
+            assert all(bool((piece == 0x50 + trial).all()) for piece in blocks(cache, dst))
+            reused.append(trial)
+        assert reused, "no request missed a 0.2 ms deadline for 128 MiB"

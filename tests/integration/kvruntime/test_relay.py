@@ -6,6 +6,7 @@ written where the relay pointed. Real NIXL agents and a relay process between th
 Before (protocol 10): the decode reported every such push OK, with the wrong blocks written or
 nothing written at all."""
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -97,20 +98,26 @@ def relay():
         proc.wait()
 
 
-def _pair():
+@contextlib.contextmanager
+def through(relay, mode, engine="auto"):
+    """A prefill server and a decode connected to it through a relay in ``mode``: yields
+    (server, peer, the decode's cache)."""
     src, dst = KVCache.allocate_host(LAYOUT), KVCache.allocate_host(LAYOUT)
     src.fill_random(3)
     dst.fill_value(0)
-    return src, dst
+    try:
+        with PrefillServer(src, secret=b"k") as server, \
+                DecodeClient(dst, secret=b"k", engine=engine) as client:
+            yield server, client.connect("127.0.0.1", relay(server.address[1], mode)), dst
+    finally:
+        src.close()
+        dst.close()
 
 
 @pytest.mark.parametrize("mode", ["push_ids", "forge_pushed", "replay"])
 def test_a_relay_cannot_rewrite_forge_or_replay_frames(relay, mode):
-    src, dst = _pair()
-    zero = dst.block_digest(0)
-    with PrefillServer(src, secret=b"k") as server, \
-            DecodeClient(dst, secret=b"k") as client:
-        peer = client.connect("127.0.0.1", relay(server.address[1], mode))
+    with through(relay, mode) as (server, peer, dst):
+        zero = dst.block_digest(0)
         # the relay holds the decode's connection, not the prefill: no same-node proof
         assert peer.engine == "nixl", peer.engine_reason
         assert "does not hold the side channel's other end" in peer.engine_reason
@@ -124,30 +131,18 @@ def test_a_relay_cannot_rewrite_forge_or_replay_frames(relay, mode):
         assert dst.block_digests([9, 10, 11, 12]) == [zero] * 4
         if mode == "push_ids":  # the prefill read the rewritten push and refused it
             assert any("failed its MAC" in why for _addr, why in server.stats.refused)
-    src.close()
-    dst.close()
 
 
 def test_frames_through_an_honest_relay_still_work(relay):
-    src, dst = _pair()
-    with PrefillServer(src, secret=b"k") as server, \
-            DecodeClient(dst, secret=b"k", engine="nixl") as client:
-        peer = client.connect("127.0.0.1", relay(server.address[1], "none"))
+    with through(relay, "none", "nixl") as (_server, peer, dst):
         for i in range(3):
             peer.push([i, 7], [20 + i, 27], timeout=10)
             peer.pull([i + 3], [i + 12], timeout=10)
         assert peer.digests([0, 1, 2, 3, 4, 5]) == dst.block_digests([20, 21, 22, 12, 13, 14])
-    src.close()
-    dst.close()
 
 
 def test_a_tampered_frame_is_named_in_the_error(relay):
     """The decode's own read of a forged reply: the error names the MAC."""
-    src, dst = _pair()
-    with PrefillServer(src, secret=b"k") as server, \
-            DecodeClient(dst, secret=b"k", engine="nixl") as client:
-        peer = client.connect("127.0.0.1", relay(server.address[1], "forge_pushed"))
+    with through(relay, "forge_pushed", "nixl") as (_server, peer, _dst):
         with pytest.raises(KVRuntimeError, match="failed its MAC"):
             peer.push([3], [10], timeout=10)
-    src.close()
-    dst.close()
