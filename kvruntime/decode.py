@@ -360,7 +360,7 @@ class PrefillPeer:
         """A NIXL notification from this peer's agent: a push of its own that has landed.
         Returns why it was ignored, if it was."""
         try:
-            message = frames.parse_notif(raw)
+            message = frames.parse_notif(raw, self.session)
         except KVRuntimeError as exc:
             return str(exc)
         request = message.get("request")

@@ -50,7 +50,8 @@ HEADER = struct.Struct(">4sI")
 #    its ids (src_spans).
 # 10: a same-node prefill also writes each ready into a ring in its memory that the decode reads
 #     as it polls (mailbox.py: the offer's "mailbox"); the ready's frame says so ("ring").
-# 11: every frame after the handshake carries a MAC over it and its sequence number (Session).
+# 11: every frame after the handshake carries a MAC over it and its sequence number, and every
+#     NIXL notification a MAC of its own (Session).
 PROTOCOL_VERSION = 11
 MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")
@@ -114,7 +115,22 @@ class Session:
         # keyed once: a copy of a keyed hasher costs ~0.2 µs, keying one ~1 µs (2-core host)
         self._send_key, self._recv_key = (hashlib.blake2b(key=k, digest_size=MAC_BYTES)
                                           for k in (send_key, recv_key))
+        # NIXL notifications (a push the prefill starts) travel beside the frames, unordered
+        # with them: keys of their own, no count (the request id they name is what they match)
+        self._notif_send, self._notif_recv = (
+            hashlib.blake2b(key=k, digest_size=MAC_BYTES, person=b"kvr-notif")
+            for k in (send_key, recv_key))
         self._sent = self._received = 0
+
+    def seal_notif(self, payload: bytes) -> bytes:
+        return _with_tag(payload, self._tag(self._notif_send, 0, payload))
+
+    def check_notif(self, payload: bytes) -> bytes:
+        """A notification's payload without its tag; FrameError when it fails."""
+        bare, got = _without_tag(payload, "notification")
+        if not hmac.compare_digest(got, self._tag(self._notif_recv, 0, bare)):
+            raise FrameError("notification failed its MAC (forged or changed on the way)")
+        return bare
 
     @staticmethod
     def _tag(keyed, seq: int, payload: bytes) -> bytes:
@@ -132,26 +148,36 @@ class Session:
         """``payload`` with its tag as the JSON's last field (before any packed bytes)."""
         tag = self._tag(self._send_key, self._sent, payload)
         self._sent += 1
-        cut = payload.find(TAIL)
-        cut = len(payload) if cut < 0 else cut
-        return b"".join((payload[:cut - 1], _MAC_OPEN, tag, _MAC_CLOSE, payload[cut:]))
+        return _with_tag(payload, tag)
 
     def check(self, payload: bytes) -> bytes:
         """The payload without its tag, once the tag is the next one expected; FrameError."""
-        cut = payload.find(TAIL)
-        cut = len(payload) if cut < 0 else cut
-        text = payload[:cut]
         seq = self._received
-        if (len(text) <= _MAC_SUFFIX or text[-_MAC_SUFFIX:-_MAC_SUFFIX + len(_MAC_OPEN)] != _MAC_OPEN
-                or not text.endswith(_MAC_CLOSE)):
-            raise FrameError(f"frame {seq} after the handshake carries no MAC")
-        got = text[-_MAC_SUFFIX + len(_MAC_OPEN):-len(_MAC_CLOSE)]
-        bare = b"".join((text[:-_MAC_SUFFIX], b"}", payload[cut:]))
+        bare, got = _without_tag(payload, f"frame {seq} after the handshake")
         if not hmac.compare_digest(got, self._tag(self._recv_key, seq, bare)):
             raise FrameError(f"frame {seq} after the handshake failed its MAC: changed, forged, "
                              f"replayed, reordered or dropped on the way")
         self._received = seq + 1
         return bare
+
+
+def _with_tag(payload: bytes, tag: bytes) -> bytes:
+    """``payload`` with ``tag`` as its JSON's last field, "mac" (before any packed bytes)."""
+    cut = payload.find(TAIL)
+    cut = len(payload) if cut < 0 else cut
+    return b"".join((payload[:cut - 1], _MAC_OPEN, tag, _MAC_CLOSE, payload[cut:]))
+
+
+def _without_tag(payload: bytes, what: str) -> tuple[bytes, bytes]:
+    """(the payload as it was sealed, its tag); FrameError naming ``what`` when it has none."""
+    cut = payload.find(TAIL)
+    cut = len(payload) if cut < 0 else cut
+    text = payload[:cut]
+    if (len(text) <= _MAC_SUFFIX or text[-_MAC_SUFFIX:-_MAC_SUFFIX + len(_MAC_OPEN)] != _MAC_OPEN
+            or not text.endswith(_MAC_CLOSE)):
+        raise FrameError(f"{what} carries no MAC")
+    got = text[-_MAC_SUFFIX + len(_MAC_OPEN):-len(_MAC_CLOSE)]
+    return b"".join((text[:-_MAC_SUFFIX], b"}", payload[cut:])), got
 
 
 def encode_frame(message: dict, max_size: int = DEFAULT_MAX_FRAME,
@@ -207,22 +233,27 @@ def decode_frame(data: bytes, max_size: int = DEFAULT_MAX_FRAME) -> dict:
     return parse_payload(payload)
 
 
-def encode_notif(message: dict) -> bytes:
+def encode_notif(message: dict, session: Session | None = None) -> bytes:
     """A message for a NIXL notification: the payload of a frame, with no header (NIXL
-    delivers it whole), at most ``MAX_NOTIF`` bytes."""
+    delivers it whole), sealed with ``session``'s notification key, at most ``MAX_NOTIF``
+    bytes."""
     payload = _payload(message)
+    if session is not None:
+        payload = session.seal_notif(payload)
     if len(payload) > MAX_NOTIF:
         raise FrameError(f"notification of {len(payload)} bytes exceeds {MAX_NOTIF}")
     return payload
 
 
-def parse_notif(raw) -> dict:
-    """A NIXL notification's message, checked as a frame's payload; FrameError otherwise."""
+def parse_notif(raw, session: Session | None = None) -> dict:
+    """A NIXL notification's message, checked against ``session``'s MAC and as a frame's
+    payload; FrameError otherwise."""
     if not isinstance(raw, (bytes, bytearray)):
         raise FrameError(f"notification is {type(raw).__name__}, not bytes")
     if len(raw) > MAX_NOTIF:
         raise FrameError(f"notification of {len(raw)} bytes exceeds {MAX_NOTIF}")
-    return parse_payload(bytes(raw))
+    raw = bytes(raw)
+    return parse_payload(raw if session is None else session.check_notif(raw))
 
 
 def _recv_exact(sock: socket.socket, n: int, deadline: float | None) -> bytes:

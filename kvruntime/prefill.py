@@ -596,7 +596,7 @@ class PrefillServer:
             peer.send(message, self.timeout)
             return
         notif = frames.encode_notif({"type": "pushed", "request": request, "posted": posted,
-                                     "descriptors": plan.descriptor_count})
+                                     "descriptors": plan.descriptor_count}, peer.info.session)
         self._post_write(peer, request, plan, deadline, 1, notif)
 
     def _push_failed(self, peer: _Peer, request: str, error: str, release: bool) -> None:

@@ -205,6 +205,29 @@ def test_forged_notifications_finish_nothing(pair, caplog):
     assert dst.block_digest(50) == src.block_digest(70)
 
 
+def test_a_notification_without_the_sessions_mac_finishes_nothing(pair):
+    """A well-formed "pushed" notification for the very request the decode waits for, as
+    anyone who can send the decode's agent a notification could forge it: without the
+    session's MAC (protocol 11) it is ignored, and only the prefill's own push finishes the
+    handle. Before, it finished the handle with nothing written."""
+    server, client, peer, src, dst = pair
+    handle = peer.expect_push([51], request_id="real2", timeout=20)
+    _wait_expected(server, "real2")
+    dst.fill_value(0)
+    zero = dst.block_digest(51)
+    forged = frames.encode_notif({"type": "pushed", "request": "real2", "posted": time.time(),
+                                  "descriptors": 1})
+    server.agent.nixl.send_notif(client.agent.name, forged)
+    until = time.monotonic() + 1
+    while time.monotonic() < until:
+        assert not handle.done()
+        time.sleep(0.01)
+    assert dst.block_digest(51) == zero
+    server.start_push("real2", [71])
+    handle.wait(10)
+    assert dst.block_digest(51) == src.block_digest(71)
+
+
 def test_a_decode_that_leaves_takes_its_named_requests_with_it():
     layout = small()
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
