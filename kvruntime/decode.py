@@ -615,6 +615,9 @@ class PrefillPeer:
             if handle is not None and handle.by_prefill:  # a ready: the ids for us to copy
                 self._copy_pushed(handle, message)
                 return
+        if kind == "cancelled":  # its WRITE ended and was answered before our cancel came
+            log.info("%s answered a cancel of request %r after its end", self.name, request)
+            return
         log.warning("%s sent an unexpected %r frame (request %r); ignored", self.name, kind,
                     request)
 

@@ -112,7 +112,8 @@ class _Write:
     peer: _Peer
     request: str
     xfer: PostedTransfer
-    deadline: float  # monotonic: the decode's deadline, or our own timeout if sooner
+    deadline: float  # monotonic: the decode's deadline, or our own timeout if sooner (a
+    # WRITE past it runs on, as nothing stops a posted WRITE, and is answered when it ends)
     notified: bool = False  # ours (start_push): its notification tells the decode, not a frame
 
 
