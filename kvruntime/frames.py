@@ -153,7 +153,7 @@ class Session:
     def check(self, payload: bytes) -> bytes:
         """The payload without its tag, once the tag is the next one expected; FrameError."""
         seq = self._received
-        bare, got = _without_tag(payload, f"frame {seq} after the handshake")
+        bare, got = _without_tag(payload, "a frame after the handshake")
         if not hmac.compare_digest(got, self._tag(self._recv_key, seq, bare)):
             raise FrameError(f"frame {seq} after the handshake failed its MAC: changed, forged, "
                              f"replayed, reordered or dropped on the way")
@@ -171,13 +171,14 @@ def _with_tag(payload: bytes, tag: bytes) -> bytes:
 def _without_tag(payload: bytes, what: str) -> tuple[bytes, bytes]:
     """(the payload as it was sealed, its tag); FrameError naming ``what`` when it has none."""
     cut = payload.find(TAIL)
-    cut = len(payload) if cut < 0 else cut
-    text = payload[:cut]
-    if (len(text) <= _MAC_SUFFIX or text[-_MAC_SUFFIX:-_MAC_SUFFIX + len(_MAC_OPEN)] != _MAC_OPEN
-            or not text.endswith(_MAC_CLOSE)):
+    if cut < 0:
+        cut = len(payload)
+    start = cut - _MAC_SUFFIX  # where the tag's field begins
+    if start <= 0 or not payload.startswith(_MAC_OPEN, start) \
+            or not payload.startswith(_MAC_CLOSE, cut - 2):
         raise FrameError(f"{what} carries no MAC")
-    got = text[-_MAC_SUFFIX + len(_MAC_OPEN):-len(_MAC_CLOSE)]
-    return b"".join((text[:-_MAC_SUFFIX], b"}", payload[cut:])), got
+    return (payload[:start] + b"}" + payload[cut:],
+            payload[start + len(_MAC_OPEN):cut - len(_MAC_CLOSE)])
 
 
 def encode_frame(message: dict, max_size: int = DEFAULT_MAX_FRAME,
