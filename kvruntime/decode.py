@@ -723,6 +723,9 @@ class DecodeClient:
         # the failed handles that settled since get_settled was last called
         self._draining = Draining()
         self._late_settled: list[TransferHandle] = []
+        # agents of closed peers whose removal waits for their drained copies (NIXL's remote
+        # metadata, the rkeys a READ in flight uses, must outlive it)
+        self._leaving: set[str] = set()
         self.staging: StagingPool | None = None
         self._scratch: Scratch | None = None  # the lane probe's destination (registration.py)
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
@@ -759,6 +762,12 @@ class DecodeClient:
             for peer in list(self._peers.values()):
                 if peer.info.agent == info.agent:  # same name from another address
                     peer.close()
+            if info.agent in self._leaving:  # the last connection's READs: wait them out
+                self._draining.drain(timeout)
+                self._poll_draining()
+                if info.agent in self._leaving:
+                    raise PeerError(f"READs of the last connection to {host}:{port} are still "
+                                    f"in flight after {timeout:.1f}s; connect again later")
             if info.agent in self.registration.peers:
                 self.registration.forget_peer(info.agent)
             name = self.agent.add_remote(info.metadata)
@@ -825,7 +834,7 @@ class DecodeClient:
                 raise TransferError(f"{peer.name}: the connect-time probe READ failed")
         finally:
             if not probe.abort():  # still in flight: released once UCX ends it
-                self._draining.add(probe, lambda: None)
+                self._draining.add(probe, lambda: None, peer.agent)
         peer.lanes = self.agent.lanes()
         self.agent.check_device_lanes(peer.name, self._scratch.mem_type == "VRAM",
                                       peer.info.mem_type == "VRAM")
@@ -871,7 +880,15 @@ class DecodeClient:
         (a prefill's answer settles a push)."""
         for peer in list(self._peers.values()):
             peer._pump()
+        self._poll_draining()
+
+    def _poll_draining(self) -> None:
+        """Poll the drained copies; a closed peer's agent goes once none of them uses it."""
         self._draining.poll()
+        for agent in [a for a in list(self._leaving) if not self._draining.holds(a)]:
+            self._leaving.discard(agent)
+            if agent in self.registration.peers:
+                self.registration.forget_peer(agent)
 
     def _settled_late(self, handle: TransferHandle) -> None:
         with self._lock:
@@ -922,8 +939,8 @@ class DecodeClient:
         if not self._progress_lock.acquire(blocking=False):
             return
         try:
-            if len(self._draining):  # failed copies still in flight: settled as they end
-                self._draining.poll()
+            if len(self._draining) or self._leaving:  # failed copies still in flight
+                self._poll_draining()
             try:
                 notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
             except KVRuntimeError as exc:
@@ -950,7 +967,9 @@ class DecodeClient:
     def _forget(self, peer: PrefillPeer) -> None:
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
-        if peer.agent in self.registration.peers:
+        if self._draining.holds(peer.agent):  # removed once its copies in flight end
+            self._leaving.add(peer.agent)
+        elif peer.agent in self.registration.peers:
             self.registration.forget_peer(peer.agent)
 
     def close(self) -> None:

@@ -242,7 +242,7 @@ class TransferHandle:
             self._give_back(xfer, nixl)
             self.peer.client._settled_late(self)
 
-        self.peer.client._draining.add(xfer, ended)
+        self.peer.client._draining.add(xfer, ended, self.peer.agent)
 
     def _give_back(self, xfer, nixl: bool) -> None:
         """A failed copy that nothing reads any more (it ended, or was aborted): the prefill

@@ -503,7 +503,7 @@ class StagedPull(CopyJob):
                         pool.release(local, units)
 
                 for xfer in running:
-                    self.peer.client._draining.add(xfer, ended)
+                    self.peer.client._draining.add(xfer, ended, self.peer.agent)
         if not self._unstaged and not self.peer._broken:  # gone: the prefill frees ours
             self._unstaged = True
             try:

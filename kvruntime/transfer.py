@@ -178,12 +178,17 @@ class Draining:
         self._items: list = []
         self._lock = threading.Lock()
 
-    def add(self, xfer, on_end) -> None:
+    def add(self, xfer, on_end, owner: str | None = None) -> None:
+        """``owner``: the remote agent it reads from or writes to (whose metadata it uses)."""
         with self._lock:
-            self._items.append((xfer, on_end))
+            self._items.append((xfer, on_end, owner))
 
     def __len__(self) -> int:
         return len(self._items)
+
+    def holds(self, owner: str) -> bool:
+        with self._lock:
+            return any(o == owner for _x, _e, o in self._items)
 
     def poll(self) -> int:
         """Poll each once; end those done. Returns how many are still in flight."""
@@ -192,9 +197,10 @@ class Draining:
         with self._lock:
             items, self._items = self._items, []
         left = []
-        for xfer, on_end in items:
+        for item in items:
+            xfer, on_end, _owner = item
             if xfer.poll() == "PROC":
-                left.append((xfer, on_end))
+                left.append(item)
                 continue
             xfer.finish()
             try:

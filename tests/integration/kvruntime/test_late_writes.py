@@ -253,3 +253,27 @@ def test_cuda_ipc_pulls_and_pushes_never_land_after_settled(prefill, monkeypatch
             assert all(bool((piece == 0x50 + trial).all()) for piece in blocks(cache, dst))
             reused.append(trial)
         assert reused, "no request missed a 0.2 ms deadline for 128 MiB"
+
+
+def test_a_closed_peers_agent_outlives_its_reads_in_flight(prefill, stall, monkeypatch):
+    """A pull from a stopped prefill fails unsettled; closing the peer keeps the prefill's
+    agent (NIXL's remote metadata, which the READ in flight uses) until the READ ends, and the
+    request settles once the resumed prefill lets it end."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with decode_beside(prefill, BIG, 12) as (proc, cache, canaries, client, peer):
+        stall(proc.pid)
+        try:
+            handle = peer.start_pull(list(range(64)), list(range(64, 128)), timeout=0.2)
+            with pytest.raises(KVRuntimeError, match="settled"):
+                handle.wait()
+            assert handle.settled is False
+            agent = peer.agent
+            peer.close()
+            client.get_finished()
+            assert agent in client.registration.peers  # kept while its READ is in flight
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        canaries.reuse(handle, list(range(64, 128)), 0x61)  # waits for it to settle
+        keep_progressing(client, 0.2)
+        assert agent not in client.registration.peers
+        canaries.check()
