@@ -245,9 +245,9 @@ class TransferHandle:
         self.peer.client._draining.add(xfer, ended, self.peer.agent)
 
     def _give_back(self, xfer, nixl: bool) -> None:
-        """A failed copy that nothing reads any more (it ended, or was aborted): the prefill
-        may free its blocks now, not at its engine's own timeout. One that may still read
-        them (a READ that could not be aborted) never gets here."""
+        """A failed copy that nothing reads any more (it has ended): the prefill may free its
+        blocks now, not at its engine's own timeout. One still in flight gets here once it
+        ends (drained)."""
         if nixl:
             self.peer._release_later([self.request_id])
         else:
