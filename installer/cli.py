@@ -53,6 +53,10 @@ def _install_parser() -> argparse.ArgumentParser:
                                + "\n\nWith no verb: install. `python -m installer VERB --help` shows a verb's options; "
                                  "install's follow.")
     inst.add_argument("--platform", choices=recipemod.PLATFORMS, help="default: detected (NVIDIA driver: cuda; Intel GPU: xpu; else cpu)")
+    inst.add_argument("--variant", metavar="NAME",
+                      help="a named choice within the platform (recipes/variants/): xpu's ze-ipc pins UCX at the "
+                           "unreleased upstream pull request that adds ze_ipc (single-node Intel GPUs); default: the "
+                           "platform's release pins")
     inst.add_argument("--prefix", type=Path, default=None, help="install location, a symlink to the current build (default: ~/.local/kvstack or $KVSTACK_PREFIX)")
     inst.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default: CPUs available)")
     inst.add_argument("--component-jobs", type=int, default=None, metavar="N",
@@ -181,7 +185,7 @@ def _resolve(args) -> planmod.Plan:
         platform, reason = args.platform, "chosen with --platform"
     else:
         platform, reason = detect.detect_platform()
-    recipe = recipemod.load(platform, args.recipe_overlay, recipes_dir=args.recipes)
+    recipe = recipemod.load(platform, args.recipe_overlay, recipes_dir=args.recipes, variant=args.variant)
     jobs = args.jobs if args.jobs is not None else planmod.default_jobs()
     return planmod.make_plan(recipe, prefix=args.prefix or planmod.default_prefix(),
                              cache_dir=args.cache_dir or planmod.default_cache_dir(), jobs=jobs,
