@@ -175,7 +175,11 @@ class Plan:
         if "level_zero" in v:
             lines.append(f"          (no Intel GPU: Level Zero null driver from {v['level_zero']['null_driver_source']}, "
                          f"mark {v['level_zero']['mark']!r})")
-        lines.append("  moved:  python -m kvruntime selftest on the new stack")
+        if "policy" in v:
+            lines.append(f"          kvruntime's UCX_TLS for {v['policy']['device']} memory on one node from that list: "
+                         f"{v['policy']['ucx_tls'] or '(left to UCX)'}")
+        device = "" if self.kv_buffer != "device" else f", {self.platform} memory where the device is here"
+        lines.append(f"  moved:  python -m kvruntime selftest on the new stack: host memory always{device}")
         return "\n".join(lines)
 
 

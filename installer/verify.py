@@ -3,7 +3,8 @@
 built   the files are there, `ucx_info -b` shows the platform's defines and modules, ldd resolves
         every library and plugin;
 loaded  `ucx_info -d` lists the platform's transports and memory domains (xpu with no Intel GPU:
-        through the Level Zero null driver), and NIXL's module loads its plugins;
+        through the Level Zero null driver), kvruntime's transport policy makes the recipe's
+        choice from that list, and NIXL's module loads its plugins;
 moved   kvruntime's self-test moves KV blocks between two processes on this build, every byte
         checked: host memory always (no device needed), device memory where the device is here.
 A level that cannot run here is reported as skipped with the reason, never as passed: the verdict
@@ -32,6 +33,13 @@ if TYPE_CHECKING:  # annotations only: plan imports nothing of verify, and verif
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 NO_NIXL = "this recipe builds no NIXL"
+POLICY_PROBE = r"""
+import json, sys
+from kvruntime.transports import describe, ucx_settings
+device, offered = sys.argv[1], set(filter(None, sys.argv[2].split(",")))
+added = ucx_settings(device, {}, offered)
+print(json.dumps({"added": added, "why": describe(added, {}, device, offered)}))
+"""
 NIXL_PROBE = r"""
 import importlib, json, sys
 mod = sys.argv[1]
@@ -189,6 +197,8 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
         marked = [l.strip("# ").strip() for l in text.splitlines() if lz["mark"] in l]
         checks.append(_check(f"ze_cpy shows {lz['mark']!r}", bool(marked),
                              (note + "; " if note else "") + (marked[0] if marked else "no such line in ze_cpy")))
+    if "policy" in spec and res.returncode == 0:
+        checks.append(_policy(spec["policy"], dev["transports"], env, python))
     if "nixl" not in components or "nixl" not in spec:
         return _level(checks)
     module = envfile.nixl_module(build_dir, spec["nixl"]["module"])
@@ -210,17 +220,41 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
     return _level(checks)
 
 
+def _kvruntime_env(env: dict[str, str], python: str) -> dict[str, str] | None:
+    """The environment in which ``python`` imports kvruntime: this checkout's, else an installed
+    one (the container image's runtime stage carries no checkout); None when neither."""
+    if (REPO_ROOT / "kvruntime" / "__main__.py").exists():
+        return envfile.apply({"PYTHONPATH": str(REPO_ROOT)}, env)
+    if _run([python, "-c", "import kvruntime"], env, timeout=60).returncode == 0:
+        return env
+    return None
+
+
+def _policy(want: dict, offered: list[str], env: dict[str, str], python: str) -> dict[str, Any]:
+    """kvruntime's UCX choice for the recipe's device kind, made from the transports this build's
+    own `ucx_info -d` just listed, as a process with no UCX_* of its own would make it."""
+    name = f"kvruntime's UCX_TLS for {want['device']} memory on one node"
+    renv = _kvruntime_env(env, python)
+    if renv is None:
+        return _not_here(name, f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by {python}")
+    r = _run([python, "-c", POLICY_PROBE, want["device"], ",".join(offered)], renv, timeout=60)
+    try:
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return _check(name, False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-300:]}")
+    tls = got["added"].get("UCX_TLS", "")
+    return _check(name, tls == want["ucx_tls"], f"{'UCX_TLS=' + tls if tls else 'UCX_TLS left to UCX'}, "
+                  f"expected {want['ucx_tls'] or 'left to UCX'}; " + "; ".join(got["why"]))
+
+
 def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, components: list[str],
           timeout: int = 600) -> dict[str, Any]:
     """Host memory always moves (no device needed); the platform's device memory where this host
     has the device, else those modes are shown as not checked here."""
     if "nixl" not in components:
         return _level([], skipped=NO_NIXL)
-    if (REPO_ROOT / "kvruntime" / "__main__.py").exists():
-        renv = envfile.apply({"PYTHONPATH": str(REPO_ROOT)}, env)
-    elif _run([python, "-c", "import kvruntime"], env, timeout=60).returncode == 0:
-        renv = env  # an installed kvstack (the container image's runtime stage carries no checkout)
-    else:
+    renv = _kvruntime_env(env, python)
+    if renv is None:
         return _level([], skipped=f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by {python}")
     # every memory kind and engine this host offers, over this build; the mixed-TP pairs test
     # kvruntime's head arithmetic, not the stack (`python -m kvruntime selftest` runs them)
