@@ -81,6 +81,8 @@ def _mirror_parser() -> argparse.ArgumentParser:
     mir = _Parser(prog="python -m installer mirror", description="Fill DIR with every pinned source, for --mirror on an air-gapped host.")
     mir.add_argument("dir", type=Path)
     mir.add_argument("--platform", action="append", choices=recipemod.PLATFORMS, help="repeatable (default: all platforms)")
+    mir.add_argument("--variant", metavar="NAME", help="each platform's variant of this name (e.g. --platform xpu "
+                     "--variant ze-ipc) instead of its release pins")
     mir.add_argument("--from", dest="source_mirror", help="copy from another mirror instead of upstream")
     mir.add_argument("--python", default=sys.executable, help="the Python whose build-tool wheels to add (default: this one)")
     mir.add_argument("--recipe-overlay", type=Path, action="append", default=[], metavar="TOML",
@@ -208,7 +210,7 @@ def _install(args) -> int:
 
 def _mirror(args) -> int:
     platforms = args.platform or list(recipemod.PLATFORMS)
-    recipes = [recipemod.load(p, args.recipe_overlay, recipes_dir=args.recipes) for p in platforms]
+    recipes = [recipemod.load(p, args.recipe_overlay, recipes_dir=args.recipes, variant=args.variant) for p in platforms]
     cache = Cache(args.cache_dir or planmod.default_cache_dir())
     records = mirror.fill(args.dir, recipes, Fetcher(cache, args.source_mirror))
     if not args.no_wheels:
