@@ -56,10 +56,11 @@ def test_this_host_allows_process_vm_writev_or_says_why():
 
 
 def _report(built, loaded, moved):
-    ok, skip = verify._level([verify._check("a", True, "")]), verify._level([], skipped="no Intel GPU here")
-    levels = {"built": built, "loaded": loaded, "moved": moved}
-    levels = {k: ok if v == "passed" else skip if v == "skipped" else verify._level([verify._check("b", False, "")])
-              if v == "failed" else verify._level([], skipped=verify.NO_NIXL) for k, v in levels.items()}
+    make = {"passed": lambda: verify._level([verify._check("a", True, "")]),
+            "skipped": lambda: verify._level([], skipped="no Intel GPU here"),
+            "failed": lambda: verify._level([verify._check("b", False, "")]),
+            "no nixl": lambda: verify._level([], skipped=verify.NO_NIXL)}
+    levels = {"built": make[built](), "loaded": make[loaded](), "moved": make[moved]()}
     return {"levels": levels, "ok": verify.passes(levels)}
 
 
@@ -74,6 +75,10 @@ def test_a_level_that_could_not_run_is_never_read_as_passed():
                                        "not run here: loaded (no Intel GPU here)")
     assert not _report("passed", "skipped", "skipped")["ok"]
     assert verify.verdict(_report("passed", "skipped", "skipped")) == "verification FAILED"
+    unchecked = _report("passed", "passed", "passed")
+    unchecked["levels"]["moved"]["checks"].append(verify._not_here("moved xpu/cross_layer/pull/nixl", "no xpu device"))
+    assert verify.verdict(unchecked) == ("verification passed; 1 checks not made here, e.g. "
+                                         "moved xpu/cross_layer/pull/nixl (no xpu device)")
     # a UCX-only recipe (no NIXL to move bytes with) is the one build that may finish unmoved
     ucx_only = _report("passed", "passed", "no nixl")
     assert ucx_only["ok"] and verify.verdict(ucx_only).endswith("not run here: moved (this recipe builds no NIXL)")
