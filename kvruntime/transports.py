@@ -127,8 +127,9 @@ def offered_transports(timeout: float = 10.0) -> set[str] | None:
         out = subprocess.run([tool, "-d"], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
+    # ucx_info indents inside the comment: "#      Transport: ze_ipc"
     return {line.split(":", 1)[1].strip() for line in out.stdout.splitlines()
-            if line.strip().startswith("# Transport:")}
+            if line.lstrip("# \t").startswith("Transport:")}
 
 
 def xpu_tls(env: Mapping[str, str], offered: set[str] | None) -> tuple[str | None, str]:
