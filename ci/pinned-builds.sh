@@ -26,9 +26,10 @@ fi
 mkdir -p "$out"
 # The three builds compile much the same code (Abseil is the same source and flags in each: ~100 s a
 # build on 2 cores): with ccache (ci/test.sh installs it) a later build takes an identical compile's
-# object from the earlier one. Paths under _work/pinned are hashed relative to it, so one build id's
-# work directory matches another's; the compiler and everything it reads still are, so what is
-# built does not change (objects with debug info keep their directory in the hash).
+# object from an earlier one. For one build's work directory to match another's, ccache's base_dir
+# hands the compiler paths under _work/pinned relative to its directory: __FILE__ strings in these
+# builds (UCX's, e.g. "../../../../src/ucx/src/ucs/async/async.c") are relative, so they are not
+# byte for byte the build of an uncached install with the same build id (CI compares none).
 if [ -d /usr/lib/ccache ] && command -v ccache >/dev/null; then
   export PATH=/usr/lib/ccache:$PATH CCACHE_DIR=$out/ccache CCACHE_BASEDIR=$out
 fi
