@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command of README.md. Installs what the tests need on a fresh Debian/Ubuntu machine
-# (as root; otherwise it says what is missing), then runs the fast and integration suites, and
-# last, in a step of its own, the long real builds.
+# (as root; otherwise it says what is missing), builds the pinned stacks from the offline mirror
+# (ci/pinned-builds.sh: cpu, xpu, xpu ze-ipc, each verified), then runs the fast and integration
+# suites on them, and last, in a step of its own, the long real builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,7 +10,7 @@ step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 
 step "system packages"
 pkgs=(git build-essential autoconf automake libtool pkg-config cmake ninja-build libnuma-dev
-      libze-dev dpkg-dev python3-dev python3-venv)
+      libze-dev dpkg-dev python3-dev python3-venv ccache)
 missing=()
 for p in "${pkgs[@]}"; do dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii' || missing+=("$p"); done
 if ((${#missing[@]})); then
@@ -50,6 +51,11 @@ run_pytest() {
   $PY -m pytest -p no:cacheprovider --basetemp "$tmp/$name" "$@"
   rm -rf "${tmp:?}/$name"
 }
+
+step "pinned builds (cpu, xpu, xpu --variant ze-ipc from ../shared/mirror, each verified: ci/pinned-builds.sh)"
+bash ci/pinned-builds.sh
+# their prefixes for the tests that follow (KVSTACK_PINNED_PREFIX_*, KVSTACK_WHEEL_PREFIX)
+. _work/pinned/env.sh
 
 step "unit and integration tests"
 # tests/integration/containers build images against a daemon: CI's container step (ci/containers.sh) runs them

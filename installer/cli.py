@@ -53,6 +53,10 @@ def _install_parser() -> argparse.ArgumentParser:
                                + "\n\nWith no verb: install. `python -m installer VERB --help` shows a verb's options; "
                                  "install's follow.")
     inst.add_argument("--platform", choices=recipemod.PLATFORMS, help="default: detected (NVIDIA driver: cuda; Intel GPU: xpu; else cpu)")
+    inst.add_argument("--variant", metavar="NAME",
+                      help="a named choice within the platform (recipes/variants/): xpu's ze-ipc pins UCX at the "
+                           "unreleased upstream pull request that adds ze_ipc (single-node Intel GPUs); default: the "
+                           "platform's release pins")
     inst.add_argument("--prefix", type=Path, default=None, help="install location, a symlink to the current build (default: ~/.local/kvstack or $KVSTACK_PREFIX)")
     inst.add_argument("--jobs", "-j", type=int, default=None, help="parallel build jobs (default: CPUs available)")
     inst.add_argument("--component-jobs", type=int, default=None, metavar="N",
@@ -77,6 +81,8 @@ def _mirror_parser() -> argparse.ArgumentParser:
     mir = _Parser(prog="python -m installer mirror", description="Fill DIR with every pinned source, for --mirror on an air-gapped host.")
     mir.add_argument("dir", type=Path)
     mir.add_argument("--platform", action="append", choices=recipemod.PLATFORMS, help="repeatable (default: all platforms)")
+    mir.add_argument("--variant", metavar="NAME", help="each platform's variant of this name (e.g. --platform xpu "
+                     "--variant ze-ipc) instead of its release pins")
     mir.add_argument("--from", dest="source_mirror", help="copy from another mirror instead of upstream")
     mir.add_argument("--python", default=sys.executable, help="the Python whose build-tool wheels to add (default: this one)")
     mir.add_argument("--recipe-overlay", type=Path, action="append", default=[], metavar="TOML",
@@ -181,7 +187,7 @@ def _resolve(args) -> planmod.Plan:
         platform, reason = args.platform, "chosen with --platform"
     else:
         platform, reason = detect.detect_platform()
-    recipe = recipemod.load(platform, args.recipe_overlay, recipes_dir=args.recipes)
+    recipe = recipemod.load(platform, args.recipe_overlay, recipes_dir=args.recipes, variant=args.variant)
     jobs = args.jobs if args.jobs is not None else planmod.default_jobs()
     return planmod.make_plan(recipe, prefix=args.prefix or planmod.default_prefix(),
                              cache_dir=args.cache_dir or planmod.default_cache_dir(), jobs=jobs,
@@ -204,7 +210,7 @@ def _install(args) -> int:
 
 def _mirror(args) -> int:
     platforms = args.platform or list(recipemod.PLATFORMS)
-    recipes = [recipemod.load(p, args.recipe_overlay, recipes_dir=args.recipes) for p in platforms]
+    recipes = [recipemod.load(p, args.recipe_overlay, recipes_dir=args.recipes, variant=args.variant) for p in platforms]
     cache = Cache(args.cache_dir or planmod.default_cache_dir())
     records = mirror.fill(args.dir, recipes, Fetcher(cache, args.source_mirror))
     if not args.no_wheels:

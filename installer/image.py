@@ -42,17 +42,18 @@ class ImageRequest:
     ca_bundle: Path | None = None
     overlays: tuple[Path, ...] = ()
     wheels: Path | None = None
+    variant: str | None = None
     extra_args: dict[str, str] = field(default_factory=dict)
 
 
 def request(platform: str, tag: str | None = None, base_image: str | None = None,
             mirror: str | None = None, ca_bundle: str | None = None,
-            overlays: Iterable[str] = (), wheels: str | None = None) -> ImageRequest:
+            overlays: Iterable[str] = (), wheels: str | None = None, variant: str | None = None) -> ImageRequest:
     """Check the options; every bad one is one clear line saying which option to fix."""
     if platform not in BASE_IMAGES:
         raise UsageError(f"no base image for platform {platform!r}",
                          fix=f"use --platform {'|'.join(PLATFORMS)}, or name one with --base-image")
-    tag = tag or f"kvstack:{platform}"
+    tag = tag or f"kvstack:{platform}" + (f"-{variant}" if variant else "")
     if not _TAG_RE.match(tag) or len(tag) > 255:
         raise UsageError(f"bad image tag {tag!r}", fix="use --tag NAME[:TAG] (lowercase name)")
     base = base_image or BASE_IMAGES[platform]
@@ -71,31 +72,31 @@ def request(platform: str, tag: str | None = None, base_image: str | None = None
         if "-----BEGIN CERTIFICATE-----" not in head:
             raise UsageError(f"--ca-bundle {ca_bundle}: not a PEM certificate bundle",
                              fix="pass a file holding -----BEGIN CERTIFICATE----- blocks")
-    ov = tuple(_overlays(platform, overlays))
+    ov = tuple(_overlays(platform, overlays, variant))
     w = Path(wheels).resolve() if wheels else None
     if w is not None and not any(w.glob("*.whl")):
         raise UsageError(f"--wheels {wheels}: no .whl files there",
                          fix="fill it with: python -m pip download -d DIR --only-binary=:all: REQUIREMENT...")
-    return ImageRequest(platform, tag, base, m, ca, ov, w)
+    return ImageRequest(platform, tag, base, m, ca, ov, w, variant)
 
 
-def _overlays(platform: str, overlays: Iterable[str]) -> list[Path]:
-    """Each --recipe-overlay must lay over the platform's recipe here as it will in the build:
-    a bad one fails now, in one line, not minutes into the image build."""
+def _overlays(platform: str, overlays: Iterable[str], variant: str | None) -> list[Path]:
+    """Each --recipe-overlay (and the --variant) must lay over the platform's recipe here as it will
+    in the build: a bad one fails now, in one line, not minutes into the image build."""
     from . import recipe as recipemod  # noqa: PLC0415 - jsonschema is only needed when overlays are given
 
     paths = [Path(o).resolve() for o in overlays]
     for o, path in zip(overlays, paths):
         if not path.is_file():
             raise UsageError(f"--recipe-overlay {o}: no such file", fix="pass a TOML file")
-    if paths:
-        recipemod.load(platform, paths)
+    if paths or variant:
+        recipemod.load(platform, paths, variant=variant)
     return paths
 
 
 def build_args(req: ImageRequest) -> dict[str, str]:
     """The Containerfile's ARGs for this request (the mapping unit tests check)."""
-    args = {"PLATFORM": req.platform, "BASE_IMAGE": req.base_image,
+    args = {"PLATFORM": req.platform, "VARIANT": req.variant or "", "BASE_IMAGE": req.base_image,
             "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0",
             "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0"}
     args.update(req.extra_args)

@@ -12,6 +12,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m installer image", allow_abbrev=False,
                                 description="Build the kvstack container image for a platform.")
     p.add_argument("--platform", required=True, choices=image.PLATFORMS)
+    p.add_argument("--variant", metavar="NAME", help="a named choice within the platform, as for install "
+                   "(xpu: ze-ipc); default tag kvstack:PLATFORM-VARIANT")
     p.add_argument("--tag")
     p.add_argument("--base-image", help="default: " + ", ".join(f"{k}={v}" for k, v in image.BASE_IMAGES.items()))
     p.add_argument("--mirror", help="a mirror made by `python -m installer mirror`, for offline builds")
@@ -28,7 +30,7 @@ def parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Build the image (errors are InstallerErrors: the CLI prints their one line)."""
     req = image.request(args.platform, args.tag, args.base_image, args.mirror, args.ca_bundle,
-                        args.recipe_overlay, args.wheels)
+                        args.recipe_overlay, args.wheels, args.variant)
     client = image.connect()
     n = 0
 

@@ -105,10 +105,15 @@ class Plan:
             names.append(lz["null_driver_source"])
         return names
 
+    def unreleased(self) -> dict[str, dict[str, Any]]:
+        """Sources this plan builds that are no release: upstream pull requests, by source."""
+        return {n: self.sources[n]["pull_request"] for n in self.used_sources() if "pull_request" in self.sources[n]}
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": PLAN_FORMAT,
             "platform": self.platform,
+            "variant": self.recipe.variant,
             "platform_reason": self.platform_reason,
             "recipe_files": [str(f) for f in self.recipe.files],
             "build_id": self.build_id,
@@ -120,6 +125,7 @@ class Plan:
             "component_jobs": self.component_jobs,
             "python": {"path": self.target.python, "version": self.target.version},
             "sources": {n: self.sources[n] for n in self.used_sources()},
+            "unreleased": self.unreleased(),
             "components": [
                 {"name": c.name, "build": c.build, "source": c.source, "depends": c.depends,
                  "subprojects": c.subprojects, "install_dir": str(c.install_dir), "env": c.env,
@@ -132,7 +138,8 @@ class Plan:
         }
 
     def render(self) -> str:
-        lines = [f"kvstack install plan: platform {self.platform} ({self.platform_reason})",
+        variant = f", variant {self.recipe.variant}" if self.recipe.variant else ""
+        lines = [f"kvstack install plan: platform {self.platform}{variant} ({self.platform_reason})",
                  f"  recipe:      {', '.join(str(f) for f in self.recipe.files)}",
                  f"  build id:    {self.build_id}",
                  f"  prefix:      {self.prefix} -> {self.install_dir}",
@@ -144,7 +151,10 @@ class Plan:
             s = self.sources[name]
             pin = [f"sha256 {s['sha256']}"] if "sha256" in s else []
             if "commit" in s:
-                pin.append(f"commit {s['commit']}" + (f" (tag {s['tag']})" if "tag" in s else ""))
+                pin.append(f"commit {s['commit']}" + (f" (tag {s['tag']})" if "tag" in s else " (no tag: pinned by commit alone)"))
+            if "pull_request" in s:
+                pr = s["pull_request"]
+                pin.append(f"UNRELEASED: upstream pull request {pr['number']} \"{pr['title']}\" ({pr['url']})")
             lines.append(f"  {name:13} {s['url']}")
             lines += [f"  {'':13} {p}" for p in pin]
         lines += ["", "system packages (debian):",
@@ -165,7 +175,11 @@ class Plan:
         if "level_zero" in v:
             lines.append(f"          (no Intel GPU: Level Zero null driver from {v['level_zero']['null_driver_source']}, "
                          f"mark {v['level_zero']['mark']!r})")
-        lines.append("  moved:  python -m kvruntime selftest on the new stack")
+        if "policy" in v:
+            lines.append(f"          kvruntime's UCX_TLS for {v['policy']['device']} memory on one node from that list: "
+                         f"{v['policy']['ucx_tls'] or '(left to UCX)'}")
+        device = "" if self.kv_buffer != "device" else f", {self.platform} memory where the device is here"
+        lines.append(f"  moved:  python -m kvruntime selftest on the new stack: host memory always{device}")
         return "\n".join(lines)
 
 

@@ -22,6 +22,10 @@ RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 PLATFORMS = ("cpu", "cuda", "xpu", "tpu")
 DEFAULTS = "defaults.toml"
 SCHEMA = "schema.json"
+VARIANTS = "variants"   # <platform>-<variant>.toml: a named choice within a platform, laid over it
+# What a source's tag and pull_request say is about one commit: a layer that pins another commit
+# drops them unless it sets them itself (an unreleased pull request's head has no release tag).
+COMMIT_NAMES = ("tag", "pull_request")
 PLACEHOLDER = re.compile(r"\{([a-z_]+)(?::([a-z][a-z0-9_-]*))?\}")
 PLACEHOLDER_NAMES = {"prefix", "cuda_home", "python"}
 
@@ -31,6 +35,10 @@ class Recipe:
     platform: str
     data: dict[str, Any]
     files: tuple[Path, ...]
+
+    @property
+    def variant(self) -> str | None:
+        return self.data.get("variant")
 
     @property
     def sources(self) -> dict[str, dict[str, Any]]:
@@ -62,23 +70,38 @@ class Recipe:
         return order
 
 
-def load(platform: str, overlays: Iterable[Path] = (), recipes_dir: Path = RECIPES_DIR) -> Recipe:
+def variants(platform: str, recipes_dir: Path = RECIPES_DIR) -> list[str]:
+    """The named variants of a platform (recipes/variants/<platform>-<variant>.toml)."""
+    return sorted(p.stem[len(platform) + 1:] for p in (recipes_dir / VARIANTS).glob(f"{platform}-*.toml"))
+
+
+def load(platform: str, overlays: Iterable[Path] = (), recipes_dir: Path = RECIPES_DIR,
+         variant: str | None = None) -> Recipe:
     if platform not in PLATFORMS:
         raise RecipeError(f"unknown platform {platform!r}",
                           fix=f"choose one of {', '.join(PLATFORMS)}{_did_you_mean(platform, PLATFORMS)}")
     schema = json.loads((recipes_dir / SCHEMA).read_text())
     layer_schema = _without_required(schema)
-    files = [recipes_dir / DEFAULTS, recipes_dir / f"{platform}.toml", *map(Path, overlays)]
+    files = [recipes_dir / DEFAULTS, recipes_dir / f"{platform}.toml"]
+    if variant is not None:
+        known = variants(platform, recipes_dir)
+        if variant not in known:
+            raise RecipeError(f"platform {platform} has no variant {variant!r}",
+                              fix=(f"choose one of {', '.join(known)}{_did_you_mean(variant, known)}" if known
+                                   else f"{platform} has no variants: leave --variant out"))
+        files.append(recipes_dir / VARIANTS / f"{platform}-{variant}.toml")
+    files += map(Path, overlays)
     merged: dict[str, Any] = {}
     for path in files:
         layer = _read_toml(path)
         _validate(layer, layer_schema, path)
-        merged = _merge(merged, layer)
+        merged = _merge(_drop_other_commit_names(merged, layer), layer)
     _validate(merged, schema, files[-1] if len(files) > 2 else files[1])
-    if merged["platform"] != platform:
-        raise RecipeError(f"{files[1]}: says platform = {merged['platform']!r}",
-                          expected=repr(platform), actual=repr(merged["platform"]),
-                          fix="a recipe overlay may not change the platform")
+    for key, want, where in (("platform", platform, files[1]), ("variant", variant, files[-1])):
+        if merged.get(key) != want:
+            raise RecipeError(f"{where}: says {key} = {merged.get(key)!r}", expected=repr(want),
+                              actual=repr(merged.get(key)),
+                              fix=f"a recipe overlay may not change the {key} (a variant file names its own)")
     _drop_false_packages(merged)
     _drop_disabled_components(merged)
     recipe = Recipe(platform, merged, tuple(files))
@@ -113,6 +136,18 @@ def _merge(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
             out[key] = _merge(out[key], value)
         else:
             out[key] = copy.deepcopy(value)
+    return out
+
+
+def _drop_other_commit_names(merged: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
+    """A source the layer pins at another commit keeps no tag or pull_request of the old one."""
+    out = copy.deepcopy(merged)
+    for name, src in layer.get("sources", {}).items():
+        old = out.get("sources", {}).get(name, {})
+        if "commit" in src and src["commit"] != old.get("commit"):
+            for key in COMMIT_NAMES:
+                if key not in src:
+                    old.pop(key, None)
     return out
 
 

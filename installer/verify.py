@@ -3,10 +3,12 @@
 built   the files are there, `ucx_info -b` shows the platform's defines and modules, ldd resolves
         every library and plugin;
 loaded  `ucx_info -d` lists the platform's transports and memory domains (xpu with no Intel GPU:
-        through the Level Zero null driver), and NIXL's module loads its plugins;
+        through the Level Zero null driver), kvruntime's transport policy makes the recipe's
+        choice from that list, and NIXL's module loads its plugins;
 moved   kvruntime's self-test moves KV blocks between two processes on this build, every byte
-        checked.
-A level that cannot run here is reported as skipped with the reason, never as passed.
+        checked: host memory always (no device needed), device memory where the device is here.
+A level that cannot run here is reported as skipped with the reason, never as passed: the verdict
+says "passed" only when all three ran and passed, and a build passes only once bytes have moved.
 """
 from __future__ import annotations
 
@@ -30,6 +32,14 @@ if TYPE_CHECKING:  # annotations only: plan imports nothing of verify, and verif
     from .sources import Fetched
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+NO_NIXL = "this recipe builds no NIXL"
+POLICY_PROBE = r"""
+import json, sys
+from kvruntime.transports import describe, ucx_settings
+device, offered = sys.argv[1], set(filter(None, sys.argv[2].split(",")))
+added = ucx_settings(device, {}, offered)
+print(json.dumps({"added": added, "why": describe(added, {}, device, offered)}))
+"""
 NIXL_PROBE = r"""
 import importlib, json, sys
 mod = sys.argv[1]
@@ -187,6 +197,8 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
         marked = [l.strip("# ").strip() for l in text.splitlines() if lz["mark"] in l]
         checks.append(_check(f"ze_cpy shows {lz['mark']!r}", bool(marked),
                              (note + "; " if note else "") + (marked[0] if marked else "no such line in ze_cpy")))
+    if "policy" in spec and res.returncode == 0:
+        checks.append(_policy(spec["policy"], dev["transports"], env, python))
     if "nixl" not in components or "nixl" not in spec:
         return _level(checks)
     module = envfile.nixl_module(build_dir, spec["nixl"]["module"])
@@ -208,18 +220,41 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
     return _level(checks)
 
 
-def moved(build_dir: Path, env: dict[str, str], python: str, kv_buffer: str, platform: str, has_device: bool,
-          components: list[str], timeout: int = 600) -> dict[str, Any]:
-    if "nixl" not in components:
-        return _level([], skipped="this recipe builds no NIXL")
-    if kv_buffer == "device" and not has_device:
-        return _level([], skipped=f"no {platform} device on this host: KV for this platform lives in device memory, "
-                                  f"so moving it needs one (run `python -m installer verify` there)")
+def _kvruntime_env(env: dict[str, str], python: str) -> dict[str, str] | None:
+    """The environment in which ``python`` imports kvruntime: this checkout's, else an installed
+    one (the container image's runtime stage carries no checkout); None when neither."""
     if (REPO_ROOT / "kvruntime" / "__main__.py").exists():
-        renv = envfile.apply({"PYTHONPATH": str(REPO_ROOT)}, env)
-    elif _run([python, "-c", "import kvruntime"], env, timeout=60).returncode == 0:
-        renv = env  # an installed kvstack (the container image's runtime stage carries no checkout)
-    else:
+        return envfile.apply({"PYTHONPATH": str(REPO_ROOT)}, env)
+    if _run([python, "-c", "import kvruntime"], env, timeout=60).returncode == 0:
+        return env
+    return None
+
+
+def _policy(want: dict, offered: list[str], env: dict[str, str], python: str) -> dict[str, Any]:
+    """kvruntime's UCX choice for the recipe's device kind, made from the transports this build's
+    own `ucx_info -d` just listed, as a process with no UCX_* of its own would make it."""
+    name = f"kvruntime's UCX_TLS for {want['device']} memory on one node"
+    renv = _kvruntime_env(env, python)
+    if renv is None:
+        return _not_here(name, f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by {python}")
+    r = _run([python, "-c", POLICY_PROBE, want["device"], ",".join(offered)], renv, timeout=60)
+    try:
+        got = json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return _check(name, False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-300:]}")
+    tls = got["added"].get("UCX_TLS", "")
+    return _check(name, tls == want["ucx_tls"], f"{'UCX_TLS=' + tls if tls else 'UCX_TLS left to UCX'}, "
+                  f"expected {want['ucx_tls'] or 'left to UCX'}; " + "; ".join(got["why"]))
+
+
+def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, components: list[str],
+          timeout: int = 600) -> dict[str, Any]:
+    """Host memory always moves (no device needed); the platform's device memory where this host
+    has the device, else those modes are shown as not checked here."""
+    if "nixl" not in components:
+        return _level([], skipped=NO_NIXL)
+    renv = _kvruntime_env(env, python)
+    if renv is None:
         return _level([], skipped=f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by {python}")
     # every memory kind and engine this host offers, over this build; the mixed-TP pairs test
     # kvruntime's head arithmetic, not the stack (`python -m kvruntime selftest` runs them)
@@ -238,13 +273,16 @@ def moved(build_dir: Path, env: dict[str, str], python: str, kv_buffer: str, pla
         name = mode.get("mode") or f"{mode.get('layout')}/{mode.get('op')}"
         status = mode.get("status", "passed" if mode.get("ok") else "failed")
         if status == "skipped":
+            # the platform's device modes on a host without that device: shown, never counted
+            if name.startswith(f"{platform}/"):
+                checks.append(_not_here(f"moved {name}", mode.get("reason") or "no such device here"))
             continue
         checks.append(_check(f"moved {name}", status == "passed" and mode.get("digest_ok") is True,
                              f"{mode.get('bytes', '?')} bytes in {mode.get('descriptors', '?')} descriptors, "
                              f"{mode.get('gbps')} GB/s, {mode.get('digests_checked', 0)} block digests checked"
                              + (f"; {mode['error']}" if mode.get("error") else "")))
-    if len(checks) == 1:
-        return _level([], skipped=f"selftest ran no mode on this host: {result.get('reason', 'no mode available')}")
+    if not any(c["ok"] is not None for c in checks[1:]):
+        return _level(checks, skipped=f"selftest ran no mode on this host: {result.get('reason', 'no mode available')}")
     level = _level(checks)
     level["selftest"] = result
     return level
@@ -261,19 +299,26 @@ def verify_build(plan: "Plan", renv: dict[str, str], fetched: "dict[str, Fetched
     if lz and not has_device and "ucx" in [c.name for c in plan.components]:
         null_driver = _null_driver(plan, fetched, build_env, log_dir)
     with_table = plan.recipe.components.get("ucx", {}).get("with", {})
-    return report_levels(plan.verify, plan.platform, plan.install_dir, env, plan.target.python,
-                         plan.kv_buffer, with_table, null_driver, has_device, [c.name for c in plan.components])
+    return report_levels(plan.verify, plan.platform, plan.install_dir, env, plan.target.python, with_table,
+                         null_driver, has_device, [c.name for c in plan.components])
 
 
-def report_levels(spec, platform, build_dir, env, python, kv_buffer, with_table, null_driver, has_device, components):
+def report_levels(spec, platform, build_dir, env, python, with_table, null_driver, has_device, components):
     levels = {"built": built(spec, build_dir, env, with_table, components)}
     levels["loaded"] = loaded(spec, build_dir, env, python, platform, null_driver, has_device, components)
     if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
         levels["moved"] = {"status": "skipped", "reason": "an earlier level failed", "checks": []}
     else:
-        levels["moved"] = moved(build_dir, env, python, kv_buffer, platform, has_device, components)
-    ok = all(v["status"] != "failed" for v in levels.values()) and levels["built"]["status"] == "passed"
-    return {"ok": ok, "levels": levels, "has_device": has_device}
+        levels["moved"] = moved(build_dir, env, python, platform, components)
+    return {"ok": passes(levels), "levels": levels, "has_device": has_device}
+
+
+def passes(levels: dict[str, Any]) -> bool:
+    """No level failed, and bytes have moved: host memory needs no device, so only a recipe without
+    NIXL (a UCX-only build) may pass without the moved level. A skipped level is never a pass."""
+    must_pass = ["built"] + (["moved"] if levels["moved"].get("reason") != NO_NIXL else [])
+    return (all(v["status"] != "failed" for v in levels.values())
+            and all(levels[name]["status"] == "passed" for name in must_pass))
 
 
 def _null_driver(plan: "Plan", fetched, build_env, log_dir: Path) -> Path | None:
@@ -313,7 +358,7 @@ def verify_prefix(prefix: Path) -> dict[str, Any]:
     has_device = detect_platform()[0] == platform
     nd = build_dir / "verify" / "ze_null"
     report = report_levels(recipe["verify"], platform, build_dir, env, manifest["python"]["path"],
-                           recipe["runtime"]["kv_buffer"], recipe["components"].get("ucx", {}).get("with", {}),
+                           recipe["components"].get("ucx", {}).get("with", {}),
                            nd if nd.exists() else None, has_device, list(recipe["components"]))
     report["build_dir"] = str(build_dir)
     return report
@@ -326,5 +371,22 @@ def render_verification(report: dict[str, Any]) -> str:
         for c in v["checks"]:
             mark = "skip" if c["ok"] is None else "ok  " if c["ok"] else "FAIL"
             lines.append(f"   {mark} {c['check']}: {c['detail']}")
-    lines.append("verification " + ("passed" if report["ok"] else "FAILED"))
+    lines.append(verdict(report))
     return "\n".join(lines)
+
+
+def verdict(report: dict[str, Any]) -> str:
+    """The last line: "passed" only when every level ran and passed; otherwise what passed and
+    what did not run, so a level that could not run here is never read as a pass."""
+    if not report["ok"]:
+        return "verification FAILED"
+    levels = report["levels"]
+    not_run = [f"{name} ({v.get('reason', 'not run')})" for name, v in levels.items() if v["status"] != "passed"]
+    unchecked = [c for v in levels.values() for c in v["checks"] if c["ok"] is None]
+    # checks a level could not make here (the platform's device memory, cma in a container)
+    tail = (f"; {len(unchecked)} checks not made here, e.g. {unchecked[0]['check']} "
+            f"({unchecked[0]['detail'].removeprefix('not checked here: ')})" if unchecked else "")
+    if not not_run:
+        return "verification passed" + tail
+    passed = [name for name, v in levels.items() if v["status"] == "passed"]
+    return f"verification passed for {', '.join(passed)} only; not run here: {'; '.join(not_run)}" + tail

@@ -109,6 +109,7 @@ REASONS = {
     "UCX_PROTO_INFO": "the transports UCX selects are read back: device memory on TCP is an "
                       "error, never silent (ucxlog.py)",
 }
+ZE_IPC_TLS = "ze_ipc,ze_copy,tcp"
 IB_TRANSPORTS = {"rc", "rc_x", "rc_v", "rc_mlx5", "ud", "ud_x", "ud_v", "ud_mlx5", "dc", "dc_x",
                  "dc_mlx5"}
 
@@ -126,16 +127,38 @@ def offered_transports(timeout: float = 10.0) -> set[str] | None:
         out = subprocess.run([tool, "-d"], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
+    # ucx_info indents inside the comment: "#      Transport: ze_ipc"
     return {line.split(":", 1)[1].strip() for line in out.stdout.splitlines()
-            if line.strip().startswith("# Transport:")}
+            if line.lstrip("# \t").startswith("Transport:")}
 
 
-def describe(added: Mapping[str, str], env: Mapping[str, str], device_kind: str) -> list[str]:
-    """One line per setting in play: what kvruntime set and why, and what the user set (kept)."""
+def xpu_tls(env: Mapping[str, str], offered: set[str] | None) -> tuple[str | None, str]:
+    """``UCX_TLS`` for Intel GPU memory given the transports UCX ``offered`` (None: unknown), and
+    why; None leaves it to UCX (ze_copy beside the host transports) — pure."""
+    if "UCX_TLS" in env:
+        return None, f"UCX_TLS={env['UCX_TLS']}: yours, kept"
+    if offered is None:
+        return None, "ze_copy fallback: this UCX's transports are unknown (no ucx_info on PATH), UCX_TLS left to UCX"
+    if offered & IB_TRANSPORTS:
+        return None, (f"InfiniBand here ({', '.join(sorted(offered & IB_TRANSPORTS))}): UCX_TLS left to UCX, "
+                      f"which moves GPU memory between nodes over it")
+    if "ze_ipc" not in offered:
+        return None, ("ze_copy fallback: this UCX offers no ze_ipc (no UCX release has it: `installer --platform "
+                      "xpu --variant ze-ipc` builds one; with an Intel GPU, a Level Zero driver without IPC "
+                      "support hides it too), UCX_TLS left to UCX")
+    return ZE_IPC_TLS, REASONS["UCX_TLS"]
+
+
+def describe(added: Mapping[str, str], env: Mapping[str, str], device_kind: str,
+             offered: set[str] | None = None) -> list[str]:
+    """One line per setting in play: what kvruntime set and why, and what the user set (kept);
+    for Intel GPU memory, given the ``offered`` transports, why ``UCX_TLS`` was left to UCX."""
     lines = [f"{k}={v}: {REASONS.get(k, 'set by kvruntime')}" for k, v in sorted(added.items())]
     for k in sorted(REASONS):
         if k in env and k not in added:
             lines.append(f"{k}={env[k]}: yours, kept")
+    if device_kind == "xpu" and offered is not None and "UCX_TLS" not in added and "UCX_TLS" not in env:
+        lines.append(f"UCX_TLS unset: {xpu_tls(env, offered)[1]}")
     return lines
 
 
@@ -146,9 +169,9 @@ def ucx_settings(device_kind: str, env: Mapping[str, str],
     if device_kind not in DEVICE_KINDS:
         raise TransportError(f"device kind {device_kind!r} is not one of {DEVICE_KINDS}")
     want: dict[str, str] = {}
-    if (device_kind == "xpu" and offered is not None and "ze_ipc" in offered
-            and not offered & IB_TRANSPORTS and "UCX_TLS" not in env):
-        want["UCX_TLS"] = "ze_ipc,ze_copy,tcp"
+    tls, _why = xpu_tls(env, offered) if device_kind == "xpu" else (None, "")
+    if tls:
+        want["UCX_TLS"] = tls
     if device_kind in ("cpu", "cuda") and "posix" in admitted_am(env):
         want[SHM_AM_SETTING] = "y"
     if device_kind == "cpu" and admitted(env, {"cma"}):

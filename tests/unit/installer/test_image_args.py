@@ -2,7 +2,7 @@
 import pytest
 
 from installer import image
-from installer.errors import UsageError
+from installer.errors import RecipeError, UsageError
 
 
 def test_default_base_image_per_platform():
@@ -11,7 +11,7 @@ def test_default_base_image_per_platform():
         assert req.base_image == image.BASE_IMAGES[p]
         assert req.tag == f"kvstack:{p}"
         args = image.build_args(req)
-        assert args == {"PLATFORM": p, "BASE_IMAGE": image.BASE_IMAGES[p], "WITH_MIRROR": "0", "WITH_CA": "0",
+        assert args == {"PLATFORM": p, "VARIANT": "", "BASE_IMAGE": image.BASE_IMAGES[p], "WITH_MIRROR": "0", "WITH_CA": "0",
                         "WITH_OVERLAYS": "0", "WITH_WHEELS": "0"}
     assert "cuda" in image.BASE_IMAGES["cuda"] and "devel" in image.BASE_IMAGES["cuda"]
 
@@ -22,8 +22,17 @@ def test_mirror_and_ca_map_to_args(tmp_path):
     ca = tmp_path / "ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
     req = image.request("cpu", "me/kv:1", "local/debian:12", str(tmp_path / "m"), str(ca))
-    assert image.build_args(req) == {"PLATFORM": "cpu", "BASE_IMAGE": "local/debian:12",
+    assert image.build_args(req) == {"PLATFORM": "cpu", "VARIANT": "", "BASE_IMAGE": "local/debian:12",
                                      "WITH_MIRROR": "1", "WITH_CA": "1", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0"}
+
+
+def test_xpu_image_takes_the_ze_ipc_variant():
+    req = image.request("xpu", variant="ze-ipc")
+    assert req.tag == "kvstack:xpu-ze-ipc" and req.base_image == image.BASE_IMAGES["xpu"]
+    assert image.build_args(req)["VARIANT"] == "ze-ipc"
+    with pytest.raises(RecipeError) as e:   # before any image is built
+        image.request("xpu", variant="ze_ipc")
+    assert "no variant 'ze_ipc'" in e.value.line() and "\n" not in e.value.line()
 
 
 @pytest.mark.parametrize("kw,needle", [

@@ -16,11 +16,11 @@ SNAPSHOTS = Path(__file__).parent / "snapshots"
 TARGET = Target("/usr/bin/python3", "3.11", "cp311")
 
 
-def _plan(platform, **kw):
+def _plan(platform, variant=None, **kw):
     args = dict(prefix=Path("/opt/kvstack"), cache_dir=Path("/cache"), jobs=2, target=TARGET,
                 platform_reason="chosen with --platform", cuda_home="/usr/local/cuda")
     args.update(kw)
-    return make_plan(recipe.load(platform), **args)
+    return make_plan(recipe.load(platform, variant=variant), **args)
 
 
 def _normalized(plan) -> dict:
@@ -28,10 +28,13 @@ def _normalized(plan) -> dict:
     return json.loads(text.replace(str(recipe.RECIPES_DIR), "<recipes>"))
 
 
-@pytest.mark.parametrize("platform", recipe.PLATFORMS)
-def test_plan_matches_snapshot(platform):
-    got = _normalized(_plan(platform))
-    path = SNAPSHOTS / f"plan-{platform}.json"
+CHOICES = [(p, None) for p in recipe.PLATFORMS] + [(p, v) for p in recipe.PLATFORMS for v in recipe.variants(p)]
+
+
+@pytest.mark.parametrize("platform,variant", CHOICES)
+def test_plan_matches_snapshot(platform, variant):
+    got = _normalized(_plan(platform, variant))
+    path = SNAPSHOTS / f"plan-{platform}{'-' + variant if variant else ''}.json"
     if os.environ.get("KVSTACK_UPDATE_SNAPSHOTS"):
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(got, indent=2, sort_keys=True) + "\n")
@@ -52,6 +55,29 @@ def test_xpu_plan_shows_what_the_issue_asks():
         assert needle in text, needle
     for sub in ("taskflow", "tomlplusplus", "abseil", "asio"):
         assert plan.sources[sub]["sha256"] in text
+
+
+def test_xpu_ze_ipc_plan_marks_its_ucx_as_an_unreleased_pull_request():
+    plan = _plan("xpu", "ze-ipc")
+    text = plan.render()
+    assert text.startswith("kvstack install plan: platform xpu, variant ze-ipc (")
+    ucx = [line.strip() for line in text.splitlines()[text.splitlines().index("sources:") + 1:][:4]]
+    assert ucx == [
+        "ucx           https://github.com/openucx/ucx/archive/b8d6012325b5fe026a94be537009f486ed2b9d40.tar.gz",
+        "sha256 b9797e26d6577bf8eba6cb8b9f8e23eb74cf60655feafbb56235ae0ec756dfee",
+        "commit b8d6012325b5fe026a94be537009f486ed2b9d40 (no tag: pinned by commit alone)",
+        'UNRELEASED: upstream pull request 11218 "UCT/ZE/ZE_IPC: enable level zero ipc support for Intel GPUs" '
+        "(https://github.com/openucx/ucx/pull/11218)"]
+    assert "v1.22.0" not in text
+    assert "transports ['tcp', 'posix', 'sysv', 'cma', 'ze_copy', 'ze_ipc']" in text
+    assert "--with-ze=yes" in _step(plan, "ucx", "configure").argv
+    d = plan.to_dict()
+    assert d["variant"] == "ze-ipc" and list(d["unreleased"]) == ["ucx"]
+    assert d["unreleased"]["ucx"]["number"] == 11218
+    # the release pin is untouched, and a variant is its own build
+    release = _plan("xpu")
+    assert release.to_dict()["unreleased"] == {} and release.to_dict()["variant"] is None
+    assert "(tag v1.22.0)" in release.render() and release.build_id != plan.build_id
 
 
 def test_cuda_has_cuda_and_cpu_has_neither():

@@ -123,3 +123,56 @@ def test_package_can_be_dropped_with_false(tmp_path):
     o = _overlay(tmp_path, '[system_packages.debian]\ngit = false\n')
     r = recipe.load("cpu", [o])
     assert "git" not in r.data["system_packages"]["debian"]
+
+
+def test_xpu_ze_ipc_variant_pins_the_pull_request_head_by_commit_alone():
+    r = recipe.load("xpu", variant="ze-ipc")
+    assert r.platform == "xpu" and r.variant == "ze-ipc"
+    ucx = r.sources["ucx"]
+    assert ucx["commit"] == "b8d6012325b5fe026a94be537009f486ed2b9d40" and "tag" not in ucx
+    assert ucx["pull_request"] == {"number": 11218, "url": "https://github.com/openucx/ucx/pull/11218",
+                                   "title": "UCT/ZE/ZE_IPC: enable level zero ipc support for Intel GPUs"}
+    assert r.components["ucx"]["with"]["ze"] == "yes"
+    assert {"ze_ipc", "ze_copy"} <= set(r.data["verify"]["ucx"]["transports"])
+    assert "ze_ipc" in r.data["verify"]["ucx"]["memory_domains"]
+    assert r.data["verify"]["ucx"]["defines"] == ["HAVE_ZE"]   # the rest of xpu's proof is kept
+    assert recipe.variants("xpu") == ["ze-ipc"] and recipe.variants("cpu") == []
+    assert "variant" not in recipe.load("xpu").data   # the release pin stays the default
+
+
+def test_unknown_variant_names_the_known_ones():
+    with pytest.raises(RecipeError) as e:
+        recipe.load("xpu", variant="zeipc")
+    assert e.value.line().startswith("recipe error: platform xpu has no variant 'zeipc'; choose one of ze-ipc "
+                                     "(did you mean 'ze-ipc'?)")
+    with pytest.raises(RecipeError, match="cpu has no variants: leave --variant out"):
+        recipe.load("cpu", variant="ze-ipc")
+
+
+def test_overlay_may_not_change_the_variant(tmp_path):
+    o = _overlay(tmp_path, 'variant = "ze-ipc"\n')
+    with pytest.raises(RecipeError, match="overlay.toml: says variant = 'ze-ipc'.*may not change the variant"):
+        recipe.load("xpu", [o])
+
+
+def test_a_layer_that_pins_another_commit_drops_the_tag_it_would_inherit(tmp_path):
+    """The issue's overlay: filename, sha256 and commit of the pull request's head laid over the
+    release pin. The defaults' tag v1.22.0 named the old commit; it must not stay."""
+    o = _overlay(tmp_path, '[sources.ucx]\nfilename = "ucx-pr11218-b8d6012.tar.gz"\n'
+                           f'sha256 = "{"b" * 64}"\ncommit = "{"b" * 40}"\n')
+    ucx = recipe.load("xpu", [o]).sources["ucx"]
+    assert ucx["commit"] == "b" * 40 and "tag" not in ucx
+    # the same commit keeps its tag; a layer that names its own tag keeps that one
+    same = _overlay(tmp_path, '[sources.ucx]\ncommit = "8a6b06fb880accbb933a79cda893883872c68d9d"\n')
+    assert recipe.load("xpu", [same]).sources["ucx"]["tag"] == "v1.22.0"
+    own = _overlay(tmp_path, f'[sources.ucx]\ncommit = "{"c" * 40}"\ntag = "v9"\n')
+    assert recipe.load("xpu", [own]).sources["ucx"]["tag"] == "v9"
+    # and the variant's pull request mark goes with its commit, back to the release pin
+    back = _overlay(tmp_path, '[sources.ucx]\ncommit = "8a6b06fb880accbb933a79cda893883872c68d9d"\n')
+    assert "pull_request" not in recipe.load("xpu", [back], variant="ze-ipc").sources["ucx"]
+
+
+def test_pull_request_mark_is_checked(tmp_path):
+    o = _overlay(tmp_path, '[sources.ucx.pull_request]\nnumber = "11218"\n')
+    with pytest.raises(RecipeError, match="sources.ucx.pull_request.number"):
+        recipe.load("xpu", [o], variant="ze-ipc")

@@ -53,3 +53,32 @@ def test_cma_missing_where_the_kernel_refuses_it_is_not_checked_rather_than_fail
 def test_this_host_allows_process_vm_writev_or_says_why():
     why = hostcaps.cross_memory_denied()
     assert why is None or "process_vm_writev" in why
+
+
+def _report(built, loaded, moved):
+    make = {"passed": lambda: verify._level([verify._check("a", True, "")]),
+            "skipped": lambda: verify._level([], skipped="no Intel GPU here"),
+            "failed": lambda: verify._level([verify._check("b", False, "")]),
+            "no nixl": lambda: verify._level([], skipped=verify.NO_NIXL)}
+    levels = {"built": make[built](), "loaded": make[loaded](), "moved": make[moved]()}
+    return {"levels": levels, "ok": verify.passes(levels)}
+
+
+def test_a_level_that_could_not_run_is_never_read_as_passed():
+    """Issue 30: xpu with no Intel GPU and the null driver hidden said "verification passed" after the
+    built level alone. The verdict names what did not run, and a build with NIXL passes only once
+    bytes moved (host memory needs no device)."""
+    assert verify.verdict(_report("passed", "passed", "passed")) == "verification passed"
+    partial = _report("passed", "skipped", "passed")
+    assert partial["ok"]
+    assert verify.verdict(partial) == ("verification passed for built, moved only; "
+                                       "not run here: loaded (no Intel GPU here)")
+    assert not _report("passed", "skipped", "skipped")["ok"]
+    assert verify.verdict(_report("passed", "skipped", "skipped")) == "verification FAILED"
+    unchecked = _report("passed", "passed", "passed")
+    unchecked["levels"]["moved"]["checks"].append(verify._not_here("moved xpu/cross_layer/pull/nixl", "no xpu device"))
+    assert verify.verdict(unchecked) == ("verification passed; 1 checks not made here, e.g. "
+                                         "moved xpu/cross_layer/pull/nixl (no xpu device)")
+    # a UCX-only recipe (no NIXL to move bytes with) is the one build that may finish unmoved
+    ucx_only = _report("passed", "passed", "no nixl")
+    assert ucx_only["ok"] and verify.verdict(ucx_only).endswith("not run here: moved (this recipe builds no NIXL)")

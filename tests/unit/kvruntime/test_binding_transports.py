@@ -167,6 +167,25 @@ def test_policy_says_why_and_keeps_the_users_settings():
     assert "UCX_TLS=tcp,cuda_ipc: yours, kept" in lines
 
 
+def test_xpu_says_why_it_falls_back_to_ze_copy():
+    """Issue 28: the ze_copy fallback is said, not silent (the real ucx_info -d of both pinned xpu
+    builds: tests/integration/installer/test_pinned_builds.py)."""
+    from kvruntime.transports import REASONS, describe, xpu_tls
+
+    release = {"tcp", "posix", "sysv", "cma", "self", "ze_copy"}
+    assert xpu_tls({}, release | {"ze_ipc"}) == ("ze_ipc,ze_copy,tcp", REASONS["UCX_TLS"])
+    tls, why = xpu_tls({}, release)
+    assert tls is None and why.startswith("ze_copy fallback: this UCX offers no ze_ipc")
+    assert xpu_tls({}, release | {"ze_ipc", "rc_mlx5"})[1].startswith("InfiniBand here (rc_mlx5)")
+    assert xpu_tls({}, None)[1].startswith("ze_copy fallback: this UCX's transports are unknown")
+    assert xpu_tls({"UCX_TLS": "ze_copy,tcp"}, release)[1] == "UCX_TLS=ze_copy,tcp: yours, kept"
+    lines = describe(ucx_settings("xpu", {}, release), {}, "xpu", release)
+    assert lines == ["UCX_MEMTYPE_CACHE=n: Intel GPU memory is not seen through UCX's memory-type cache",
+                     f"UCX_TLS unset: {why}"]
+    chosen = ucx_settings("xpu", {}, release | {"ze_ipc"})
+    assert not any(line.startswith("UCX_TLS unset") for line in describe(chosen, {}, "xpu", release | {"ze_ipc"}))
+
+
 def test_offered_transports_from_this_hosts_ucx_info_or_none():
     from kvruntime.transports import offered_transports
 

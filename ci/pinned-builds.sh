@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# CI's pinned builds: the stacks the recipes pin, built by the installer from the offline mirror
+# (CI cannot reach the upstream hosts; the mirror's archives are byte-identical to the pins) and
+# verified at all three levels: cpu, xpu (UCX v1.22.0, the release pin) and xpu variant ze-ipc
+# (UCX at the head of upstream pull request 11218). No Intel GPU here: the loaded level runs
+# `ucx_info -d` under the Level Zero null driver (built from the mirror's level-zero), the moved
+# level moves host memory between two processes on each fresh build.
+#
+# Leaves the prefixes at _work/pinned/{cpu,xpu,xpu-ipc} (ignored paths; ci/containers.sh reads
+# _work/pinned/cpu) and _work/pinned/env.sh, which exports their absolute paths for the steps
+# that follow: KVSTACK_PINNED_PREFIX_CPU, _XPU, _XPU_IPC, and KVSTACK_WHEEL_PREFIX (the cpu one).
+# The cache directory _work/pinned/cache serves every build of the run (sources, build tools,
+# autoconf results; compiled objects through ccache, below); a re-run with nothing changed builds
+# nothing.
+# Usage: ci/pinned-builds.sh (KVSTACK_MIRROR overrides ../shared/mirror; PY the installer's python)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+mirror=${KVSTACK_MIRROR:-../shared/mirror}
+py=${PY:-$root/.venv/bin/python}
+out=$root/_work/pinned
+if [ ! -f "$mirror/SHA256SUMS" ] || [ ! -f "$mirror/asio-overlay.toml" ]; then
+  echo "error: no source mirror at $mirror (SHA256SUMS, asio-overlay.toml); set KVSTACK_MIRROR to one" >&2
+  exit 1
+fi
+mkdir -p "$out"
+# The three builds compile much the same code (Abseil is the same source and flags in each: ~100 s a
+# build on 2 cores): with ccache (ci/test.sh installs it) a later build takes an identical compile's
+# object from an earlier one. For one build's work directory to match another's, ccache's base_dir
+# hands the compiler paths under _work/pinned relative to its directory: __FILE__ strings in these
+# builds (UCX's, e.g. "../../../../src/ucx/src/ucs/async/async.c") are relative, so they are not
+# byte for byte the build of an uncached install with the same build id (CI compares none).
+if [ -d /usr/lib/ccache ] && command -v ccache >/dev/null; then
+  export PATH=/usr/lib/ccache:$PATH CCACHE_DIR=$out/ccache CCACHE_BASEDIR=$out
+fi
+
+# Each install links its NIXL module into the target Python (kvstack-nixl.pth, the last one wins):
+# the tests that follow choose their NIXL themselves (these builds through the variables below),
+# so the venv is left as it was found, whatever happens here.
+pth=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/kvstack-nixl.pth
+saved=$(cat "$pth" 2>/dev/null || true)
+restore_pth() { if [ -n "$saved" ]; then printf '%s\n' "$saved" > "$pth"; else rm -f "$pth"; fi; }
+trap restore_pth EXIT
+
+# name, then the installer's platform arguments
+builds=("cpu --platform cpu" "xpu --platform xpu" "xpu-ipc --platform xpu --variant ze-ipc")
+for b in "${builds[@]}"; do
+  read -r name args <<< "$b"
+  start=$SECONDS
+  echo "--- pinned $name: python -m installer $args (mirror $mirror)"
+  # shellcheck disable=SC2086  # $args is a list of words
+  "$py" -m installer $args --mirror "$mirror" --recipe-overlay "$mirror/asio-overlay.toml" \
+    --prefix "$out/$name" --cache-dir "$out/cache"
+  echo "--- pinned $name: installer verify"
+  "$py" -m installer verify --prefix "$out/$name"
+  echo "--- pinned $name: $((SECONDS - start)) s"
+done
+if [ -n "${CCACHE_DIR:-}" ]; then
+  echo "--- ccache: $(ccache --print-stats | awk '$1 ~ /^(direct_cache_hit|preprocessed_cache_hit|cache_miss)$/ {printf "%s %s ", $1, $2}')"
+fi
+# the builds' source and build trees (~250 MB each): nothing reads them once a build is installed
+rm -rf "$out/cache/work"
+
+cat > "$out/env.sh" <<ENV
+# written by ci/pinned-builds.sh: the pinned builds of this checkout
+export KVSTACK_PINNED_PREFIX_CPU='$out/cpu'
+export KVSTACK_PINNED_PREFIX_XPU='$out/xpu'
+export KVSTACK_PINNED_PREFIX_XPU_IPC='$out/xpu-ipc'
+export KVSTACK_WHEEL_PREFIX='$out/cpu'
+ENV

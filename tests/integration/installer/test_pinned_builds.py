@@ -1,0 +1,151 @@
+"""The pinned stacks CI builds from the offline mirror (ci/pinned-builds.sh, which exports
+KVSTACK_PINNED_PREFIX_CPU, _XPU and _XPU_IPC): cpu, xpu at the release pin (UCX v1.22.0) and xpu's
+ze-ipc variant (UCX at the head of upstream pull request 11218). No Intel GPU here: their UCX is
+asked through the Level Zero null driver each xpu build keeps (`<build>/verify/ze_null`), and every
+check below runs the real `ucx_info` of those builds — verification's levels and kvruntime's
+transport policy on what that UCX lists, both ways round (the ze-ipc choice on the release UCX
+must fail, naming what it found). Without those prefixes (outside CI: run ci/pinned-builds.sh and
+source _work/pinned/env.sh) the tests skip, saying so."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from installer import envfile, recipe, verify
+from kvruntime import transports
+
+pytestmark = [pytest.mark.integration]
+PR_HEAD = "b8d6012325b5fe026a94be537009f486ed2b9d40"
+RELEASE_TRANSPORTS = ["cma", "posix", "self", "sysv", "tcp", "ze_copy"]
+
+
+def _build(name):
+    var = f"KVSTACK_PINNED_PREFIX_{name}"
+    prefix = os.environ.get(var)
+    if not prefix or not (Path(prefix) / "manifest.json").is_file():
+        pytest.skip(f"{var} names no pinned build (CI's ci/pinned-builds.sh makes them; then . _work/pinned/env.sh)")
+    build_dir = Path(prefix).resolve()
+    manifest = json.loads((build_dir / "manifest.json").read_text())
+    return {"dir": build_dir, "manifest": manifest, "env": envfile.apply(manifest["env"], dict(os.environ)),
+            "null_driver": build_dir / "verify" / "ze_null"}
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return _build("CPU")
+
+
+@pytest.fixture(scope="module")
+def xpu():
+    return _build("XPU")
+
+
+@pytest.fixture(scope="module")
+def ipc():
+    return _build("XPU_IPC")
+
+
+def _loaded(spec, build):
+    """The loaded level of `spec` on `build`'s own UCX, as a host without an Intel GPU runs it."""
+    return verify.loaded(spec, build["dir"], build["env"], sys.executable, "xpu", build["null_driver"], False,
+                         ["ucx", "nixl"])
+
+
+def _offered(build, monkeypatch):
+    """What kvruntime reads at run time: `ucx_info -d` on PATH, here under the null driver."""
+    env = envfile.apply({"LD_LIBRARY_PATH": str(build["null_driver"]), "ZE_ENABLE_NULL_DRIVER": "1"}, build["env"])
+    for k in ("PATH", "LD_LIBRARY_PATH", "ZE_ENABLE_NULL_DRIVER"):
+        monkeypatch.setenv(k, env[k])
+    return transports.offered_transports()
+
+
+def _failed(level):
+    return {c["check"]: c["detail"] for c in level["checks"] if c["ok"] is False}
+
+
+def test_the_ze_ipc_build_says_its_ucx_is_an_unreleased_pull_request(ipc):
+    m = ipc["manifest"]
+    assert m["platform"] == "xpu" and m["kvstack_plan"]["variant"] == "ze-ipc"
+    assert m["kvstack_plan"]["unreleased"]["ucx"]["number"] == 11218
+    ucx = m["kvstack_plan"]["sources"]["ucx"]
+    assert ucx["commit"] == PR_HEAD and "tag" not in ucx
+    assert m["sources"]["ucx"]["commit"] == PR_HEAD and "commit" in m["sources"]["ucx"]["checked"]
+    configure = next(s for s in m["phases"]["configure"]["components"]["ucx"]["steps"] if s["step"] == "configure")
+    assert "--with-ze=yes" in configure["argv"]
+
+
+@pytest.mark.parametrize("name", ["CPU", "XPU", "XPU_IPC"])
+def test_every_pinned_build_passed_all_three_levels(name):
+    """The install's own verification: every level ran and passed; bytes moved in host memory on the
+    fresh NIXL (no device here), the xpu modes shown as not checked here, never as passed."""
+    build = _build(name)
+    report = build["manifest"]["verification"]
+    assert all(v["status"] == "passed" for v in report["levels"].values()), verify.render_verification(report)
+    assert verify.verdict(report).startswith("verification passed") and " only;" not in verify.verdict(report)
+    moved = report["levels"]["moved"]["checks"]
+    assert moved[0]["check"] == "the self-test used this build's NIXL" and moved[0]["ok"]
+    assert any(c["check"].startswith("moved host/") and c["ok"] for c in moved)
+    device = [c for c in moved if c["check"].startswith("moved xpu/")]
+    assert all(c["ok"] is None for c in device) and (device or name == "CPU")
+
+
+def test_both_xpu_pins_prove_their_transports_under_the_null_driver(xpu, ipc):
+    rel = _loaded(recipe.load("xpu").data["verify"], xpu)
+    assert rel["status"] == "passed", _failed(rel)
+    checks = {c["check"]: c["detail"] for c in rel["checks"]}
+    assert checks["transport ze_copy"] == "listed: " + ", ".join(RELEASE_TRANSPORTS)
+    assert "transport ze_ipc" not in checks
+    assert checks["ze_cpy shows 'host (access'"].startswith("Level Zero null driver from ")
+    pr = _loaded(recipe.load("xpu", variant="ze-ipc").data["verify"], ipc)
+    assert pr["status"] == "passed", _failed(pr)
+    checks = {c["check"]: c["detail"] for c in pr["checks"]}
+    assert checks["transport ze_ipc"] == "listed: " + ", ".join(sorted(RELEASE_TRANSPORTS + ["ze_ipc"]))
+    assert "ze_ipc" in checks["memory domain ze_ipc"]
+    policy = checks["kvruntime's UCX_TLS for xpu memory on one node"]
+    assert policy.startswith("UCX_TLS=ze_ipc,ze_copy,tcp, expected ze_ipc,ze_copy,tcp; ")
+    assert "UCX_TLS=ze_ipc,ze_copy,tcp: single-node Intel GPUs without InfiniBand" in policy
+
+
+def test_ze_ipc_choice_on_a_ucx_without_ze_ipc_fails_the_loaded_level_naming_what_it_found(xpu):
+    """The variant's proof laid over the release UCX (what an overlay pointing its source elsewhere
+    builds): the loaded level fails, and says which transports that UCX has."""
+    level = _loaded(recipe.load("xpu", variant="ze-ipc").data["verify"], xpu)
+    assert level["status"] == "failed"
+    failed = _failed(level)
+    assert failed["transport ze_ipc"] == "listed: " + ", ".join(RELEASE_TRANSPORTS)
+    assert "memory domain ze_ipc" in failed
+    assert failed["kvruntime's UCX_TLS for xpu memory on one node"].startswith(
+        "UCX_TLS left to UCX, expected ze_ipc,ze_copy,tcp; UCX_MEMTYPE_CACHE=n: ")
+    assert "UCX_TLS unset: ze_copy fallback: this UCX offers no ze_ipc" in failed[
+        "kvruntime's UCX_TLS for xpu memory on one node"]
+
+
+def test_the_policy_on_each_builds_real_ucx_info(xpu, ipc, monkeypatch):
+    """kvruntime's transport policy as a process on that host runs it: ucx_info -d on PATH."""
+    offered = _offered(ipc, monkeypatch)
+    assert {"ze_ipc", "ze_copy", "tcp"} <= offered and not offered & transports.IB_TRANSPORTS
+    added = transports.ucx_settings("xpu", {}, offered)
+    assert added == {"UCX_TLS": "ze_ipc,ze_copy,tcp", "UCX_MEMTYPE_CACHE": "n"}
+    print("ze-ipc:", transports.describe(added, {}, "xpu", offered))
+    offered = _offered(xpu, monkeypatch)
+    assert "ze_copy" in offered and "ze_ipc" not in offered
+    added = transports.ucx_settings("xpu", {}, offered)
+    assert added == {"UCX_MEMTYPE_CACHE": "n"}
+    lines = transports.describe(added, {}, "xpu", offered)
+    print("release:", lines)
+    assert lines[-1].startswith("UCX_TLS unset: ze_copy fallback: this UCX offers no ze_ipc")
+
+
+def test_xpu_verification_refuses_a_ucx_without_level_zero(cpu, xpu):
+    """xpu's proof on the cpu build's UCX (no --with-ze): the built level names the missing define
+    and module, the loaded level (the xpu build's null driver) the missing ze transport."""
+    spec = recipe.load("xpu").data["verify"]
+    built = verify.built(spec, cpu["dir"], cpu["env"], {"ze": "yes"}, ["ucx", "nixl"])
+    assert {"define HAVE_ZE", "uct_MODULES has ze"} <= set(_failed(built))
+    loaded = _loaded(spec, {**cpu, "null_driver": xpu["null_driver"]})
+    assert set(_failed(loaded)) >= {"transport ze_copy", "memory domain ze_cpy", "ze_cpy shows 'host (access'"}
+
