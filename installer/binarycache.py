@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 from . import elf, prefix as prefixmod
 from .errors import BinaryCacheError
+from .extract import extract_safely
 
 log = logging.getLogger("kvstack.installer")
 ARCHIVE = "build.tar.gz"
@@ -163,7 +164,7 @@ def _take_local(build_id: str, install_dir: Path, where: str | Path, tools_venv:
     try:
         incoming.mkdir(parents=True)
         with tarfile.open(entry / ARCHIVE, "r:gz") as tf:
-            tf.extractall(incoming, filter="data")
+            extract_safely(tf, tf.getmembers(), incoming)  # Debian 12's python3 (3.11.2) has no filter="data"
         # the archive's manifest says complete; it is written back only after verification here
         (incoming / prefixmod.COMPLETE).unlink(missing_ok=True)
         relocate(incoming, old=manifest["install_dir"], new=str(install_dir), tools_venv=tools_venv)
