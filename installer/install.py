@@ -7,6 +7,7 @@ failure, and a build whose manifest says complete is never rebuilt (a no-op re-r
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -22,7 +23,7 @@ from typing import Any
 
 from . import binarycache, configcache, elf, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
 from .cache import Cache
-from .errors import BinaryCacheError, BuildToolsError, HostError, InstallerError, VerifyError
+from .errors import BinaryCacheError, BuildError, BuildToolsError, HostError, InstallerError, VerifyError
 from .buildsys import pkgconfig
 from .extract import extract
 from .phases import PhaseLog
@@ -37,7 +38,11 @@ MANIFEST_FORMAT = 1
 
 def run(plan: Plan, *, mirror: str | None, system_packages: str = "install",
         binary_cache: str | None = None) -> dict[str, Any]:
+    prefixmod.check_placeable(plan.prefix)
     with prefixmod.locked(plan.prefix):
+        stale = prefixmod.drop_stale(plan.prefix)
+        if stale:
+            log.warning("removed what a killed run left: %s", ", ".join(str(p) for p in stale))
         previous = prefixmod.current(plan.prefix)
         if prefixmod.is_complete(plan.install_dir):
             manifest = json.loads((plan.install_dir / prefixmod.COMPLETE).read_text())
@@ -106,6 +111,9 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
         fetcher = Fetcher(cache, mirror)
         with phases.phase("fetch") as rec:
             with cache.locked():
+                partial = cache.drop_partial()
+                if partial:
+                    log.warning("removed downloads a killed run left unfinished: %s", ", ".join(p.name for p in partial))
                 fetched = {n: fetcher.fetch(n, plan.sources[n]) for n in plan.used_sources()}
         with phases.phase("check") as rec:
             manifest["sources"] = {n: fetcher.check(f, plan.sources[n]) for n, f in fetched.items()}
@@ -177,6 +185,16 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     except (InstallerError, KeyboardInterrupt, OSError) as e:
         running = next((n for n, r in phases.records.items() if r.get("status") in ("running", "failed")), "install")
         error = HostError.from_oserror(e, f"during {running}") if isinstance(e, OSError) else e
+        if _out_of_space(e):
+            # a build step's own write fails the same way as ours: both are the host's, and the
+            # half-built files would otherwise keep the disk full
+            removed = _drop_unfinished(plan)
+            said = e.what if isinstance(e, InstallerError) else (e.strerror or str(e))
+            error = HostError(f"no space left on device during {running}: {said}", log=getattr(e, "log", None),
+                              detail=getattr(e, "detail", None),
+                              fix=f"free space there and run again; removed the unfinished build ({len(removed)} "
+                                  f"directories: {plan.install_dir} and the source and build trees under {plan.work_dir})"
+                                  f"; {plan.prefix} still points to {previous or 'nothing'}")
         manifest.update(complete=False, phases=phases.records, error=getattr(error, "line", lambda: "interrupted")())
         try:
             plan.work_dir.mkdir(parents=True, exist_ok=True)
@@ -197,6 +215,24 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     if removed:
         log.info("removed older builds: %s", ", ".join(str(r) for r in removed))
     return manifest
+
+
+def _out_of_space(e: BaseException) -> bool:
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOSPC
+    return isinstance(e, BuildError) and "No space left on device" in (e.detail or "")
+
+
+def _drop_unfinished(plan: Plan) -> list[str]:
+    """The build directory of this (unfinished) build and the components' source and build trees."""
+    dirs = [plan.install_dir] if not prefixmod.is_complete(plan.install_dir) else []
+    dirs += [d for c in plan.components for d in (c.src_dir, c.build_dir)]
+    removed = []
+    for d in dirs:
+        if d.exists():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+    return removed
 
 
 def _timed(phases: PhaseLog, lock: threading.Lock, phase: str, fn, *, component: str, steps: bool = False) -> None:
