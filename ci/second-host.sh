@@ -28,11 +28,10 @@ for i, f in enumerate(files[2:]):  # after defaults.toml and the platform's file
 shutil.copytree(os.path.join(m["mirror"], "wheels"), f"{into}/mirror/wheels")
 print(f"build {m['build_id']}: {len(files) - 2} overlay(s), python {m['python']['version']}")
 EOF
-mkdir -p "$out/in/torch"
-cp "$wheels"/*.whl "$out/in/torch/"
 ca=/etc/ssl/certs/ca-certificates.crt  # this host's bundle, with the intercepting proxy's CA
 git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | docker run --rm -i --network host \
-  --cap-add SYS_PTRACE -v "$PWD/$out/in:/in:ro" -v "$ca:/host-ca.crt:ro" -e PIP_CERT=/host-ca.crt \
+  --cap-add SYS_PTRACE -v "$PWD/$out/in:/in:ro" -v "$(realpath "$wheels"):/torch:ro" -v "$ca:/host-ca.crt:ro" \
+  -e PIP_CERT=/host-ca.crt \
   -e DEBIAN_FRONTEND=noninteractive "$base" bash -euo pipefail -c '
     mkdir /src && cd /src && tar -xf -
     apt-get update -qq && apt-get install -y -qq --no-install-recommends python3 python3-venv >/dev/null
@@ -42,7 +41,7 @@ git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | d
     echo "--- the wheel, pip-installed into a fresh venv"
     start=$SECONDS
     python3 -m venv /opt/v
-    /opt/v/bin/pip install -q --disable-pip-version-check --no-index --find-links /in/torch torch numpy /in/wheel/*.whl
+    /opt/v/bin/pip install -q --disable-pip-version-check --no-index --find-links /torch torch numpy /in/wheel/*.whl
     echo "installed: $(basename /in/wheel/*.whl) in $((SECONDS - start)) s"
     cd /tmp
     PYTHONPATH=/src /opt/v/bin/python -m kvruntime selftest > /tmp/wheel-selftest.txt ||

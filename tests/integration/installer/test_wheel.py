@@ -140,12 +140,17 @@ def test_an_agent_comes_up_where_deepbind_crashed(built, venv):
     assert r.returncode == 0 and "AGENT UP" in r.stdout, (base, r.returncode, r.stderr[-3000:])
 
 
-def test_two_agents_move_bytes_beside_another_ucx(built, venv, foreign):
+def _pair(built, venv, foreign, scope: str) -> tuple[str, dict]:
+    """nixl_pair.py in the fresh venv with the other UCX loaded first in `scope`: (module, its JSON)."""
     module = built["manifest"]["recipe"]["verify"]["nixl"]["module"]
-    r = _run([str(venv), str(Path(__file__).with_name("nixl_pair.py")), module, str(foreign), "local"],
+    r = _run([str(venv), str(Path(__file__).with_name("nixl_pair.py")), module, str(foreign), scope],
              env=_clean_env(), cwd=built["tmp"], timeout=180)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
-    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("PAIR "))[5:])
+    return module, json.loads(next(line for line in r.stdout.splitlines() if line.startswith("PAIR "))[5:])
+
+
+def test_two_agents_move_bytes_beside_another_ucx(built, venv, foreign):
+    _, out = _pair(built, venv, foreign, "local")
     assert out["state"] == "DONE" and out["match"] and out["target_rc"] == 0
     site = str(venv.parent.parent / "lib")
     for side, maps in out["maps"].items():
@@ -156,11 +161,7 @@ def test_two_agents_move_bytes_beside_another_ucx(built, venv, foreign):
 
 
 def test_a_ucx_loaded_globally_first_stops_the_import_with_one_line(built, venv, foreign):
-    module = built["manifest"]["recipe"]["verify"]["nixl"]["module"]
-    r = _run([str(venv), str(Path(__file__).with_name("nixl_pair.py")), module, str(foreign), "global"],
-             env=_clean_env(), cwd=built["tmp"], timeout=120)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
-    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("PAIR "))[5:])
+    module, out = _pair(built, venv, foreign, "global")
     assert out["refused"] == (f"ImportError: {module}: another UCX is loaded with RTLD_GLOBAL in this process "
                               f"({os.path.realpath(foreign)}) and would take the place of this wheel's own; load that "
                               f"one RTLD_LOCAL (not by LD_PRELOAD), or not at all, before importing {module}"), out
