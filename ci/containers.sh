@@ -4,7 +4,8 @@
 # the Debian 12 base by debootstrap + docker import, run README's set-up in it with Debian's own
 # python3, build the cpu image from the Containerfile (UCX from Debian's source package, NIXL from
 # PyPI's nixl-cu12 wheel: ci/image-inputs.sh) and run `installer verify` and `kvruntime selftest`
-# inside it. The daemon is stopped by its process id on exit. Needs root and .venv (ci/venv.sh).
+# inside it; and, as a second host that never held it, install the pinned cpu build's wheel and
+# binary cache in a container of that base (ci/second-host.sh). The daemon is stopped by its process id on exit. Needs root and .venv (ci/venv.sh).
 # A machine whose disk cannot hold a step skips it and the steps after it, saying so: running
 # out of space half-way through a build proves nothing about the code. Measured on a fresh
 # clone: dockerd, the base image and the stock Debian set-up peak at ~2.1 GiB over what is in use
@@ -58,6 +59,13 @@ step "containers: cpu image inputs (UCX from Debian's source package, NIXL from 
 room 5.5 "the cpu image build" || exit 0
 inputs=_work/ci-image-inputs
 bash ci/image-inputs.sh "$inputs"
+
+step "containers: a second host for the pinned cpu build (its wheel, its binary cache; nothing of the build there)"
+if [ -e _work/pinned/cpu/manifest.json ]; then
+  bash ci/second-host.sh kvstack-base:bookworm _work/pinned/cpu "$inputs/wheels"
+else
+  echo "containers: SKIPPED the second host: no pinned cpu build at _work/pinned/cpu (ci/pinned-builds.sh makes it)"
+fi
 
 step "containers: cpu image from the Containerfile (python -m installer image)"
 tag=kvstack:cpu-ci

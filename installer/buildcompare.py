@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .elf import MAGIC
+from .elf import MAGIC, sections
 from .errors import UsageError
 
 SKIPPED = ("manifest.json", "logs", ".kvstack")
@@ -117,25 +117,4 @@ def _why(da: bytes, db: bytes, paths: list[tuple[str, bytes]]) -> str:
 
 def _sections(data: bytes) -> dict[str, bytes]:
     """Section name -> contents, for little-endian ELF64 (what these builds are); {} otherwise."""
-    if len(data) < 64 or data[4] != 2 or data[5] != 1:
-        return {}
-    u16 = lambda o: int.from_bytes(data[o:o + 2], "little")  # noqa: E731
-    u32 = lambda o: int.from_bytes(data[o:o + 4], "little")  # noqa: E731
-    u64 = lambda o: int.from_bytes(data[o:o + 8], "little")  # noqa: E731
-    shoff, shentsize, shnum, shstrndx = u64(0x28), u16(0x3A), u16(0x3C), u16(0x3E)
-    headers = []
-    for i in range(shnum):
-        h = shoff + i * shentsize
-        if h + 0x28 > len(data):
-            return {}
-        nobits = u32(h + 4) == 8  # SHT_NOBITS (.bss): no bytes in the file
-        headers.append((u32(h), u64(h + 0x18), 0 if nobits else u64(h + 0x20)))
-    if not headers or shstrndx >= len(headers):
-        return {}
-    _, str_off, str_size = headers[shstrndx]
-    names = data[str_off:str_off + str_size]
-    out = {}
-    for name_off, off, size in headers:
-        name = names[name_off:names.index(b"\0", name_off)].decode(errors="replace") if name_off < len(names) else "?"
-        out[name or "(null)"] = data[off:off + size]
-    return out
+    return {sec.name: data[sec.offset:sec.offset + sec.size] for sec in sections(data)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +58,17 @@ class Cache:
         fd, name = tempfile.mkstemp(dir=self.root / "tmp", suffix=suffix)
         os.close(fd)
         return Path(name)
+
+    def drop_partial(self) -> list[Path]:
+        """Downloads a killed run left half-written (tmp/*.part, git/*.git.part). Call with the
+        cache locked: every download happens under that lock, so none of these is in progress."""
+        found = [*(self.root / "tmp").glob("*.part"), *(self.root / "git").glob("*.part")]
+        for p in found:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        return found
 
     def put(self, tmp: Path, sha256: str) -> Path:
         """Move a verified temporary file into place (atomic rename on one filesystem)."""

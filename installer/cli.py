@@ -241,6 +241,8 @@ def _wheel(args) -> int:
           f"tag {out['tag']}: {out['tag_why']})")
     for what in ("ucx", "nixl"):
         print(f"  private {what.upper()}: " + ", ".join(f"{k} -> {v}" for k, v in out[what].items()))
+    for file, strings in out["unnamed"].items():
+        print(f"  {file}: compiled-in {', '.join(strings)} -> {wheel.NOWHERE.decode()}")
     return 0
 
 

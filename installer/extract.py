@@ -11,7 +11,7 @@ from .errors import BuildError
 from .sources import Fetched
 
 
-def _extract_safely(tf: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -> None:
+def extract_safely(tf: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) -> None:
     """No absolute or escaping names or link targets, no devices or fifos: checked here for every
     Python, then tarfile's "data" filter where this Python has it (3.11.4+; Debian 12's own
     python3, 3.11.2, has not)."""
@@ -19,14 +19,14 @@ def _extract_safely(tf: tarfile.TarFile, members: list[tarfile.TarInfo], dest: P
     for m in members:
         target = (root / m.name).resolve()
         if m.name.startswith("/") or not (target == root or root in target.parents):
-            raise tarfile.TarError(f"member {m.name!r} would land outside the source directory")
+            raise tarfile.TarError(f"member {m.name!r} would land outside the directory it is extracted into")
         if m.isdev() or m.isfifo():
             raise tarfile.TarError(f"member {m.name!r} is a device or fifo")
         if m.issym() or m.islnk():
             base = target.parent if m.issym() else root
             link = (base / m.linkname).resolve()
             if m.linkname.startswith("/") or not (link == root or root in link.parents):
-                raise tarfile.TarError(f"link {m.name!r} -> {m.linkname!r} points outside the source directory")
+                raise tarfile.TarError(f"link {m.name!r} -> {m.linkname!r} points outside the directory it is extracted into")
     if hasattr(tarfile, "data_filter"):
         tf.extractall(dest, filter="data")
     else:
@@ -50,7 +50,7 @@ def extract(fetched: Fetched, dest: Path) -> Path:
         with tarfile.open(fetched.path, "r:*") as tf:
             members = tf.getmembers()
             tops = {m.name.split("/", 1)[0] for m in members if m.name not in ("", ".")}
-            _extract_safely(tf, members, tmp)
+            extract_safely(tf, members, tmp)
     except (tarfile.TarError, OSError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise BuildError(f"{fetched.name}: cannot extract {fetched.path}: {e}",

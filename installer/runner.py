@@ -1,5 +1,6 @@
 """Runs a component's steps: each external command with its own log file, in its own process
-group (so Ctrl-C, a kill, or another component's failure stops the whole build tree), and the
+group under a supervising shell (so Ctrl-C, a kill — of the installer too, even SIGKILL — or
+another component's failure stops the whole build tree), and the
 log's tail in the error. Components may build side by side (installer/schedule.py): each running
 step leaves its own marker, `running-step.<component>.pid`."""
 from __future__ import annotations
@@ -23,6 +24,10 @@ TAIL_LINES = 25
 PR_SET_PDEATHSIG = 1
 RUNNING = "running-step.{component}.pid"
 POLL_S = 0.25  # how soon a running step notices that it was asked to stop
+# Each step runs under a small shell that leads the step's process group: told the installer is
+# gone (PR_SET_PDEATHSIG: SIGTERM, even after a SIGKILL of the installer) or asked to stop, it
+# kills the whole group — ninja, sub-makes, compilers, autoreconf's children — not only itself.
+SUPERVISOR = ("/bin/sh", "-c", 'trap "kill -KILL 0" TERM HUP INT; "$@" & wait $!', "kvstack-step")
 
 
 class Stopped(Exception):
@@ -71,8 +76,9 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path, stop: 
     with open(log_path, "w") as logf:
         logf.write(f"$ cd {step.cwd or os.getcwd()}\n$ {' '.join([*(f'{k}={v}' for k, v in step.env.items()), *step.argv])}\n")
         logf.flush()
-        proc = subprocess.Popen(step.argv, cwd=step.cwd, env={**env, **step.env}, stdout=logf, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen([*SUPERVISOR, *step.argv], cwd=step.cwd, env={**env, **step.env}, stdout=logf,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent)
         marker = log_path.parent / RUNNING.format(component=component)
         # so a run after a SIGKILL can stop what this one left; whole or absent (renamed into
         # place), never empty: a marker read between its creation and its write named no group
@@ -102,10 +108,10 @@ def _wait(proc: subprocess.Popen, stop: threading.Event) -> int:
 
 
 def stop_leftovers(log_dir: Path) -> list[int]:
-    """A SIGKILLed installer could not stop its build steps: make or ninja die with it
-    (PR_SET_PDEATHSIG), but compilers they started may still run and write into the build trees
-    this run is about to reuse. Stop those process groups (one per component that was building);
-    return the ids of those that were still running."""
+    """A SIGKILLed installer could not stop its build steps itself; their supervising shells
+    kill their groups as it dies, and this stops whatever of a group still runs (a process that
+    left the group keeps running: nothing finds it) before this run reuses the build trees. One
+    group per component that was building; returns the ids of those that were still running."""
     stopped = []
     for marker in sorted(log_dir.glob(RUNNING.format(component="*"))):
         try:
@@ -136,9 +142,11 @@ def _stop_group(pgid: int) -> bool:
 
 
 def _pgid(proc_dir: Path) -> int | None:
+    """The process group of a live process; None for a zombie (dead, only not reaped yet)."""
     try:
         # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces, so split after ')'
-        return int(proc_dir.joinpath("stat").read_text().rsplit(")", 1)[1].split()[2])
+        fields = proc_dir.joinpath("stat").read_text().rsplit(")", 1)[1].split()
+        return None if fields[0] == "Z" else int(fields[2])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -157,10 +165,11 @@ _PRCTL = _libc_prctl()
 
 def _die_with_parent() -> None:
     """In the child, before exec: a SIGKILLed installer (no chance to clean up) takes its build
-    step down with it instead of leaving make or ninja running (Linux PR_SET_PDEATHSIG; it fires
-    when the thread that started the step ends, and that thread waits for the step)."""
+    step down with it: the supervising shell gets SIGTERM and kills the step's process group
+    (Linux PR_SET_PDEATHSIG; it fires when the thread that started the step ends, and that thread
+    waits for the step)."""
     if _PRCTL is not None:
-        _PRCTL(PR_SET_PDEATHSIG, signal.SIGKILL)
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

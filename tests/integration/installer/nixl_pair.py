@@ -1,12 +1,17 @@
 """Two NIXL agents in two processes move real bytes (a READ of 8 MiB) with a UCX of another
-version loaded into each process first, RTLD_GLOBAL, as a distribution's libucx0 would be.
+version loaded into each process first.
 
-    python nixl_pair.py MODULE FOREIGN_LIBUCP           # the initiator; starts the target itself
+    python nixl_pair.py MODULE FOREIGN_LIBUCP local     # the initiator; starts the target itself
+    python nixl_pair.py MODULE FOREIGN_LIBUCP global    # one process: is NIXL's UCX plugin refused?
 
-Each process loads FOREIGN_LIBUCP, imports MODULE (the wheel's NIXL), creates its agent, and
-reports the UCX libraries in its /proc/self/maps. The initiator prints one JSON line: bytes
-moved, whether they match, and both processes' maps. Run with the environment's python only: no
-env.sh, no LD_LIBRARY_PATH."""
+`local`: FOREIGN_LIBUCP loaded RTLD_LOCAL, as Python loads another extension's UCX (ucxx's, an
+upstream nixl wheel's): each process imports MODULE (the wheel's NIXL), creates its agent, and
+reports the UCX libraries in its /proc/self/maps; the initiator prints one JSON line: bytes
+moved, whether they match, and both processes' maps.
+`global`: FOREIGN_LIBUCP loaded RTLD_GLOBAL (LD_PRELOAD does the same): without RTLD_DEEPBIND,
+which the wheel never uses, its symbols would come first for the wheel's UCX too, so importing
+MODULE must stop with one line; one JSON line says what importing and creating the agent raised.
+Run with the environment's python only: no env.sh, no LD_LIBRARY_PATH."""
 from __future__ import annotations
 
 import ctypes
@@ -69,7 +74,7 @@ def target(module: str) -> None:
 
 
 def initiator(module: str, foreign: str) -> dict:
-    t = subprocess.Popen([sys.executable, __file__, module, foreign, "--target"], stdin=subprocess.PIPE,
+    t = subprocess.Popen([sys.executable, __file__, module, foreign, "local", "--target"], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     try:
         remote = _hear(t.stdout)
@@ -106,9 +111,15 @@ def initiator(module: str, foreign: str) -> dict:
 
 
 def main() -> None:
-    module, foreign = sys.argv[1], sys.argv[2]
-    ctypes.CDLL(foreign, mode=os.RTLD_NOW | os.RTLD_GLOBAL)  # the other UCX, there first
-    if sys.argv[3:] == ["--target"]:
+    module, foreign, scope = sys.argv[1:4]
+    ctypes.CDLL(foreign, mode=os.RTLD_NOW | (os.RTLD_GLOBAL if scope == "global" else os.RTLD_LOCAL))  # there first
+    if scope == "global":
+        try:
+            _agent(module, "refused")
+            _say({"refused": None, "maps": _ucx_maps()})
+        except Exception as e:  # NIXL's own error type, from the module under test
+            _say({"refused": f"{type(e).__name__}: {e}", "maps": _ucx_maps()})
+    elif sys.argv[4:] == ["--target"]:
         target(module)
     else:
         _say(initiator(module, foreign))

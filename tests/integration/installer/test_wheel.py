@@ -1,18 +1,22 @@
 """`python -m installer wheel` on a real, full build (UCX + NIXL), then the wheel alone in a fresh
 virtual environment: no env.sh, no LD_LIBRARY_PATH, the build directory out of reach.
 
-CI cannot make such a build (it cannot reach GitHub for NIXL; its real build is Debian's UCX with
-NIXL disabled, which test_wheel_ucx.py covers for the private UCX). So this test runs on the
-build named by KVSTACK_WHEEL_PREFIX (a prefix from `python -m installer --prefix P`, e.g. from a
-mirror made from clones, README "Offline") and skips, saying so, without one; BENCHMARKS.md
-records its run on the pinned cpu stack. The unit tests cover the pure parts everywhere.
+It runs on the build named by KVSTACK_WHEEL_PREFIX (a prefix from `python -m installer --prefix
+P`: CI's pinned cpu build from ../shared/mirror) and skips, saying so, without one. The unit tests
+cover the pure parts everywhere; ci/containers.sh installs the same wheel in a container that
+never held the build.
 
 What must hold: RECORD hashes every file; the layout UCX and NIXL look for (<libs>/ucx beside
 libucs, <libs>/plugins beside libnixl); every RUNPATH $ORIGIN-relative and no NEEDED naming a
-public UCX; and in the fresh venv, with Debian's libucp.so.0 (libucx0, UCX 1.13.1) loaded
-RTLD_GLOBAL first in each process, two NIXL agents in two processes move 8 MiB bit-exact while
-/proc/self/maps shows both UCX copies; kvruntime's selftest passes there too with that UCX
-preloaded into every process it starts."""
+public UCX; no file naming the build directory where UCX or NIXL read it (libucs' compiled-in
+module and config directories name /dev/null). In the fresh venv, made from an interpreter whose
+executable holds `environ` by copy relocation where the host has one (Debian's python3: under
+RTLD_DEEPBIND, which the wheel used to load UCX's plugin with, libucs then read libc's unused
+copy and NIXL's create_backend died of SIGSEGV on every host but the builder's): an agent comes
+up; two agents in two processes move 8 MiB bit-exact with another UCX loaded RTLD_LOCAL first
+in each (as Python loads another extension's UCX), while /proc/self/maps shows both copies; a
+UCX loaded RTLD_GLOBAL first (its symbols would come first for ours too) stops the import with
+one line naming it, never a crash; kvruntime's selftest passes there too."""
 from __future__ import annotations
 
 import csv
@@ -86,15 +90,31 @@ def test_wheel_is_well_formed_private_and_relocatable(built, tmp_path):
         public = ("libucp.so.0", "libuct.so.0", "libucs.so.0", "libucm.so.0", "libnixl.so", "libserdes.so", "libnixl_build.so")
         assert not [n for n in dyn.needed if n in public], (f, dyn.needed)
         assert manifest["install_dir"] not in dyn.runpath
+    libucs = next(libs.glob("libucs-kvstack-*.so.0")).read_bytes()
+    rodata = next(s for s in elf.sections(libucs) if s.name == ".rodata")
+    rodata = libucs[rodata.offset:rodata.offset + rodata.size]
+    assert manifest["install_dir"].encode() not in rodata  # compiled-in module and config directories
+    assert rodata.count(b"\0/dev/null\0") >= 2
+
+
+def _copies_environ(python: str) -> bool:
+    """Whether the interpreter's executable holds `environ` by copy relocation (R_X86_64_COPY)."""
+    r = _run(["readelf", "-rW", os.path.realpath(python)])
+    return r.returncode == 0 and any("_COPY" in line and "environ@" in line for line in r.stdout.splitlines())
 
 
 @pytest.fixture(scope="module")
 def venv(built):
+    version = built["manifest"]["python"]["version"]
+    candidates = [f"/usr/bin/python{version}", getattr(sys, "_base_executable", sys.executable), sys.executable]
+    base = next((c for c in candidates if os.path.exists(c) and _copies_environ(c)), sys.executable)
     v = built["tmp"] / "fresh"
-    assert _run([sys.executable, "-m", "venv", str(v)]).returncode == 0
+    r = _run([base, "-m", "venv", str(v)])
+    assert r.returncode == 0, r.stderr
     py = v / "bin" / "python"
     r = _run([str(py), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(built["wheel"])])
     assert r.returncode == 0, r.stderr[-2000:]
+    print(f"fresh venv from {base} (environ by copy relocation: {_copies_environ(base)})")
     return py
 
 
@@ -105,21 +125,47 @@ def _clean_env():
     return env
 
 
-def test_two_agents_move_bytes_beside_debians_ucx(built, venv):
-    if not DEBIAN_UCP.exists():
-        pytest.skip(f"{DEBIAN_UCP} is missing: apt-get install libucx0 (Debian's UCX, the other copy)")
+@pytest.fixture(scope="module")
+def foreign(pypi_ucx):
+    """Debian's libucx0 (UCX 1.13.1) where installed, else PyPI's libucx-cu12."""
+    return DEBIAN_UCP if DEBIAN_UCP.exists() else pypi_ucx
+
+
+def test_an_agent_comes_up_where_deepbind_crashed(built, venv):
+    base = (venv.parent.parent / "pyvenv.cfg").read_text()
     module = built["manifest"]["recipe"]["verify"]["nixl"]["module"]
-    r = _run([str(venv), str(Path(__file__).with_name("nixl_pair.py")), module, str(DEBIAN_UCP)],
+    code = (f"import faulthandler; faulthandler.enable()\nfrom {module}._api import nixl_agent, nixl_agent_config\n"
+            f"nixl_agent('a', nixl_agent_config(backends=['UCX']))\nprint('AGENT UP')")
+    r = _run([str(venv), "-c", code], env=_clean_env(), cwd=built["tmp"], timeout=120)
+    assert r.returncode == 0 and "AGENT UP" in r.stdout, (base, r.returncode, r.stderr[-3000:])
+
+
+def _pair(built, venv, foreign, scope: str) -> tuple[str, dict]:
+    """nixl_pair.py in the fresh venv with the other UCX loaded first in `scope`: (module, its JSON)."""
+    module = built["manifest"]["recipe"]["verify"]["nixl"]["module"]
+    r = _run([str(venv), str(Path(__file__).with_name("nixl_pair.py")), module, str(foreign), scope],
              env=_clean_env(), cwd=built["tmp"], timeout=180)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
-    out = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("PAIR "))[5:])
+    return module, json.loads(next(line for line in r.stdout.splitlines() if line.startswith("PAIR "))[5:])
+
+
+def test_two_agents_move_bytes_beside_another_ucx(built, venv, foreign):
+    _, out = _pair(built, venv, foreign, "local")
     assert out["state"] == "DONE" and out["match"] and out["target_rc"] == 0
     site = str(venv.parent.parent / "lib")
     for side, maps in out["maps"].items():
         assert any(m.startswith(site) and "/libucp-kvstack-" in m for m in maps), (side, maps)
         assert any(m.startswith(site) and m.endswith("/ucx/libuct_cma.so.0") for m in maps), (side, maps)
-        assert any(os.path.realpath(m) == os.path.realpath(DEBIAN_UCP) for m in maps), (side, maps)
+        assert any(os.path.realpath(m) == os.path.realpath(foreign) for m in maps), (side, maps)
         assert not [m for m in maps if m.startswith(built["manifest"]["install_dir"])], (side, maps)
+
+
+def test_a_ucx_loaded_globally_first_stops_the_import_with_one_line(built, venv, foreign):
+    module, out = _pair(built, venv, foreign, "global")
+    assert out["refused"] == (f"ImportError: {module}: another UCX is loaded with RTLD_GLOBAL in this process "
+                              f"({os.path.realpath(foreign)}) and would take the place of this wheel's own; load that "
+                              f"one RTLD_LOCAL (not by LD_PRELOAD), or not at all, before importing {module}"), out
+    assert not [m for m in out["maps"] if "-kvstack-" in m], out["maps"]  # nothing of ours was loaded
 
 
 def test_kvruntime_selftest_in_the_fresh_venv(built, venv):
@@ -130,8 +176,6 @@ def test_kvruntime_selftest_in_the_fresh_venv(built, venv):
     if r.returncode:
         pytest.skip(f"cannot install torch into the fresh venv: {r.stderr.strip()[-200:]}")
     env = dict(_clean_env(), PYTHONPATH=str(ROOT))
-    if DEBIAN_UCP.exists():
-        env["LD_PRELOAD"] = str(DEBIAN_UCP)  # every process the selftest starts holds Debian's UCX first
     r = _run([str(venv), "-m", "kvruntime", "selftest", "--tp-pairs", "none", "--json", "--compact"],
              env=env, cwd=built["tmp"], timeout=600)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])

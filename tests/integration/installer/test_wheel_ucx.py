@@ -1,23 +1,24 @@
 """The private UCX of `python -m installer wheel`, on a real UCX that CI can build: Debian's UCX
-1.13.1 source package through the installer, NIXL disabled (as in source_builds/test_debian_ucx.py;
-CI cannot reach GitHub for NIXL). The wheel verb itself refuses such a UCX-only build (a wheel
-carries NIXL's module; a private UCX without it is of no use), so this test takes the part the
-wheel is made of — privateucx.bundle, the same call the wheel verb makes — and proves on it what
-the wheel promises: private SONAMEs and NEEDED entries, $ORIGIN RUNPATHs, and a process holding
-another UCX (PyPI's libucx-cu12, UCX 1.22.0, loaded RTLD_GLOBAL first, as a distribution's libucx0
-would be) that loads the private copy beside it through the wheel's own preload, initialises
-both (ucp_init, each reporting its own version), and has both in /proc/self/maps — with UCX's cma
-module taken from the bundle, and nothing from the build directory.
+1.13.1 source package through the installer, NIXL disabled (as in source_builds/test_debian_ucx.py).
+The wheel verb itself refuses such a UCX-only build (a wheel carries NIXL's module; a private UCX
+without it is of no use), so this test takes the part the wheel is made of — privateucx.bundle,
+the same call the wheel verb makes — and proves on it what the wheel promises: private SONAMEs
+and NEEDED entries, $ORIGIN RUNPATHs, and a process holding another UCX (PyPI's libucx-cu12,
+UCX 1.22.0, loaded first RTLD_LOCAL, as Python loads another extension's UCX) that loads the
+private copy beside it with the private SONAMEs alone — nothing RTLD_DEEPBIND, which made libucs
+read a stale `environ` and crash NIXL's create_backend on hosts other than the builder — and
+initialises both (ucp_init, each reporting its own version), with both in /proc/self/maps, UCX's
+cma module taken from the bundle, and nothing from the build directory. A UCX loaded RTLD_GLOBAL
+first would come before ours in every lookup: the wheel's preload stops the import, naming it.
 
 The whole wheel (NIXL module, plugins, two agents moving bytes in a fresh venv) is proven by
-test_wheel.py on a full build, which CI cannot make; BENCHMARKS.md records that run."""
+test_wheel.py on the pinned build."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
 import textwrap
-import zipfile
 
 import pytest
 
@@ -25,20 +26,24 @@ from installer import elf, privateucx
 from tests.integration.source_builds.test_debian_ucx import ROOT, _install, debian  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.build, pytest.mark.integration]
-FOREIGN = "libucx-cu12==1.22.0"
 
 CHILD = textwrap.dedent(r"""
     import ctypes, importlib.util, json, os, sys
-    foreign_path, libs, preload_path, ucp_soname = sys.argv[1:5]
-    foreign = ctypes.CDLL(foreign_path, mode=os.RTLD_NOW | os.RTLD_GLOBAL)   # the UCX already in the process
+    foreign_path, libs, preload_path, ucp_soname, scope = sys.argv[1:6]
+    mode = os.RTLD_NOW | (os.RTLD_GLOBAL if scope == "global" else os.RTLD_LOCAL)
+    foreign = ctypes.CDLL(foreign_path, mode=mode)   # the UCX already in the process
     spec = importlib.util.spec_from_file_location("kvstack_preload", preload_path)
     preload = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(preload)
-    modules = preload.setup({"ucp_soname": ucp_soname}, libs)
-    private = ctypes.CDLL(os.path.join(libs, ucp_soname), mode=os.RTLD_NOW | os.RTLD_LOCAL | os.RTLD_DEEPBIND)
+    try:
+        spec.loader.exec_module(preload)             # with CONFIG = {}, as imported from the wheel
+        preload.setup({"ucp_soname": ucp_soname}, libs)
+    except ImportError as e:
+        print(json.dumps({"refused": str(e)}))
+        sys.exit(0)
+    private = ctypes.CDLL(os.path.join(libs, ucp_soname), mode=os.RTLD_NOW | os.RTLD_LOCAL)
     libc = ctypes.CDLL(None)
     libc.fopen.restype = ctypes.c_void_p
-    out = {"modules": modules}
+    out = {"deepbind": os.environ.get("NIXL_UCX_DEEPBIND")}
     for name, lib in (("foreign", foreign), ("private", private)):
         v = [ctypes.c_uint() for _ in range(3)]
         lib.ucp_get_version(*map(ctypes.byref, v))
@@ -65,15 +70,8 @@ def _readelf(path):
 
 
 @pytest.fixture(scope="module")
-def foreign_ucx(debian):
-    d = debian["base"] / "foreign"
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-                        "--only-binary=:all:", "-d", str(d), FOREIGN], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot download {FOREIGN} from PyPI (the UCX already in the process): {r.stderr.strip()[-200:]}")
-    with zipfile.ZipFile(next(d.glob("*.whl"))) as zf:
-        zf.extractall(d / "tree")
-    return next((d / "tree").rglob("libucp.so*"))
+def foreign_ucx(pypi_ucx):
+    return pypi_ucx
 
 
 def test_wheel_verb_refuses_a_ucx_only_build(debian, tmp_path):
@@ -114,11 +112,12 @@ def test_private_ucx_loads_beside_another_ucx(debian, foreign_ucx, tmp_path):
     assert str(build) not in dyn
 
     preload = ROOT / "installer" / "wheel_preload.py"
-    run = subprocess.run([sys.executable, "-c", CHILD, str(foreign_ucx), str(libs), str(preload), mapping["libucp.so.0"]],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", CHILD, str(foreign_ucx), str(libs), str(preload), mapping["libucp.so.0"],
+                          "local"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    print({k: out[k]["version"] for k in ("foreign", "private")}, out["modules"])
+    print({k: out[k]["version"] for k in ("foreign", "private")})
+    assert out["deepbind"] == "0"
     assert out["foreign"]["version"].startswith("1.22.") and out["private"]["version"].startswith("1.13.")
     assert out["foreign"]["ucp_init"] == 0 and out["private"]["ucp_init"] == 0
     assert "cma/memory" in out["private"]["info"]  # the private context sees its own cma module
@@ -127,3 +126,10 @@ def test_private_ucx_loads_beside_another_ucx(debian, foreign_ucx, tmp_path):
     assert str(libs / mapping["libucp.so.0"]) in maps and str(libs / mapping["libucs.so.0"]) in maps
     assert str(cma) in maps
     assert not [m for m in maps if m.startswith(str(build))], "the private copy reached back into the build directory"
+
+    # the same UCX loaded RTLD_GLOBAL first: the preload refuses, before anything of ours loads
+    run = subprocess.run([sys.executable, "-c", CHILD, str(foreign_ucx), str(libs), str(preload), mapping["libucp.so.0"],
+                          "global"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    refused = json.loads(run.stdout.strip().splitlines()[-1])["refused"]
+    assert f"another UCX is loaded with RTLD_GLOBAL in this process ({foreign_ucx.resolve()})" in refused
