@@ -42,7 +42,7 @@ def _secret(args) -> bytes | None:
 
 def _selftest(args, out) -> int:
     say = functools.partial(print, file=out)
-    from .selftest import run_selftest
+    from .tools.selftest import run_selftest
 
     report = run_selftest(nixl_module=args.nixl_module, timeout=args.timeout,
                           secret=_secret(args), device_ids=tuple(args.device_ids),
@@ -118,7 +118,7 @@ def _tp_pairs(text: str):
 
 def _bench(args, out) -> int:
     say = functools.partial(print, file=out)
-    from .bench import BenchConfig, run_bench
+    from .tools.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(
         sizes_mib=args.sizes, patterns=args.patterns, layouts=args.layouts, ops=args.ops,
