@@ -44,7 +44,7 @@ def _secret(args) -> bytes | None:
 
 def _selftest(args, out) -> int:
     say = functools.partial(print, file=out)
-    from .selftest import run_selftest
+    from .tools.selftest import run_selftest
 
     report = run_selftest(nixl_module=args.nixl_module, timeout=args.timeout,
                           secret=_secret(args), device_ids=tuple(args.device_ids),
@@ -156,7 +156,7 @@ def _tp_pairs(heads: int):
 
 def _bench(args, out) -> int:
     say = functools.partial(print, file=out)
-    from .bench import BenchConfig, run_bench
+    from .tools.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(
         sizes_mib=args.sizes, patterns=args.patterns, layouts=args.layouts, ops=args.ops,
@@ -222,8 +222,8 @@ def _bench(args, out) -> int:
 
 
 def main(argv=None) -> int:
-    from .bench import BENCH_HEADS  # the model's KV heads the TP pairs split, in each command
-    from .selftest import TP_HEADS
+    from .tools.workload import BENCH_HEADS  # the model's KV heads the TP pairs split, in each command
+    from .tools.selftest import TP_HEADS
 
     parser = _Parser(prog="python -m kvruntime")
     parser.add_argument("--nixl-module", help="NIXL module to import (default: search "

@@ -44,7 +44,7 @@ def spawn_pushing_prefill(layouts, seed=1, **options):
     (roles._serve_command) and returns the prefill's error, or None once it is posted."""
     ctx = mp.get_context("spawn")
     ready_q, control = ctx.Queue(), ctx.Queue()
-    from kvruntime.roles import prefill_main, push_command, reap
+    from kvruntime.tools.roles import prefill_main, push_command, reap
 
     proc = ctx.Process(target=prefill_main, daemon=True,
                        args=(ready_q, control, [l.to_dict() for l in layouts], seed, options))

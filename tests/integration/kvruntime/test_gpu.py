@@ -16,7 +16,7 @@ from kvruntime.decode import DecodeClient
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache, device_unavailable
 from kvruntime.plan import coalesce
-from kvruntime.selftest import request_blocks
+from kvruntime.tools.selftest import request_blocks
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration]
 
@@ -134,7 +134,7 @@ def test_selftest_cli_runs_every_cuda_mode_bit_exact():
 
 
 def test_bench_reports_vram_beside_a_device_copy():
-    from kvruntime.bench import BenchConfig, run_bench
+    from kvruntime.tools.bench import BenchConfig, run_bench
 
     report = run_bench(BenchConfig(sizes_mib=[8], iters=2, handshakes=2, device="cuda",
                                    device_ids=[DEVICE_ID, DEVICE_ID]))
@@ -325,7 +325,7 @@ def test_staged_copies_through_the_bounce_ring_are_bit_exact(kind, heads):
 
 
 def test_bench_bounce_reports_gather_and_scatter_beside_pinned_copies():
-    out = subprocess.run([sys.executable, "-m", "kvruntime.bench_bounce", "--mib", "16",
+    out = subprocess.run([sys.executable, "-m", "kvruntime.tools.bench_bounce", "--mib", "16",
                           "--slots-mib", "4", "--iters", "2", "--layouts", "cross_layer"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

@@ -13,8 +13,8 @@ from kvruntime import frames
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill import PrefillServer
-from kvruntime.roles import reap
-from kvruntime.selftest import SELFTEST_SHAPE, decode_main
+from kvruntime.tools.roles import reap
+from kvruntime.tools.selftest import SELFTEST_SHAPE, decode_main
 
 pytestmark = pytest.mark.integration
 

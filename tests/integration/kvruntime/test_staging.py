@@ -11,7 +11,7 @@ from kvruntime.errors import IncompatiblePeerError, KVRuntimeError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill import PrefillServer
-from kvruntime.selftest import request_blocks
+from kvruntime.tools.selftest import request_blocks
 from kvruntime.staging import StagingExhausted, StagingPool
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ from kvruntime.errors import KVRuntimeError, PlanError, TransferError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.plan import coalesce
-from kvruntime.selftest import request_blocks
+from kvruntime.tools.selftest import request_blocks
 
 pytestmark = pytest.mark.integration
 
@@ -177,7 +177,7 @@ def test_quick_reconnects_are_served_by_the_new_connection(prefill):
 
 
 def test_bench_reports_medians_spread_and_ucx_settings():
-    from kvruntime.bench import BenchConfig, run_bench
+    from kvruntime.tools.bench import BenchConfig, run_bench
 
     report = run_bench(BenchConfig(sizes_mib=[4], patterns=["contiguous"], layouts=[CROSS_LAYER],
                                    ops=["pull", "push", "prefill_push"], iters=3,

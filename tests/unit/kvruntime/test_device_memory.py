@@ -8,8 +8,8 @@ import pytest
 from kvruntime.errors import KVRuntimeError
 from kvruntime.layout import CROSS_LAYER, KVLayout
 from kvruntime.memory import KVCache, device_unavailable
-from kvruntime.roles import allocate_cache, device_of, prepare_process
-from kvruntime.selftest import skipped_modes
+from kvruntime.tools.roles import allocate_cache, device_of, prepare_process
+from kvruntime.tools.selftest import skipped_modes
 
 LAYOUT = KVLayout(CROSS_LAYER, 2, 8, 16, 2, 64, "float16")
 

@@ -11,7 +11,6 @@ average latency, bandwidth) plus the reference and the ratio.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import multiprocessing as mp
 import random
@@ -19,11 +18,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from . import native
-from .layout import KVLayout
-from .memory import HostBuffer, device_unavailable, thp_mode
-from .plan import make_plan
+from .. import native
+from ..memory import device_unavailable, thp_mode
+from ..plan import make_plan
+from .references import DeviceReference, HostReference
 from .roles import allocate_cache, prefill_main, prefill_push, prepare_process, reap
+from .workload import bench_layout, pick_blocks, spread
 
 
 @dataclass
@@ -50,92 +50,11 @@ class BenchConfig:
     tp_pairs: list = field(default_factory=list)  # [[p, d], ...]: mixed TP rows (bench_tp.py)
 
 
-BENCH_HEADS = 8  # KV heads of the bench's model (its TP pairs split them)
-
-
-def bench_layout(kind: str, block_kib: int, max_mib: int) -> KVLayout:
-    """4 layers, 16 tokens, 8 heads, fp16; head_dim sized so a block is ``block_kib`` KiB."""
-    page = block_kib * 1024 // 8
-    head_dim = max(1, page // (16 * BENCH_HEADS * 2))
-    blocks_needed = -(-max_mib * 1024 // block_kib)
-    return KVLayout(kind, 4, blocks_needed + blocks_needed // 4 + 1, 16, BENCH_HEADS, head_dim,
-                    "float16")
-
-
-def pick_blocks(pattern: str, count: int, num_blocks: int, rnd: random.Random):
-    if pattern == "contiguous":
-        s0, d0 = rnd.randint(0, num_blocks - count), rnd.randint(0, num_blocks - count)
-        return list(range(s0, s0 + count)), list(range(d0, d0 + count))
-    return rnd.sample(range(num_blocks), count), rnd.sample(range(num_blocks), count)
-
-
-class HostReference:
-    """memmove between two host buffers with the bench's page setting."""
-
-    label = "host memmove, same run"
-
-    def __init__(self, nbytes: int, huge_pages: bool):
-        self.src = HostBuffer(nbytes, huge_pages)
-        self.dst = HostBuffer(nbytes, huge_pages)
-        ctypes.memset(self.src.address, 0x5A, nbytes)
-
-    def gbps(self, nbytes: int) -> float:
-        t = time.perf_counter()
-        ctypes.memmove(self.dst.address, self.src.address, nbytes)
-        return nbytes / (time.perf_counter() - t) / 1e9
-
-    def close(self) -> None:
-        self.src.close()
-        self.dst.close()
-
-
-class DeviceReference:
-    """What bounds a device transfer, timed like the transfers (wall clock from a synchronized
-    start to a synchronized end): a device-to-device ``copy_`` (cudaMemcpy) on the decode's
-    device when both sides share it; torch's peer copy from the prefill's device to the
-    decode's when they differ (the local copy is then reported beside it, never as the bound).
-    """
-
-    def __init__(self, nbytes: int, device: str, device_ids):
-        import torch
-
-        self.module = getattr(torch, device)
-        src_dev = torch.device(device, device_ids[0])
-        self.device = torch.device(device, device_ids[1])
-        self.peer = device_ids[0] != device_ids[1]
-        self.label = (f"{device} peer copy_ {device}:{device_ids[0]} -> {device}:{device_ids[1]},"
-                      f" same run" if self.peer else
-                      f"{device} device-to-device copy_ on {device}:{device_ids[1]}, same run")
-        self.src = torch.full((nbytes,), 0x5A, dtype=torch.uint8,
-                              device=src_dev if self.peer else self.device)
-        self.dst = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self.local_src = (torch.full((nbytes,), 0x5A, dtype=torch.uint8, device=self.device)
-                          if self.peer else self.src)
-
-    def _time(self, src, nbytes: int) -> float:
-        self.module.synchronize(src.device)
-        self.module.synchronize(self.device)
-        t = time.perf_counter()
-        self.dst[:nbytes].copy_(src[:nbytes])
-        self.module.synchronize(src.device)
-        self.module.synchronize(self.device)
-        return nbytes / (time.perf_counter() - t) / 1e9
-
-    def gbps(self, nbytes: int) -> float:
-        return self._time(self.src, nbytes)
-
-    def local_gbps(self, nbytes: int) -> float | None:
-        return self._time(self.local_src, nbytes) if self.peer else None
-
-    def close(self) -> None:
-        self.src = self.dst = self.local_src = None
-
-
 def run_bench(cfg: BenchConfig) -> dict:
-    from .binding import load_nixl
-    from .decode import DecodeClient
-    from .samenode import SameNodeUnavailable
-    from .transports import ucx_environment
+    from ..binding import load_nixl
+    from ..decode import DecodeClient
+    from ..samenode import SameNodeUnavailable
+    from ..transports import ucx_environment
 
     report: dict = {"tool": "kvruntime bench", "config": asdict(cfg), "thp": thp_mode(),
                     "results": [], "ok": False}
@@ -154,7 +73,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     added = prepare_process(options)  # this process is the decode side: UCX before NIXL
     report["ucx_env"] = ucx_environment()  # what the figures ran under (both sides)
     report["id_reader"] = native.status()  # block-id lists: the native scan, or array('q')
-    from .transports import describe
+    from ..transports import describe
 
     report["ucx_policy"] = describe(added, report["ucx_env"], cfg.device)  # what, and why
     if cfg.device != "cpu":
@@ -300,7 +219,7 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
         "ref_gbps": round(ref, 3), "ref": reference.label, "ratio": round(gbps / ref, 3),
         "ratio_pairs_median": round(statistics.median(pairs), 3),
         # spread over the iterations (hosts are noisy)
-        "spread": {"gbps": _range(rates), "ref_gbps": _range(refs), "ratio_pairs": _range(pairs)},
+        "spread": {"gbps": spread(rates), "ref_gbps": spread(refs), "ratio_pairs": spread(pairs)},
         # push: the prefill's WRITE alone, without the side channel
         "peer_gbps": round(statistics.median(peer_rates), 3) if peer_rates else None,
     }
@@ -398,11 +317,6 @@ def _bare_copy(peer, src, dst) -> float:
     if job.state != "DONE":
         raise RuntimeError(f"bare same-node copy ended in state {job.state}: {job.error}")
     return seconds
-
-
-def _range(values) -> list:
-    """[min, max] of ``values``, rounded like the report's other figures."""
-    return [round(min(values), 3), round(max(values), 3)]
 
 
 def _device_name(device: str, device_ids) -> str:

@@ -16,9 +16,9 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
-from . import native
-from .layout import CROSS_LAYER, PER_LAYER, KVLayout
-from .memory import device_unavailable
+from .. import native
+from ..layout import CROSS_LAYER, PER_LAYER, KVLayout
+from ..memory import device_unavailable
 from .roles import (allocate_cache, device_of, prefill_main, prefill_push, prepare_process,
                     reap)
 
@@ -87,9 +87,9 @@ def _decode_every_mode(modes, ports, layouts, seed, options) -> str:
     client_objs, caches = [], []
     try:
         prepare_process(options)
-        from .binding import load_nixl
-        from .decode import DecodeClient
-        from .samenode import SameNodeUnavailable
+        from ..binding import load_nixl
+        from ..decode import DecodeClient
+        from ..samenode import SameNodeUnavailable
 
         device = device_of(options)
         binding = load_nixl(options.get("nixl_module"))
@@ -199,10 +199,10 @@ def _decode_tp_pairs(modes, ports, pairs, seed, options) -> str:
         prepare_process(options)
         import numpy as np
 
-        from .binding import load_nixl
-        from .decode import DecodeClient
-        from .memory import KVCache
-        from .tp import head_slices
+        from ..binding import load_nixl
+        from ..decode import DecodeClient
+        from ..memory import KVCache
+        from ..tp import head_slices
 
         staged = options.get("kv_buffer") == "host_staged"
         binding = load_nixl(options.get("nixl_module"))

@@ -33,7 +33,8 @@ import multiprocessing as mp
 import statistics
 import time
 
-from .bench import DeviceReference, HostReference, _range
+from .references import DeviceReference, HostReference
+from .workload import spread
 
 START_TIMEOUT = 300.0  # a decode process: import, NIXL agent, cache, handshake, warm-up
 ROUND_TIMEOUT = 120.0
@@ -41,7 +42,7 @@ START_AHEAD = 0.005  # seconds between naming the processes' start and the start
 
 
 def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dict:
-    from .decode import DecodeClient
+    from ..decode import DecodeClient
     from .roles import allocate_cache
 
     n_peers, n_requests = cfg.inflight
@@ -99,10 +100,10 @@ def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dic
                 "processes_copy_gbps": round(c, 3), "processes_copy": workers.reference,
                 "ratio_processes_batched_to_copy": round(sb / c, 3),
                 "processes_engines": workers.engines,
-                "spread": {"aggregate": _range(agg), "batched": _range(batched),
-                           "one": _range(one), "processes": _range(procs),
-                           "processes_batched": _range(procs_batched),
-                           "processes_copy": _range(copies)}}
+                "spread": {"aggregate": spread(agg), "batched": spread(batched),
+                           "one": spread(one), "processes": spread(procs),
+                           "processes_batched": spread(procs_batched),
+                           "processes_copy": spread(copies)}}
     finally:
         if workers is not None:
             workers.close()
@@ -189,9 +190,9 @@ def decode_worker(pipe, layout_spec: dict, port: int, options: dict, engine: str
 
         _log_from_env()
         prepare_process(options)  # UCX settings before NIXL is imported
-        from .binding import load_nixl
-        from .decode import DecodeClient
-        from .layout import KVLayout
+        from ..binding import load_nixl
+        from ..decode import DecodeClient
+        from ..layout import KVLayout
 
         binding = load_nixl(options.get("nixl_module"))
         cache = allocate_cache(KVLayout.from_dict(layout_spec), options)

@@ -4,7 +4,7 @@ where a gather's time goes (host: ids as int64 numpy, the fills' views, queueing
 call, the ids' upload included; device: how long the copy stream is busy, from just before the
 call is queued to its last copy).
 
-    python3 -m kvruntime.bench_bounce [--device cuda] [--mib 1024] [--slots-mib 4 16 32 64]
+    python3 -m kvruntime.tools.bench_bounce [--device cuda] [--mib 1024] [--slots-mib 4 16 32 64]
 
 Prints one JSON object per (layout, slot size)."""
 
@@ -22,7 +22,7 @@ def _timeline(pool, blocks, iters: int) -> dict:
     """Medians over ``iters`` gathers of all heads of ``blocks`` into the pool's first run."""
     import torch
 
-    from .bounce import pieces
+    from ..bounce import pieces
 
     mod = getattr(torch, pool._device[0].device.type)
     rows = {"ids_us": [], "fills_us": [], "queue_us": [], "copy_stream_ms": [], "call_ms": []}
@@ -52,11 +52,12 @@ def _timeline(pool, blocks, iters: int) -> dict:
 def main(argv=None) -> int:
     import numpy as np
 
-    from .bench import BenchConfig, _staging_copies, bench_layout
-    from .memory import KVCache, device_unavailable
-    from .staging import StagingPool
+    from .bench import BenchConfig, _staging_copies
+    from .workload import bench_layout
+    from ..memory import KVCache, device_unavailable
+    from ..staging import StagingPool
 
-    ap = argparse.ArgumentParser(prog="python -m kvruntime.bench_bounce", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvruntime.tools.bench_bounce", description=__doc__)
     ap.add_argument("--device", default="cuda", choices=["cuda", "xpu"])
     ap.add_argument("--mib", type=int, default=1024, help="bytes a request moves (MiB)")
     ap.add_argument("--slots-mib", type=int, nargs="+", default=[4, 16, 32, 64])

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import traceback
 
-from .layout import KVLayout
+from ..layout import KVLayout
 
 
 def device_of(options: dict) -> str:
@@ -20,7 +20,7 @@ def device_of(options: dict) -> str:
 def prepare_process(options: dict) -> dict:
     """First thing a role process does: UCX settings for its memory kind, before NIXL (and
     with it UCX) is imported, so that e.g. cuda pull gets CUDA IPC rather than TCP."""
-    from .transports import apply_ucx_settings
+    from ..transports import apply_ucx_settings
 
     # host-staged: NIXL moves only the host staging pools, whatever memory the caches are in
     staged = options.get("kv_buffer") == "host_staged"
@@ -30,7 +30,7 @@ def prepare_process(options: dict) -> dict:
 def allocate_cache(layout: KVLayout, options: dict):
     """A cache for ``layout`` in the role's memory: huge-page host buffers, or device tensors on
     the explicit ``device_id``."""
-    from .memory import KVCache
+    from ..memory import KVCache
 
     device = device_of(options)
     if device == "cpu":
@@ -44,8 +44,8 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
     try:
         _log_from_env()
         prepare_process(options)
-        from .binding import load_nixl
-        from .prefill import PrefillServer
+        from ..binding import load_nixl
+        from ..prefill import PrefillServer
 
         binding = load_nixl(options.get("nixl_module"))
         ports = []
@@ -92,7 +92,7 @@ def prefill_push(peer, control, replies, index: int, request: str, src, dst,
     ``peer`` (``expect_push``), the prefill told to push, the result once the notification is
     in. The handle is waited on before the prefill's report is read, so the notification is
     seen as it comes and the push's time is its own."""
-    from .errors import KVRuntimeError
+    from ..errors import KVRuntimeError
 
     handle = peer.expect_push(dst, request_id=request, timeout=timeout)
     _send_push(control, index, request, src, peer.client.agent.name, timeout)
@@ -113,7 +113,7 @@ def _send_push(control, index, request, src, peer, timeout) -> None:
 
 
 def _push_reply(replies, request: str, timeout: float) -> str | None:
-    from .errors import KVRuntimeError
+    from ..errors import KVRuntimeError
 
     reply = replies.get(timeout=timeout)
     if reply.get("pushed") != request:  # the process failed instead (prefill_main's report)

@@ -18,8 +18,9 @@ import random
 import statistics
 import time
 
-from .bench import DeviceReference, HostReference, bench_layout, pick_blocks
-from .layout import CROSS_LAYER
+from ..layout import CROSS_LAYER
+from .references import DeviceReference, HostReference
+from .workload import bench_layout, pick_blocks
 
 MODES = ("direct", "host_staged")
 
@@ -30,9 +31,9 @@ def tp_layout(cfg, tp: int, max_mib: int):
 
 
 def run_tp(cfg, pairs, binding) -> list[dict]:
-    from .decode import DecodeClient
+    from ..decode import DecodeClient
     from .roles import allocate_cache, prefill_main, reap
-    from .tp import head_slices
+    from ..tp import head_slices
 
     rows = []
     size = max(cfg.sizes_mib)

@@ -10,7 +10,7 @@ would hide them); the reference is the same two frames encoded and parsed withou
 Rounds alternate, so the host's noise falls on both alike; medians of the rounds, and their
 minimums (the quietest round).
 
-    python3 -m kvruntime.bench_frames [--ids 1 64 4096] [--requests 2000] [--rounds 7]
+    python3 -m kvruntime.tools.bench_frames [--ids 1 64 4096] [--requests 2000] [--rounds 7]
 
 Prints one JSON object per id count."""
 
@@ -26,7 +26,7 @@ import time
 def _per_request(payloads, sessions, requests: int) -> float:
     """Seconds per request: both frames sealed and checked (``sessions``), or encoded and
     parsed (None)."""
-    from . import frames
+    from .. import frames
 
     t0 = time.perf_counter()
     if sessions is None:
@@ -46,7 +46,7 @@ def _per_request(payloads, sessions, requests: int) -> float:
 def measure(n_ids: int, requests: int, rounds: int) -> dict:
     import numpy as np
 
-    from . import frames
+    from .. import frames
 
     packed = frames.pack_ids(np.arange(n_ids, dtype=np.int64))
     messages = [{"type": "push", "request": "1234-56", "src": packed, "dst": packed,
@@ -71,7 +71,7 @@ def measure(n_ids: int, requests: int, rounds: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvruntime.bench_frames", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m kvruntime.tools.bench_frames", description=__doc__)
     ap.add_argument("--ids", type=int, nargs="+", default=[1, 64, 4096])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)
