@@ -77,7 +77,7 @@ class PrefillPeer:
         self._losing = False  # _lose is failing our requests (their cleanup may send, fail, lose)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
-        self._poller = None  # select.poll on the socket, made at the first look (_readable)
+        self._poller = None  # the reader's poll object (_pump, under the receive lock)
         self._pending: dict[str, TransferHandle] = {}  # request id -> handle awaiting frames
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
@@ -525,15 +525,20 @@ class PrefillPeer:
         self._lose(f"side channel failed: {error}")
         raise TransferError(f"{self.name}: {error}") from error
 
-    def _readable(self, seconds: float = 0.0) -> bool:
+    def _poller_of(self):
+        """A poll object on the socket. poll, not select: select fails for fds of 1024 and
+        above, which engines reach. One poll object serves one thread at a time ("concurrent
+        poll() invocation"): the reader's (under the receive lock) is kept, a waiter makes
+        its own."""
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN | select.POLLPRI)
+        return poller
+
+    def _readable(self, poller, seconds: float = 0.0) -> bool:
         """Whether the prefill has sent something (or closed), waiting at most ``seconds``.
-        poll, not select: select fails for fds of 1024 and above, which engines reach.
         poll's timeout is whole milliseconds, so a shorter wait is a look, then a sleep."""
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self.sock, select.POLLIN | select.POLLPRI)
         wait_ms = int(seconds * 1000) if seconds >= 0.001 else 0
-        if self._poller.poll(wait_ms):
+        if poller.poll(wait_ms):
             return True
         if 0 < seconds < 0.001:
             time.sleep(seconds)
@@ -542,7 +547,7 @@ class PrefillPeer:
     def _await_frame(self, seconds: float) -> None:
         """Sleep until the prefill sends something, at most ``seconds``."""
         try:
-            self._readable(seconds)
+            self._readable(self._poller_of(), seconds)
         except (OSError, ValueError):  # closed under us: the next pump says so
             pass
 
@@ -555,7 +560,9 @@ class PrefillPeer:
         try:
             if self._ring is not None and self._pending:  # pushes the prefill may have readied
                 self._read_ring()
-            while not self.closed and self._readable():
+            if self._poller is None:
+                self._poller = self._poller_of()
+            while not self.closed and self._readable(self._poller):
                 try:
                     message = frames.read_frame(self.sock, self.client.timeout,
                                                   session=self.session)
