@@ -41,6 +41,7 @@ from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
 from .mailbox import MailboxReader
+from .naps import readable
 from .memory import KVCache
 from .plan import Planner, TransferPlan, make_plan, spans_ids
 from .registration import Registration, Scratch
@@ -77,7 +78,9 @@ class PrefillPeer:
         self._losing = False  # _lose is failing our requests (their cleanup may send, fail, lose)
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
-        self._poller = None  # select.poll on the socket, made at the first look (_readable)
+        # the reader's look at the socket (1 µs; naps.readable's ppoll costs ~5 through ctypes):
+        # a poll object serves one thread at a time, the one holding the receive lock
+        self._poller = None
         self._pending: dict[str, TransferHandle] = {}  # request id -> handle awaiting frames
         self._unsettled: dict[str, float] = {}  # cancelled push -> when the cancel went out
         self._replies: dict[str, dict | None] = {}  # control call id -> reply (None: waiting)
@@ -525,24 +528,11 @@ class PrefillPeer:
         self._lose(f"side channel failed: {error}")
         raise TransferError(f"{self.name}: {error}") from error
 
-    def _readable(self, seconds: float = 0.0) -> bool:
-        """Whether the prefill has sent something (or closed), waiting at most ``seconds``.
-        poll, not select: select fails for fds of 1024 and above, which engines reach.
-        poll's timeout is whole milliseconds, so a shorter wait is a look, then a sleep."""
-        if self._poller is None:
-            self._poller = select.poll()
-            self._poller.register(self.sock, select.POLLIN | select.POLLPRI)
-        wait_ms = int(seconds * 1000) if seconds >= 0.001 else 0
-        if self._poller.poll(wait_ms):
-            return True
-        if 0 < seconds < 0.001:
-            time.sleep(seconds)
-        return False
-
     def _await_frame(self, seconds: float) -> None:
-        """Sleep until the prefill sends something, at most ``seconds``."""
+        """Sleep until the prefill sends something, at most ``seconds`` (naps.readable: any
+        fd number, a nanosecond timeout, any number of threads at once)."""
         try:
-            self._readable(seconds)
+            readable(self.sock.fileno(), seconds)
         except (OSError, ValueError):  # closed under us: the next pump says so
             pass
 
@@ -555,7 +545,10 @@ class PrefillPeer:
         try:
             if self._ring is not None and self._pending:  # pushes the prefill may have readied
                 self._read_ring()
-            while not self.closed and self._readable():
+            if self._poller is None:  # poll, not select: any fd number (naps.py)
+                self._poller = select.poll()
+                self._poller.register(self.sock, select.POLLIN | select.POLLPRI)
+            while not self.closed and self._poller.poll(0):
                 try:
                     message = frames.read_frame(self.sock, self.client.timeout,
                                                   session=self.session)

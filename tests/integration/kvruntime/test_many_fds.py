@@ -5,6 +5,7 @@ peer. Real NIXL agents, a prefill process, 1100 fds held open in the test proces
 Before: ``select.select`` raised "filedescriptor out of range in select()", NIXL pushes failed
 and ``connect`` with ``engine="auto"`` returned a peer that was already closed."""
 
+import gc
 import os
 import resource
 
@@ -27,10 +28,17 @@ def many_fds():
     if hard != resource.RLIM_INFINITY and hard < want:
         pytest.skip(f"RLIMIT_NOFILE hard limit {hard} is below {want}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
-    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(HELD)]
+    # no fd below HELD left free: earlier tests' objects collected now, not mid-test (a
+    # socket closed by the collector frees a low number for ours), and every hole filled
+    gc.collect()
+    gc.disable()
+    fds = []
+    while not fds or fds[-1] < HELD:
+        fds.append(os.open(os.devnull, os.O_RDONLY))
     try:
         yield fds
     finally:
+        gc.enable()
         for fd in fds:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -34,3 +34,38 @@ def test_only_the_calling_thread_is_tightened():
     assert seen["ok"] is True
     assert seen["after"] == SLACK_NS != seen["before"]
     assert my_slack() == main_before  # the caller's thread untouched
+
+
+def test_readable_takes_any_fd_wakes_on_input_and_serves_threads_at_once():
+    """naps.readable: a socket at fd 1024 or above (select.select refuses those), a nap that
+    ends when input comes, and several threads waiting on one socket at once (a select.poll
+    object raises "concurrent poll() invocation" there)."""
+    import os
+    import resource
+    import socket
+    import time
+
+    from kvruntime.naps import readable
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"RLIMIT_NOFILE hard limit {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    a, b = socket.socketpair()
+    try:
+        high = os.dup2(a.fileno(), 1100)
+        assert readable(high) is False
+        out = []
+        waiters = [threading.Thread(target=lambda: out.append(readable(high, 10.0)))
+                   for _ in range(3)]
+        for w in waiters:
+            w.start()
+        time.sleep(0.05)
+        b.send(b"x")
+        for w in waiters:
+            w.join(5)
+        assert out == [True, True, True]
+        os.close(high)
+    finally:
+        a.close(), b.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
