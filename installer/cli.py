@@ -17,26 +17,26 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlparse
 
 from . import (binarycache, buildcompare, detect, image_cli, install, mirror, plan as planmod, recipe as recipemod,
                verify, wheel)
 from .cache import Cache
 from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher
+from .usage import Parser
 
 log = logging.getLogger("kvstack.installer")
 DEFAULT_VERB = "install"  # `python -m installer --prefix P` (no verb) installs, as it always did
 
 
-class _Parser(argparse.ArgumentParser):
-    """No abbreviated options: ``--recipe`` would be ambiguous, ``--mirr`` would silently mean
-    ``--mirror``, and an option added later could change what an old command line means."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str):  # one line and our usage exit code, not argparse's
-        raise UsageError(message, fix=f"see `{self.prog} --help`")
+def _binary_cache(text: str) -> str:
+    """--binary-cache: a directory, or a file://, http:// or https:// URL (checked here, not after
+    a build)."""
+    if "://" in text and urlparse(text).scheme not in ("file", "http", "https"):
+        raise argparse.ArgumentTypeError(f"{text!r} is no binary cache: give a directory or a file://, "
+                                         "http:// or https:// URL")
+    return text
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -46,7 +46,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _install_parser() -> argparse.ArgumentParser:
-    inst = _Parser(prog="python -m installer", formatter_class=argparse.RawDescriptionHelpFormatter,
+    inst = Parser(prog="python -m installer", formatter_class=argparse.RawDescriptionHelpFormatter,
                    usage="python -m installer [VERB] [options]",
                    description="Build UCX + NIXL for this host from pinned sources, into an atomic prefix, and prove "
                                "the result moves KV bytes.\n\n" + verbs_help()
@@ -69,7 +69,7 @@ def _install_parser() -> argparse.ArgumentParser:
     inst.add_argument("--system-packages", choices=("install", "check", "ignore"), default="install",
                       help="install: apt-get what the recipe lists and is missing (as root); check: fail if any is "
                            "missing; ignore: only warn (hosts whose tools come from elsewhere)")
-    inst.add_argument("--binary-cache", metavar="DIR|URL", help="take this build id's verified build from this cache "
+    inst.add_argument("--binary-cache", metavar="DIR|URL", type=_binary_cache, help="take this build id's verified build from this cache "
                       "(directory or file:// URL; see `publish`) instead of building; verified again here")
     inst.add_argument("--dry-run", action="store_true", help="print the plan and stop")
     inst.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON; otherwise the manifest")
@@ -78,7 +78,7 @@ def _install_parser() -> argparse.ArgumentParser:
 
 
 def _mirror_parser() -> argparse.ArgumentParser:
-    mir = _Parser(prog="python -m installer mirror", description="Fill DIR with every pinned source, for --mirror on an air-gapped host.")
+    mir = Parser(prog="python -m installer mirror", description="Fill DIR with every pinned source, for --mirror on an air-gapped host.")
     mir.add_argument("dir", type=Path)
     mir.add_argument("--platform", action="append", choices=recipemod.PLATFORMS, help="repeatable (default: all platforms)")
     mir.add_argument("--variant", metavar="NAME", help="each platform's variant of this name (e.g. --platform xpu "
@@ -93,7 +93,7 @@ def _mirror_parser() -> argparse.ArgumentParser:
 
 
 def _verify_parser() -> argparse.ArgumentParser:
-    ver = _Parser(prog="python -m installer verify", description="Re-run the verification levels on this host.")
+    ver = Parser(prog="python -m installer verify", description="Re-run the verification levels on this host.")
     ver.add_argument("--prefix", type=Path, default=None)
     ver.add_argument("--json", action="store_true")
     _common(ver)
@@ -101,7 +101,7 @@ def _verify_parser() -> argparse.ArgumentParser:
 
 
 def _publish_parser() -> argparse.ArgumentParser:
-    pub = _Parser(prog="python -m installer publish", description="Store the verified build --prefix points to in a "
+    pub = Parser(prog="python -m installer publish", description="Store the verified build --prefix points to in a "
                   "binary cache under its build id (archive + sha256 + manifest), for `install --binary-cache`.")
     pub.add_argument("cache", metavar="DIR|URL", help="a directory or file:// URL")
     pub.add_argument("--prefix", type=Path, default=None)
@@ -110,7 +110,7 @@ def _publish_parser() -> argparse.ArgumentParser:
 
 
 def _wheel_parser() -> argparse.ArgumentParser:
-    whl = _Parser(prog="python -m installer wheel", description="Make a relocatable wheel of NIXL's Python module from "
+    whl = Parser(prog="python -m installer wheel", description="Make a relocatable wheel of NIXL's Python module from "
                   "the verified build --prefix points to: UCX (private SONAMEs), its modules and NIXL's plugins inside, "
                   "every RUNPATH $ORIGIN-relative; `pip install` it anywhere, no env.sh needed.")
     whl.add_argument("--prefix", type=Path, default=None)
@@ -120,7 +120,7 @@ def _wheel_parser() -> argparse.ArgumentParser:
 
 
 def _compare_parser() -> argparse.ArgumentParser:
-    cmp = _Parser(prog="python -m installer compare", description="Compare two builds byte for byte (e.g. the same "
+    cmp = Parser(prog="python -m installer compare", description="Compare two builds byte for byte (e.g. the same "
                   "build id built twice, into the same prefix): every installed file, and for each one that differs "
                   "the ELF sections and the build paths it holds. Exit code 0 when the bytes are the same, 1 when not.")
     cmp.add_argument("a", type=Path, metavar="BUILD_A", help="a build directory (P.builds/<build id>) or a prefix")

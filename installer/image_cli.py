@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 from . import image
+from .usage import Parser
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m installer image", allow_abbrev=False,
+    p = Parser(prog="python -m installer image",
                                 description="Build the kvstack container image for a platform.")
     p.add_argument("--platform", required=True, choices=image.PLATFORMS)
     p.add_argument("--variant", metavar="NAME", help="a named choice within the platform, as for install "

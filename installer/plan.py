@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -41,6 +42,10 @@ class Target:
             raise UsageError(f"--python {python} does not run ({e.__class__.__name__})",
                              fix="give the path of a Python 3 interpreter, e.g. --python /usr/bin/python3") from None
         version = out.stdout.strip()
+        if not re.fullmatch(r"3\.\d+", version):  # /bin/true runs and prints nothing
+            raise UsageError(f"--python {python} is not a Python 3 interpreter (it printed "
+                             f"{version[:40]!r} for its version)",
+                             fix="give the path of a Python 3 interpreter, e.g. --python /usr/bin/python3")
         return cls(python, version, "cp" + version.replace(".", ""))
 
 

@@ -51,3 +51,25 @@ def test_mistyped_verb_gets_one_line_naming_the_verbs():
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "unknown verb 'instal'" in lines[0] and "mirror" in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--platform", "cpu", "--dry-run", "--python", "/bin/true"], "--python /bin/true is not a Python 3 interpreter"),
+    (["--platform", "cpu", "--dry-run", "--binary-cache", "gopher://x"], "'gopher://x' is no binary cache"),
+    (["image", "--platform", "bogus"], "invalid choice: 'bogus'"),
+    (["--platform", "cpu", "--jobs", "many"], "argument --jobs/-j: invalid int value"),
+])
+def test_a_bad_value_is_one_line_and_the_usage_code(args, says):
+    """Even a dry run checks its interpreter and its cache's scheme; every verb's parser is the
+    one Parser class, so argparse's usage dump never reaches the user."""
+    r = _cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], r.stderr
+
+
+def test_every_verb_parser_is_the_one_parser_class():
+    from installer.usage import Parser
+    for name, verb in cli.VERBS.items():
+        assert isinstance(verb.parser(), Parser), name
