@@ -447,7 +447,6 @@ class PrefillServer:
         deadline = float(frames.field(message, "deadline", (int, float)))
         split = message.get("split", 1)
         split = split if isinstance(split, int) and not isinstance(split, bool) and split > 0 else 1
-        key = (peer.agent, request)
         left = deadline - time.time()
         if left <= 0:
             self.stats.late_pushes += 1
