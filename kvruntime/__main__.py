@@ -71,6 +71,10 @@ def _selftest(args, out) -> int:
             print(f"error: {report['error']}", file=sys.stderr)
         if report.get("id_reader"):
             say(f"block-id lists: {report['id_reader']}")
+        for kind, lines in report.get("ucx_policy", {}).items():  # the transport choice, and why
+            for line in lines:
+                if line.startswith(("UCX_TLS", "refused")):
+                    say(f"UCX for {kind} memory: {line}")
         say(("OK" if report.get("ok") else "FAILED") + f" in {report.get('seconds')} s "
               f"(NIXL module: {report.get('nixl_module')})")
     if report.get("ok"):
@@ -213,6 +217,10 @@ def _bench(args, out) -> int:
                 + (f", median later {later:.1f}" if later is not None else ""))
         if report.get("id_reader"):
             say(f"block-id lists: {report['id_reader']}")
+        for kind, lines in report.get("ucx_policy", {}).items():  # the transport choice, and why
+            for line in lines:
+                if line.startswith(("UCX_TLS", "refused")):
+                    say(f"UCX for {kind} memory: {line}")
         if report.get("device"):
             say(f"device: {report['device']}; reference: "
                 f"{(report.get('results') or [{}])[0].get('ref')}")

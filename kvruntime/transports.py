@@ -162,6 +162,21 @@ def describe(added: Mapping[str, str], env: Mapping[str, str], device_kind: str,
     return lines
 
 
+def policy(device_kind: str, env: Mapping[str, str], offered: set[str] | None) -> list[str]:
+    """What kvruntime would set for ``device_kind`` memory under ``env``, with why (``describe``),
+    the transport choice included: for Intel GPU memory ``UCX_TLS`` chosen or left to UCX and the
+    reason, also when the transports UCX offers are unknown — pure. A ``UCX_TLS`` that cannot work
+    is its one line."""
+    try:
+        added = ucx_settings(device_kind, env, offered)
+    except TransportError as exc:
+        return [f"refused: {exc}"]
+    lines = describe(added, env, device_kind, offered)
+    if device_kind == "xpu" and offered is None and "UCX_TLS" not in env:
+        lines.append(f"UCX_TLS unset: {xpu_tls(env, None)[1]}")
+    return lines
+
+
 def ucx_settings(device_kind: str, env: Mapping[str, str],
                  offered: set[str] | None = None) -> dict[str, str]:
     """The UCX variables to add for ``device_kind`` given the current ``env`` and the

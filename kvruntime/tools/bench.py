@@ -73,9 +73,11 @@ def run_bench(cfg: BenchConfig) -> dict:
     added = prepare_process(options)  # this process is the decode side: UCX before NIXL
     report["ucx_env"] = ucx_environment()  # what the figures ran under (both sides)
     report["id_reader"] = native.status()  # block-id lists: the native scan, or array('q')
-    from ..transports import describe
+    from ..transports import describe, offered_transports
 
-    report["ucx_policy"] = describe(added, report["ucx_env"], cfg.device)  # what, and why
+    # what, and why; for Intel GPU memory the transport choice too (ze_ipc, or why ze_copy alone)
+    offered = offered_transports() if cfg.device == "xpu" else None
+    report["ucx_policy"] = describe(added, report["ucx_env"], cfg.device, offered)
     if cfg.device != "cpu":
         report["device"] = _device_name(cfg.device, cfg.device_ids)
     binding = load_nixl(cfg.nixl_module)

@@ -316,6 +316,16 @@ def _pairs_at_once(jobs: int) -> int:
     return max(1, min(jobs, cpus // 4))
 
 
+def ucx_policy() -> dict[str, list[str]]:
+    """What each memory kind's processes set in UCX, and why (transports.policy), under this
+    process's environment, which the pairs inherit: for xpu, the transport choice and its reason."""
+    from ..transports import offered_transports, policy
+
+    return {("host" if kind == "cpu" else kind): policy(kind, os.environ,
+                                                        offered_transports() if kind == "xpu" else None)
+            for kind in ("cpu", *DEVICES)}
+
+
 def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
                  secret: bytes | None = None, seed: int = 1234,
                  device_ids: tuple[int, int] = (0, 0), tp_pairs=TP_PAIRS,
@@ -348,7 +358,7 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
         on = {"device": device, "device_ids": list(device_ids)}
         jobs += [(device, (layouts, seed, {**options, **on}, device_ids, timeout)),
                  (f"{device} staged", (layouts, seed, {**options, **on, **staged}, device_ids, timeout))]
-    report: dict = {"tool": "kvruntime selftest", "modes": []}
+    report: dict = {"tool": "kvruntime selftest", "modes": [], "ucx_policy": ucx_policy()}
     try:
         workers = at_once or _pairs_at_once(len(jobs))
         report["pairs_at_once"] = workers

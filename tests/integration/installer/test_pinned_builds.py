@@ -149,3 +149,23 @@ def test_xpu_verification_refuses_a_ucx_without_level_zero(cpu, xpu):
     loaded = _loaded(spec, {**cpu, "null_driver": xpu["null_driver"]})
     assert set(_failed(loaded)) >= {"transport ze_copy", "memory domain ze_cpy", "ze_cpy shows 'host (access'"}
 
+
+
+def test_selftest_reports_the_xpu_choice_with_its_reason_on_each_build(xpu, ipc):
+    """What `python -m kvruntime selftest` reports (its `ucx_policy`, and the text lines it prints
+    from it) in a process run with each build's env.sh and the null driver, as on that host."""
+    import subprocess
+
+    code = "import json; from kvruntime.tools.selftest import ucx_policy; print(json.dumps(ucx_policy()))"
+    said = {}
+    for name, build in (("release", xpu), ("ze-ipc", ipc)):
+        env = envfile.apply({"LD_LIBRARY_PATH": str(build["null_driver"]), "ZE_ENABLE_NULL_DRIVER": "1",
+                             "PYTHONPATH": str(Path(__file__).resolve().parents[3])}, build["env"])
+        env.pop("UCX_TLS", None)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        said[name] = json.loads(out.stdout)["xpu"]
+    assert "UCX_TLS=ze_ipc,ze_copy,tcp: single-node Intel GPUs without InfiniBand: ze_ipc between processes, " \
+           "ze_copy, and tcp for NIXL's active messages (seed 001)" in said["ze-ipc"]
+    assert any(line.startswith("UCX_TLS unset: ze_copy fallback: this UCX offers no ze_ipc")
+               for line in said["release"]), said["release"]

@@ -191,3 +191,16 @@ def test_offered_transports_from_this_hosts_ucx_info_or_none():
 
     got = offered_transports()
     assert got is None or "tcp" in got  # ucx_info lists tcp wherever it runs
+
+
+def test_policy_says_the_xpu_choice_and_why_in_every_case():
+    from kvruntime.transports import REASONS, policy
+
+    release = {"cma", "posix", "self", "sysv", "tcp", "ze_copy"}
+    assert "UCX_TLS=ze_ipc,ze_copy,tcp: " + REASONS["UCX_TLS"] in policy("xpu", {}, release | {"ze_ipc"})
+    assert policy("xpu", {}, release)[-1].startswith("UCX_TLS unset: ze_copy fallback: this UCX offers no ze_ipc")
+    assert policy("xpu", {}, None)[-1].startswith("UCX_TLS unset: ze_copy fallback: this UCX's transports are unknown")
+    assert policy("xpu", {"UCX_TLS": "ze_copy,tcp"}, release)[-1] == "UCX_TLS=ze_copy,tcp: yours, kept"
+    refused = policy("cpu", {"UCX_TLS": "cma"}, None)
+    assert len(refused) == 1 and refused[0].startswith("refused: UCX_TLS=cma has no active-message transport")
+    assert not any(line.startswith("UCX_TLS") for line in policy("cuda", {}, None))
