@@ -69,3 +69,17 @@ def render(plan: Plan, env: dict[str, str]) -> str:
         else:
             lines.append(f"export {k}={shlex.quote(v)}")
     return "\n".join(lines) + "\n"
+
+
+POLICY_CHECK = "kvruntime's UCX_TLS"  # verify's loaded-level check of the transport policy
+
+
+def policy_comment(report: dict) -> str:
+    """env.sh's note of the transport choice the loaded level saw kvruntime make on this build's
+    own `ucx_info -d` (xpu: ze_ipc, or the ze_copy fallback and why); "" when none was made."""
+    for check in report.get("levels", {}).get("loaded", {}).get("checks", []):
+        if check["check"].startswith(POLICY_CHECK) and check["ok"]:
+            return (f"# {check['check']}, from this build's ucx_info -d when it was verified: "
+                    f"{check['detail']}\n# Each process chooses again from the ucx_info on its PATH "
+                    f"(`python -m kvruntime selftest` prints its choice).\n")
+    return ""

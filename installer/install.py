@@ -182,6 +182,10 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
                 raise VerifyError(f"the new build did not prove itself: {failed[0] if failed else 'see manifest'}",
                                   fix=f"nothing was switched; {plan.prefix} still points to "
                                       f"{previous or 'nothing'}; details in {plan.work_dir / 'manifest.failed.json'}")
+            note = envfile.policy_comment(report)
+            if note:  # the build's transport choice, with its reason, where its users look
+                with open(plan.install_dir / "env.sh", "a") as f:
+                    f.write(note)
     except (InstallerError, KeyboardInterrupt, OSError) as e:
         running = next((n for n, r in phases.records.items() if r.get("status") in ("running", "failed")), "install")
         error = HostError.from_oserror(e, f"during {running}") if isinstance(e, OSError) else e

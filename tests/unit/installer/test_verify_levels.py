@@ -82,3 +82,21 @@ def test_a_level_that_could_not_run_is_never_read_as_passed():
     # a UCX-only recipe (no NIXL to move bytes with) is the one build that may finish unmoved
     ucx_only = _report("passed", "passed", "no nixl")
     assert ucx_only["ok"] and verify.verdict(ucx_only).endswith("not run here: moved (this recipe builds no NIXL)")
+
+
+def test_env_sh_notes_the_transport_choice_the_loaded_level_saw():
+    """env.sh carries the policy check's line (what kvruntime chose on this build's UCX and why),
+    only when the loaded level made that check and it passed."""
+    from installer import envfile
+
+    detail = ("UCX_TLS=ze_ipc,ze_copy,tcp, expected ze_ipc,ze_copy,tcp; UCX_TLS=ze_ipc,ze_copy,tcp: "
+              "single-node Intel GPUs without InfiniBand")
+    report = {"levels": {"loaded": {"checks": [
+        {"check": "transport ze_ipc", "ok": True, "detail": "listed"},
+        {"check": "kvruntime's UCX_TLS for xpu memory on one node", "ok": True, "detail": detail}]}}}
+    note = envfile.policy_comment(report)
+    assert note.startswith("# kvruntime's UCX_TLS for xpu memory on one node, from this build's ucx_info -d")
+    assert detail in note and all(line.startswith("#") for line in note.splitlines())
+    report["levels"]["loaded"]["checks"][1]["ok"] = None  # not checked here
+    assert envfile.policy_comment(report) == ""
+    assert envfile.policy_comment({"levels": {"loaded": {"checks": []}}}) == ""
