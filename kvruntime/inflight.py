@@ -22,14 +22,10 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from .errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
 from .plan import TransferPlan
 from .transfer import PostedTransfer, TransferResult
-
-if TYPE_CHECKING:
-    from .decode import PrefillPeer
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 # wait(): poll without sleeping, yielding the core and the GIL between polls, for as long as the
@@ -68,9 +64,11 @@ class Pace:
 
 class TransferHandle:
     """One pull (decode READs) or push (prefill WRITEs) request: a push the decode asks for
-    (``start_push``), or one the prefill starts into blocks the decode named (``expect_push``)."""
+    (``start_push``), or one the prefill starts into blocks the decode named (``expect_push``).
+    ``peer`` is the ``decode.PrefillPeer`` that started it (not imported here: decode imports
+    this module, and a handle needs no name of its peer's class)."""
 
-    def __init__(self, peer: "PrefillPeer", op: str, request_id: str, plan: TransferPlan,
+    def __init__(self, peer, op: str, request_id: str, plan: TransferPlan,
                  timeout: float, started: float | None = None):
         self.peer = peer
         self.op = op
