@@ -2,8 +2,8 @@
 modules, the library never imports its tools, and kvruntime and the installer never import each
 other (the installer runs kvruntime's CLI in the target Python instead, DESIGN §2).
 
-Imports under ``if TYPE_CHECKING:`` never run and are left out; imports inside functions run and
-count."""
+Every import counts, inside functions and under ``if TYPE_CHECKING:`` too: a circle for the type
+checker is a circle for the reader."""
 
 import ast
 from pathlib import Path
@@ -19,24 +19,11 @@ def _modules(package: str) -> dict[str, Path]:
     return mods
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node except those under ``if TYPE_CHECKING:``."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and getattr(child.test, "id", None) == "TYPE_CHECKING":
-                stack.extend(child.orelse)
-                continue
-            stack.append(child)
-
-
 def _imports(name: str, path: Path, modules: dict) -> set[str]:
     """The absolute names of the modules and packages ``name`` imports at run time."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text(), str(path))):
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
