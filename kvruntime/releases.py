@@ -51,7 +51,7 @@ class ReleaseSender:
             with self._lock:
                 peers, self._due = self._due, {}
             for peer in peers:
-                peer._flush_releases()  # logs, never raises
+                peer.flush_releases()  # logs, never raises
 
     def _start(self) -> None:
         if self._thread is None and not self._closed:
@@ -74,7 +74,7 @@ class ReleaseSender:
                         for peer in stale:
                             del self._due[peer]
                     for peer in stale:
-                        peer._flush_releases()
+                        peer.flush_releases()
             self._wake.clear()
             if self._due:  # came as it went to sleep
                 self._wake.set()

@@ -238,11 +238,11 @@ class CopyJob:
 
     def release(self, peer, request_id: str) -> None:
         """The copy of ``request_id`` is done: tell the prefill it may free the blocks."""
-        peer._release_later([request_id])
+        peer.release_later([request_id])
 
     def give_back(self, peer, request_id: str) -> None:
         """The copy of ``request_id`` failed and reads nothing any more: the same."""
-        peer._release_later([request_id])
+        peer.release_later([request_id])
 
     def abort(self) -> bool:
         """A local copy cannot be stopped; True once it has ended (then nothing writes)."""
@@ -341,9 +341,9 @@ class Batch:
         with self._lock:
             handles, self.handles = self.handles, []
         for handle in handles:
-            handle._done_elsewhere()
+            handle.done_elsewhere()
         if handles:
-            peer._release_later([h.request_id for h in handles])
+            peer.release_later([h.request_id for h in handles])
 
 
 class SharedJob:
@@ -356,7 +356,7 @@ class SharedJob:
         self.plan = plan
         self.batch = batch
         self.engine = job.engine
-        self.start = job.start  # each request's own clock (TransferHandle._attach)
+        self.start = job.start  # each request's own clock (TransferHandle.attach)
         self.block = getattr(job, "block", None)
 
     @property
@@ -374,7 +374,7 @@ class SharedJob:
 
     def give_back(self, peer, request_id: str) -> None:
         """The batch's gather failed: each request gives its own blocks back."""
-        peer._release_later([request_id])
+        peer.release_later([request_id])
 
     def abort(self) -> bool:
         return self.job.abort()

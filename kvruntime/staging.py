@@ -390,7 +390,7 @@ class StagedPull(CopyJob):
     def send(self) -> None:
         """Ask the prefill to stage (once the handle holds this job: another thread's poll may
         hand it the answer at once)."""
-        self.peer._send(self._message)
+        self.peer.send(self._message)
 
     def on_reply(self, message: dict) -> None:
         if message.get("type") == "staged":
@@ -455,7 +455,7 @@ class StagedPull(CopyJob):
         k = min(CHUNKS, regions)
         self._dst = pool.ids(self._dst)  # once for all the chunks' scatters
         bounds = [i * regions // k for i in range(k + 1)]
-        engine = self.peer._pool_engine  # same host: our reader threads instead of NIXL
+        engine = self.peer.pool_engine  # same host: our reader threads instead of NIXL
         for a, b in zip(bounds, bounds[1:]):
             off, length = a * per_region, (b - a) * per_region
             if engine is not None:
@@ -503,11 +503,11 @@ class StagedPull(CopyJob):
                         pool.release(local, units)
 
                 for xfer in running:
-                    self.peer.client._draining.add(xfer, ended, self.peer.agent)
-        if not self._unstaged and not self.peer._broken:  # gone: the prefill frees ours
+                    self.peer.client.draining.add(xfer, ended, self.peer.agent)
+        if not self._unstaged and not self.peer.broken:  # gone: the prefill frees ours
             self._unstaged = True
             try:
-                self.peer._send({"type": "unstage", "request": self.request_id})
+                self.peer.send({"type": "unstage", "request": self.request_id})
             except KVRuntimeError:
                 pass  # the connection is gone: the prefill frees everything of ours
 
