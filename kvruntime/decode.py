@@ -30,17 +30,17 @@ import threading
 import time
 from dataclasses import replace
 
-from . import engines, frames
+from . import engines, frames, pushed
 from .agent import Agent, unique_name
 from .binding import NixlBinding
 from .channel import PeerChannel
-from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
+from .errors import KVRuntimeError, PeerError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
 from .memory import KVCache
-from .plan import Planner, TransferPlan, make_plan, spans_ids
+from .plan import Planner, TransferPlan
 from .registration import Registration
-from .releases import ReleaseSender
+from .releases import Pending, ReleaseSender
 from .samenode import ENGINES, Batch, SharedJob, host_copy_streams
 from .staging import StagedPull, StagingExhausted, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
@@ -49,7 +49,6 @@ from .transfer import Draining, PostedTransfer, Rows, TransferResult
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count()
-RELEASE_FRAME_IDS = 1024  # request ids a release frame names at most (frames stay small)
 
 
 class PrefillPeer:
@@ -64,11 +63,9 @@ class PrefillPeer:
         self.handshake_seconds = handshake_seconds
         # frames to and from the prefill (channel.py): requests awaiting frames, control calls
         self.channel = PeerChannel(sock, info.session, self.name, client.timeout,
-                                   client.progress_worker, self._copy_pushed, self.close)
-        # requests done here whose blocks the prefill may free, sent by flush_releases
-        self._releases: list[str] = []
-        self._releases_lock = threading.Lock()
-        self._flush_lock = threading.Lock()
+                                   client.progress_worker, self.copy_ready, self.close)
+        # requests done here whose blocks the prefill may free (releases.py)
+        self.releases = Pending(self, client.releaser)
         # what moves its requests (engines.py): a same-node engine when one serves this peer;
         # host-staged and on this host, the engine that copies its pool's runs into ours
         self.samenode = None
@@ -118,9 +115,9 @@ class PrefillPeer:
         NIXL descriptors per run of blocks (None: ``read_split`` chooses)."""
         t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
-        handle = self._handle("pull", request_id, plan, timeout, t0)
+        handle = self.make_handle("pull", request_id, plan, timeout, t0)
         if self.samenode is not None:
-            return self._start_local(handle)
+            return self.start_local(handle)
         if self.client.staging is not None:
             return self._start_staged(handle)
         return self._post_read(handle, split)
@@ -179,13 +176,13 @@ class PrefillPeer:
         t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
         self.channel.check_new(request_id)
-        handle = self._handle("push", request_id, plan, timeout, t0)
+        handle = self.make_handle("push", request_id, plan, timeout, t0)
         if self.client.staging is not None:
             return self._start_staged(handle)
         if self.samenode is not None:
             # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
             # here, the prefill told it may free them) is the push's, at the pull's speed.
-            return self._start_local(handle)
+            return self.start_local(handle)
         src, dst = plan.block_ids()
         self.channel.expect(handle)
         self.client.track(handle)
@@ -218,98 +215,7 @@ class PrefillPeer:
         transports, for the WRITE to finish): a caller's polls do that (``get_finished``,
         ``wait``), or a NIXL progress thread (``ucx_threads``). Past ``timeout`` the request
         fails and the prefill is told to drop it; a WRITE it has started is aborted."""
-        t0 = time.perf_counter()
-        self._check_request(timeout)
-        if self.client.staging is not None:
-            raise KVRuntimeError(f"{self.name}: a host-staged decode cannot be pushed into "
-                                 f"(NIXL holds its staging pool, not its cache); pull instead")
-        if self.info.kv_buffer == "host_staged":
-            raise KVRuntimeError(f"{self.name} is host-staged: it pushes nothing directly; pull "
-                                 f"instead")
-        # our ids, checked here (range, duplicates): the prefill pairs them with its own
-        plan = make_plan(self.client.cache.layout, dst_blocks)
-        request_id = self._request_id(request_id)
-        self.channel.check_new(request_id)
-        handle = self._handle("push", request_id, plan, timeout, t0)
-        handle.by_prefill = True
-        self.channel.expect(handle)
-        self.client.track(handle)
-        message = {"type": "expect", "request": request_id,
-                   "dst": frames.pack_ids(plan.block_ids()[0]),
-                   "timeout": timeout, "deadline": time.time() + timeout}
-        if self.samenode is not None:  # same node: "send the ids when ready, we copy"
-            message["copy"] = True
-        self.send(message)
-        return handle
-
-    def _copy_pushed(self, handle: TransferHandle, message: dict) -> None:
-        """The prefill has the blocks of a request we named with "copy" (a "ready" frame):
-        copy them out of its memory into the named ones, as a pull would, and release them
-        when done. A ready for a request that already failed (its deadline, its cancel) or
-        that cannot be planned gives the blocks straight back (a release): nothing reads
-        them."""
-        request = handle.request_id
-        copied = gave_up = False
-        with handle.lock:
-            try:
-                if handle.state != PENDING:
-                    gave_up = True  # failed here first: the answer to its cancel settles it
-                    raise KVRuntimeError("it had already failed here")
-                if self.samenode is None:
-                    raise KVRuntimeError("no same-node engine serves this peer here")
-                plan = self._pushed_plan(handle.plan, message)
-                posted = message.get("posted")
-                if isinstance(posted, (int, float)) and not isinstance(posted, bool):
-                    # its start on our clock: one host's wall clock, read on both sides
-                    handle.started = time.perf_counter() - max(0.0, time.time() - posted)
-                handle.plan = plan  # from here it is our copy's, as a pull's
-                self._start_local(handle)
-                copied = True
-            except Exception as exc:  # bad ids, or a launch that failed: this request fails,
-                # whoever polled (an engine's get_finished) goes on with the others
-                self.release_later([request])
-                if gave_up:
-                    log.info("%s: ready for request %s given back: %s", self.name, request, exc)
-                else:
-                    handle.fail(TransferError(f"push of request {request}: the prefill's "
-                                              f"ready could not be copied: {exc}"))
-        if not copied:  # its blocks go back now (no poll of it may come again), outside its
-            self.flush_releases()  # lock: a send that fails fails the peer's handles
-        if not gave_up:
-            self.channel.settled(handle)  # the prefill has nothing more to say of it
-
-    def _pushed_plan(self, named: TransferPlan, message: dict) -> TransferPlan:
-        """The plan of a ready's source blocks (its ``src`` ids, or ``src_spans``) into the
-        ones we ``named``, checked against both caches as a pull's. Spans are bounded before
-        any id is made from them: as many blocks as we named, each span at least one. One
-        span into one run of ours is planned from the three numbers alone."""
-        planner = self._planner_now()
-        if "src" in message:
-            return planner.plan(frames.ids_field(message, "src"), named.block_ids()[0])
-        starts, counts = frames.spans_field(message, "src_spans")
-        n = named.num_blocks
-        if len(counts) == 1 and counts[0] == n:  # one span, bounded by this one comparison
-            if named.num_runs == 1:
-                return planner.plan_runs(starts, named.run_dst, counts)
-        elif not len(counts) or counts.min() < 1 or counts.max() > n or counts.sum() != n:
-            raise KVRuntimeError(f"its spans name {int(counts.sum()) if len(counts) else 0} "
-                                 f"blocks (each at least one), we named {n}")
-        return planner.plan(spans_ids(starts, counts), named.block_ids()[0])
-
-    def on_notif(self, raw) -> str | None:
-        """A NIXL notification from this peer's agent: a push of its own that has landed.
-        Returns why it was ignored, if it was."""
-        try:
-            message = frames.parse_notif(raw, self.channel.session)
-        except KVRuntimeError as exc:
-            return str(exc)
-        request = message.get("request")
-        handle = self.channel.pending.get(request) if isinstance(request, str) else None
-        if message.get("type") != "pushed" or handle is None or not handle.by_prefill:
-            return (f"an unexpected {str(message.get('type'))[:40]!r} notification (request "
-                    f"{str(request)[:80]!r})")
-        handle.on_reply(message)
-        return None
+        return pushed.expect(self, dst_blocks, request_id, timeout, time.perf_counter())
 
     def start_pulls(self, requests, timeout: float = 30.0) -> list[TransferHandle]:
         """Start many pulls at once — an engine step's worth — and get one handle each.
@@ -324,34 +230,34 @@ class PrefillPeer:
         t0 = time.perf_counter()
         if not requests:
             return []
-        self._check_request(timeout)
+        self.check_request(timeout)
         # the batch planned at once (plan.py): its checks are each request's and "no block
         # written twice", its host cost a few numpy calls, not a plan per request
-        plans, merged = self._planner_now().plan_many([(src, dst) for src, dst, _ in requests])
-        admitted = list(zip(plans, [self._request_id(rid) for _, _, rid in requests]))
+        plans, merged = self.planner().plan_many([(src, dst) for src, dst, _ in requests])
+        admitted = list(zip(plans, [self.name_request(rid) for _, _, rid in requests]))
         if len({rid for _plan, rid in admitted}) != len(admitted):
             raise KVRuntimeError("a request id appears twice in one batch")
         if self.samenode is None:
-            return [self._post_read(self._handle("pull", rid, plan, timeout, t0), 1)
+            return [self._post_read(self.make_handle("pull", rid, plan, timeout, t0), 1)
                     for plan, rid in admitted]
         job = self.samenode.start("READ", merged, self.head_slice)
         batch = Batch(job)
         handles = batch.handles
         for plan, rid in admitted:
-            handle = self._handle("pull", rid, plan, timeout, t0)
+            handle = self.make_handle("pull", rid, plan, timeout, t0)
             handle.attach(SharedJob(batch, plan))
             handles.append(handle)
         self.client.track_all(handles)
         return list(handles)
 
-    def _handle(self, op, request_id, plan, timeout, t0) -> TransferHandle:
+    def make_handle(self, op, request_id, plan, timeout, t0) -> TransferHandle:
         handle = TransferHandle(self, op, request_id, plan, timeout, t0)
         if self.head_slice is not None:  # mixed TP: what lands is this peer's share of our heads
             handle.nbytes = (plan.nbytes * self.head_slice.count
                              // self.client.cache.layout.num_kv_heads)
         return handle
 
-    def _start_local(self, handle: TransferHandle) -> TransferHandle:
+    def start_local(self, handle: TransferHandle) -> TransferHandle:
         handle.attach(self.samenode.start("READ", handle.plan, self.head_slice))
         handle.uses_peer = False  # a push too: we copy, and tell the prefill once it is done
         self.client.track(handle)
@@ -361,25 +267,7 @@ class PrefillPeer:
         """``request_ids`` are done here (a pull's READ, a same-node copy): the prefill may
         free their blocks. Sent when the host waits anyway (releases.py): requests seen done
         together go in one frame."""
-        with self._releases_lock:
-            self._releases.extend(request_ids)
-        self.client.releaser.due(self)
-
-    def flush_releases(self) -> None:
-        """Send the pending release ids; one flush at a time, so that a close's waits for the
-        backstop's (nothing is sent after the "bye")."""
-        with self._flush_lock:
-            with self._releases_lock:
-                ids, self._releases = self._releases, []
-            if not ids or self.closed:  # closed: its close sent what was pending, then "bye"
-                return
-            for i in range(0, len(ids), RELEASE_FRAME_IDS):
-                chunk = ids[i:i + RELEASE_FRAME_IDS]
-                try:
-                    self.send({"type": "release", "requests": chunk})
-                except KVRuntimeError as exc:
-                    log.warning("%s: telling the prefill to free requests %s: %s", self.name,
-                                ", ".join(chunk), exc)
+        self.releases.add(request_ids)
 
     def pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
              timeout: float = 30.0, split: int | None = None) -> TransferResult:
@@ -390,15 +278,15 @@ class PrefillPeer:
         return self.start_push(src_blocks, dst_blocks, request_id, timeout, split).wait()
 
     def _admit(self, src_blocks, dst_blocks, request_id, timeout):
-        self._check_request(timeout)
-        return self._planner_now().plan(src_blocks, dst_blocks), self._request_id(request_id)
+        self.check_request(timeout)
+        return self.planner().plan(src_blocks, dst_blocks), self.name_request(request_id)
 
-    def _check_request(self, timeout) -> None:
+    def check_request(self, timeout) -> None:
         self.channel.check_usable()
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
             raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
-    def _planner_now(self) -> Planner:
+    def planner(self) -> Planner:
         if self._planner is None:  # once per peer: the layouts stay what the connect found
             if self.client.staging is not None or self.head_slice is not None:
                 # staged or mixed TP: the caches may differ in heads (and kind, staged); source
@@ -410,7 +298,7 @@ class PrefillPeer:
             self._planner = Planner(src_layout, self.client.cache.layout)
         return self._planner
 
-    def _request_id(self, request_id) -> str:
+    def name_request(self, request_id) -> str:
         if request_id is None:
             return self._new_request()
         if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
@@ -426,6 +314,15 @@ class PrefillPeer:
         if not isinstance(out, list) or len(out) != len(blocks):
             raise PeerError("peer answered a digests request with the wrong number of digests")
         return out
+
+    def copy_ready(self, handle: TransferHandle, message: dict) -> None:
+        """A "ready" for a push we copy ourselves (pushed.py)."""
+        pushed.copy_ready(self, handle, message)
+
+    def on_notif(self, raw) -> str | None:
+        """A NIXL notification from this peer's agent (pushed.py); why it was ignored, if it
+        was."""
+        return pushed.on_notif(self, raw)
 
     # -- the side channel (channel.py) ------------------------------------------------------------
     def send(self, message: dict) -> None:
@@ -453,7 +350,7 @@ class PrefillPeer:
         if self.closed:
             return
         if not self.channel.losing:  # what finished before the close still frees its blocks
-            self.flush_releases()
+            self.releases.flush()
         self.channel.closed = True  # nothing goes out now but the "bye"
         for handle in [h for h in self.client.inflight_handles() if h.peer is self]:
             handle.on_peer_lost(self.broken or "the connection was closed")

@@ -29,7 +29,7 @@ import logging
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from . import frames
@@ -44,6 +44,7 @@ from .naps import tighten_timer_slack
 from .plan import Planner, make_plan
 from .pushes import Pushes, Writes
 from .registration import Registration
+from .releases import Released
 from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
 from .staging import StagingPool, resolve_kv_buffer
@@ -53,8 +54,6 @@ from .tp import HeadSlice, direct_slice
 log = logging.getLogger("kvruntime")
 
 
-# Released request ids kept for wait_released/get_released when nobody collects them.
-RELEASED_KEPT = 65536
 
 
 @dataclass
@@ -138,10 +137,8 @@ class PrefillServer:
         self._handshaking: dict[str, int] = {}  # peer address -> connections not yet admitted
         self._handshaking_lock = threading.Lock()
         self.timeout = timeout
-        self.on_release = on_release
         self.stats = ServerStats()
-        self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._released_cv = threading.Condition()
+        self.released = Released(on_release)  # what decodes said may be freed (releases.py)
         self._work = threading.Event()
         self._token = NodeToken()
         self._peers: dict[str, _Peer] = {}
@@ -356,7 +353,23 @@ class PrefillServer:
     def start_push(self, request: str, src_blocks, peer: str | None = None,
                    timeout: float = 30.0) -> None:
         """Push our ``src_blocks`` into the blocks a decode named for ``request``
-        (``PrefillPeer.expect_push``); see ``pushes.Pushes.start_push``."""
+        (``PrefillPeer.expect_push``): a WRITE with a NIXL notification that tells it they
+        landed, or, to a same-node decode that opened our memory, their ids (a "ready" frame)
+        for it to copy them itself, as a pull. Returns once the WRITE is posted (the ids
+        sent). If no decode has named them yet, the push waits (at most ``timeout``) and is
+        started when one does. ``peer``: the decode agent the request is for; None: whichever
+        decode names ``request``.
+
+        When the WRITE has ended, or the decode has copied them, or the push was dropped,
+        ``get_released`` lists the request and our blocks may be reused (with agent ``""``
+        for a push no decode ever named). A failed WRITE is the decode's to report (it gets a
+        ``push_failed`` frame); a same-node copy that fails once started is released once
+        it reads nothing any more, as a failed pull is; one that may still be reading them
+        (a READ that could not be aborted) is not: the engine's own timeout frees those.
+        Raises
+        ``KVRuntimeError`` for bad ids or a count other than the decode named (its request
+        stays expected: push again), or a WRITE NIXL refuses (the decode is told); then
+        nothing is released, the blocks are the caller's."""
         self.pushes.start_push(request, src_blocks, peer, timeout)
 
     def expects(self, request: str, peer: str | None = None) -> bool:
@@ -488,29 +501,12 @@ class PrefillServer:
                 busy = False
 
     def _release(self, agent: str, request: str) -> None:
-        with self._released_cv:
-            self._released[(agent, request)] = None
-            while len(self._released) > RELEASED_KEPT:  # nobody collects them: keep the newest
-                self._released.popitem(last=False)
-            self._released_cv.notify_all()
-        if self.on_release is not None:
-            try:
-                self.on_release(request)
-            except Exception:
-                log.exception("on_release callback failed for %s", request)
+        self.released.add(agent, request)
 
     def wait_released(self, request: str, timeout: float, peer: str | None = None) -> bool:
         """True once a decode said ``request``'s blocks may be freed (from the decode agent
         ``peer``, or any). Consumes the release, so a request id may be used again."""
-        def take():
-            for key in self._released:
-                if key[1] == request and (peer is None or key[0] == peer):
-                    del self._released[key]
-                    return True
-            return False
-
-        with self._released_cv:
-            return self._released_cv.wait_for(take, timeout)
+        return self.released.wait(request, timeout, peer)
 
     def get_released(self) -> list[tuple[str, str]]:
         """Every (decode agent, request id) released since the last call: the blocks an
@@ -518,10 +514,7 @@ class PrefillServer:
         decode releases a request once nothing of it reads them: when its copy is done, and
         also when it failed but ended or was aborted (not when a READ it could not abort may
         still be reading)."""
-        with self._released_cv:
-            out = list(self._released)
-            self._released.clear()
-        return out
+        return self.released.take_all()
 
     @property
     def peers(self) -> list[str]:

@@ -312,24 +312,7 @@ class Pushes:
     # -- pushes we start: the decode said where the blocks go (expect), we say when ---------------
     def start_push(self, request: str, src_blocks, peer: str | None = None,
                    timeout: float = 30.0) -> None:
-        """Push our ``src_blocks`` into the blocks a decode named for ``request``
-        (``PrefillPeer.expect_push``): a WRITE with a NIXL notification that tells it they
-        landed, or, to a same-node decode that opened our memory, their ids (a "ready" frame)
-        for it to copy them itself, as a pull. Returns once the WRITE is posted (the ids
-        sent). If no decode has named them yet, the push waits (at most ``timeout``) and is
-        started when one does. ``peer``: the decode agent the request is for; None: whichever
-        decode names ``request``.
-
-        When the WRITE has ended, or the decode has copied them, or the push was dropped,
-        ``get_released`` lists the request and our blocks may be reused (with agent ``""``
-        for a push no decode ever named). A failed WRITE is the decode's to report (it gets a
-        ``push_failed`` frame); a same-node copy that fails once started is released once
-        it reads nothing any more, as a failed pull is; one that may still be reading them
-        (a READ that could not be aborted) is not: the engine's own timeout frees those.
-        Raises
-        ``KVRuntimeError`` for bad ids or a count other than the decode named (its request
-        stays expected: push again), or a WRITE NIXL refuses (the decode is told); then
-        nothing is released, the blocks are the caller's."""
+        """``PrefillServer.start_push`` (its docstring says what happens when)."""
         posted = time.time()
         if not isinstance(request, str) or not 0 < len(request) <= 256:
             raise KVRuntimeError("request must be a non-empty string of at most 256 chars")

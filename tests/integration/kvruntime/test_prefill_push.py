@@ -351,7 +351,7 @@ def test_only_a_decode_that_opened_the_prefills_memory_may_copy_its_pushes(pair)
     server.start_push("sly", [4])
     handle.wait(10)  # a NIXL decode's push: a WRITE
     assert handle.result().engine == "nixl"
-    peer.channel.pending["sly2"] = handle2 = peer._handle("push", "sly2", handle.plan, 20,
+    peer.channel.pending["sly2"] = handle2 = peer.make_handle("push", "sly2", handle.plan, 20,
                                                    time.perf_counter())
     handle2.by_prefill = True
     client.track(handle2)
