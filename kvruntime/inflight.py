@@ -25,7 +25,8 @@ import time
 
 from .errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
 from .plan import TransferPlan
-from .transfer import PostedTransfer, TransferResult
+from .jobs import Job
+from .transfer import TransferResult
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 # wait(): poll without sleeping, yielding the core and the GIL between polls, for as long as the
@@ -85,7 +86,7 @@ class TransferHandle:
         self._result: TransferResult | None = None
         self._error: KVRuntimeError | None = None
         self.lock = threading.Lock()
-        self._xfer: PostedTransfer | None = None  # pull: our READ
+        self._xfer: Job | None = None  # the copy that moves it (jobs.py); None: a push's WRITE
         self._reply: dict | None = None  # push: the prefill's "pushed" frame
         # whether progress needs the side channel (a push, a staged copy); a READ or a
         # same-node copy moves by polling its own transfer alone
@@ -180,10 +181,10 @@ class TransferHandle:
         return (f"<TransferHandle {self.op} {self.request_id} {self.state} "
                 f"{self.plan.num_blocks} blocks>")
 
-    def attach(self, xfer) -> None:
-        """The copy that moves this request (a PostedTransfer or an engine's job), timed from
-        the caller's start_* call: planning and the launch count (the copy may run while the
-        host is still launching it)."""
+    def attach(self, xfer: Job) -> None:
+        """The copy that moves this request (jobs.py), timed from the caller's start_* call:
+        planning and the launch count (the copy may run while the host is still launching
+        it)."""
         xfer.start = self.started
         self._xfer = xfer
 
@@ -198,58 +199,43 @@ class TransferHandle:
                 self._advance_push()
 
     def _advance_local(self) -> None:
-        """A copy this process drives: a NIXL READ, or a same-node engine's gather."""
+        """A copy this process drives: a NIXL READ, a same-node engine's gather, a staged pull."""
         xfer = self._xfer
-        nixl = isinstance(xfer, PostedTransfer)
         state = xfer.poll()
         if state == "DONE":
             xfer.finish()
-            # its clock started at the caller's start (_attach): planning and the launch count
+            # its clock started at the caller's start (attach): planning and the launch count
             self._finish(xfer.result())
-            if nixl:  # a READ carries no notification (decode.py): the prefill is told here
-                self.peer.release_later([self.request_id])
-            else:
-                xfer.release(self.peer, self.request_id)
+            xfer.release(self.peer, self.request_id)
         elif state == "ERR":
             xfer.finish()
-            why = ("the prefill is gone or refused the memory access" if nixl
-                   else getattr(xfer, "error", None))
-            self.fail(TransferError(
-                f"{xfer.engine if not nixl else 'NIXL READ'} of {self.nbytes} bytes for "
-                f"request {self.request_id} failed: {why}"))
-            self._give_back(xfer, nixl)
+            self.fail(TransferError(f"{xfer.engine} of {self.nbytes} bytes for request "
+                                    f"{self.request_id} failed: {xfer.error}"))
+            xfer.give_back(self.peer, self.request_id)
         elif time.monotonic() > self.deadline:
             stopped = xfer.abort()
             why = ("its copy had ended: nothing more lands" if stopped else
                    "its copy is still in flight and may still write into the destination "
                    "blocks: reuse them only once handle.settled is True")
-            waiting = getattr(xfer, "waiting", None) or "peer dead or stalled"
+            waiting = xfer.waiting or "peer dead or stalled"
             self.fail(TransferTimeout(f"{self.op} of {self.nbytes} bytes for request "
                                        f"{self.request_id} missed its {self.timeout:.3f}s "
                                        f"deadline ({waiting}); {why}"), settled=stopped)
-            self._stopped_or_drained(xfer, nixl, stopped)
+            self._stopped_or_drained(xfer, stopped)
 
-    def _stopped_or_drained(self, xfer, nixl: bool, stopped: bool) -> None:
-        """A failed copy: given back now if it has ended, else once it ends (settled then)."""
+    def _stopped_or_drained(self, xfer: Job, stopped: bool) -> None:
+        """A failed copy: given back now if it has ended, else once it ends (settled then):
+        the prefill may free its blocks then, not at its engine's own timeout."""
         if stopped:
-            self._give_back(xfer, nixl)
+            xfer.give_back(self.peer, self.request_id)
             return
 
         def ended():
             self.settled = True
-            self._give_back(xfer, nixl)
+            xfer.give_back(self.peer, self.request_id)
             self.peer.client.settled_late(self)
 
         self.peer.client.draining.add(xfer, ended, self.peer.agent)
-
-    def _give_back(self, xfer, nixl: bool) -> None:
-        """A failed copy that nothing reads any more (it has ended): the prefill may free its
-        blocks now, not at its engine's own timeout. One still in flight gets here once it
-        ends (drained)."""
-        if nixl:
-            self.peer.release_later([self.request_id])
-        else:
-            xfer.give_back(self.peer, self.request_id)
 
     def done_elsewhere(self) -> None:
         """Another handle saw the copy that also moves this request end well (a batch's
@@ -326,12 +312,11 @@ class TransferHandle:
         with self.lock:
             if self.state == PENDING:
                 if self._xfer is not None:  # our own copy: settled once it has ended
-                    nixl = isinstance(self._xfer, PostedTransfer)
                     stopped = self._xfer.abort()
                     self.fail(TransferError(f"{self.op} request {self.request_id}: {why}" + (
                         "" if stopped else "; its copy is still in flight and may still write "
                         "into the destination blocks until handle.settled")), settled=stopped)
-                    self._stopped_or_drained(self._xfer, nixl, stopped)
+                    self._stopped_or_drained(self._xfer, stopped)
                     return
                 # a WRITE the prefill may have started: only its word settles it, and it is gone
                 self.fail(TransferError(

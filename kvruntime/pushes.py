@@ -139,7 +139,7 @@ class Writes:
         if self._orphans.drain(self.timeout):  # the agent goes now: its worker's end stops them
             log.error("closing with WRITEs still in flight after %.1fs", self.timeout)
 
-    # -- posting, polling, answering ----------------------------------------------------------------
+    # -- posting, polling, answering --------------------------------------------------------------
     def post(self, peer, request: str, plan, deadline: float, split: int = 1,
                     notif: bytes = b"") -> None:
         """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight; ``notif``:
@@ -278,7 +278,7 @@ class Pushes:
             peer.expected_blocks -= len(expected.dst)
         return expected
 
-    # -- pushes a decode asks for -------------------------------------------------------------------
+    # -- pushes a decode asks for -----------------------------------------------------------------
     def start_write(self, peer, message: dict) -> None:
         """Post the WRITE a push asks for, unless its deadline has passed: a decode that gave
         up on the request may already have reused the blocks (a stalled prefill reads the
@@ -287,7 +287,8 @@ class Pushes:
         if "runs" in message:  # a few runs instead of many ids: planned from them, not again
             runs, src, dst = frames.runs_field(message, "runs"), None, None
         else:
-            runs, src, dst = None, frames.ids_field(message, "src"), frames.ids_field(message, "dst")
+            runs = None
+            src, dst = frames.ids_field(message, "src"), frames.ids_field(message, "dst")
         timeout = float(frames.field(message, "timeout", (int, float)))
         deadline = float(frames.field(message, "deadline", (int, float)))
         split = message.get("split", 1)

@@ -215,10 +215,11 @@ def prove_same_node(offer: dict) -> tuple[int, None] | tuple[None, str]:
 
 # -- jobs: what a TransferHandle polls ------------------------------------------------------------
 class CopyJob:
-    """A copy this process drives, with PostedTransfer's polling surface (state, seconds,
-    finish, abort, result); the same-node jobs and staging's StagedPull build on it."""
+    """A copy this process drives (a ``jobs.Job``, as a NIXL READ is); the same-node jobs and
+    staging's StagedPull build on it."""
 
     engine = "samenode"
+    waiting: str | None = None  # past its deadline it waited for the peer
 
     def __init__(self, op: str, plan: TransferPlan):
         self.op = op
@@ -237,12 +238,11 @@ class CopyJob:
         self.released = True
 
     def release(self, peer, request_id: str) -> None:
-        """The copy of ``request_id`` is done: tell the prefill it may free the blocks."""
+        """The copy of ``request_id`` is done, or failed and reads nothing any more
+        (``give_back``): tell the prefill it may free the blocks."""
         peer.release_later([request_id])
 
-    def give_back(self, peer, request_id: str) -> None:
-        """The copy of ``request_id`` failed and reads nothing any more: the same."""
-        peer.release_later([request_id])
+    give_back = release
 
     def abort(self) -> bool:
         """A local copy cannot be stopped; True once it has ended (then nothing writes)."""
@@ -347,8 +347,10 @@ class Batch:
 
 
 class SharedJob:
-    """One request's view of a gather that moves a whole batch: polled and aborted through
-    the batch's job; its result counts its own bytes."""
+    """One request's view of a gather that moves a whole batch (a ``jobs.Job``): polled and
+    aborted through the batch's job; its result counts its own bytes."""
+
+    waiting: str | None = None
 
     def __init__(self, batch: Batch, plan: TransferPlan):
         job = batch.job
