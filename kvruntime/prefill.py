@@ -51,7 +51,7 @@ from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import HeadSlice, direct_slice
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 
 

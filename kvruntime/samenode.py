@@ -43,7 +43,7 @@ from .peercred import owner_uid, prove_peer
 from .plan import TransferPlan
 from .transfer import TransferResult
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
 IOV_MAX = 1024

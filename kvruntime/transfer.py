@@ -28,7 +28,7 @@ from .agent import Agent
 from .errors import NixlError, TransferError
 from .plan import TransferPlan
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 class TransferResult(NamedTuple):
     """What one request moved, and how fast. A named tuple, immutable as a frozen dataclass
