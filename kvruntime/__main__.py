@@ -285,7 +285,8 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="GB/s and descriptors per request vs memcpy")
     b.add_argument("--json", action="store_true")
     b.add_argument("--compact", action="store_true")
-    b.add_argument("--sizes", type=_positive_int, nargs="+", default=[64, 256, 1024],
+    b.add_argument("--sizes", type=_positive_int, nargs="+", default=None,
+                   help="MiB a request moves (default: 64 256 1024; a --scenario's own)",
                    metavar="MIB")
     b.add_argument("--patterns", nargs="+", default=["contiguous", "random"],
                    choices=["contiguous", "random"])
@@ -306,7 +307,8 @@ def main(argv=None) -> int:
                    help="same-node engine's reader threads for host memory (default: 4 on "
                         "hosts of 8 cores or more, else 1)")
     b.add_argument("--no-huge", action="store_true", help="4 KiB pages instead of MADV_HUGEPAGE")
-    b.add_argument("--iters", type=_positive_int, default=5)
+    b.add_argument("--iters", type=_positive_int, default=None,
+                   help="requests a row measures (default: 5; a --scenario's own)")
     b.add_argument("--block-kib", type=_even_kib, default=256,
                    help="KiB of one block, all layers (even)")
     b.add_argument("--handshakes", type=_positive_int, default=10)
@@ -341,7 +343,7 @@ def main(argv=None) -> int:
     b.add_argument("--scenario", choices=list(SCENARIOS), default=None,
                    help="a named preset of TP groups, run alone: "
                         + "; ".join(f"{n}: {v['about']}" for n, v in SCENARIOS.items())
-                        + " (its device ids unless --device-ids; its size and iterations)")
+                        + " (its device ids, sizes and iterations unless --device-ids, --sizes, --iters)")
     b.add_argument("--inflight", type=_at_least(0), nargs=2, metavar=("PEERS", "REQUESTS"),
                    default=[4, 32], help="decode peers and requests kept in flight on one "
                    "prefill, beside one request of the same bytes: the peers as clients of "
@@ -351,7 +353,10 @@ def main(argv=None) -> int:
         preset = SCENARIOS[args.scenario]
         args.tp_pairs = _tp_pairs(BENCH_HEADS)(",".join(preset["groups"]))
         args.device_ids = args.device_ids or preset["device_ids"]
-        args.sizes, args.iters, args.tp_only = preset["sizes_mib"], preset["iters"], True
+        args.sizes, args.iters = args.sizes or preset["sizes_mib"], args.iters or preset["iters"]
+        args.tp_only = True
+    if args.command == "bench":
+        args.sizes, args.iters = args.sizes or [64, 256, 1024], args.iters or 5
     args.device_ids = args.device_ids or [0, 0]
     if len(args.device_ids) < 2:
         (st if args.command == "selftest" else b).error(

@@ -14,6 +14,7 @@ compares it with the heads it holds, and checks that no other block was written.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import time
 import traceback
@@ -268,7 +269,7 @@ class _Rank:
             self._close_client()
             return {"skipped": str(exc)}
         peer = self.peers[0]
-        return {"engine": peer.engine, "reason": peer.engine_reason,
+        return {"engine": peer.engine, "reason": peer.engine_reason, "pid": os.getpid(),
                 "staged_copy": peer.staged_copy,
                 "prefill_ranks": [p for p, _src, _dst in self.spec["slices"]]}
 
