@@ -61,19 +61,20 @@ class RankGroup:
         self.group, self.placement, self.timeout = group, placement, start_timeout
         self.prefill_layout, self.decode_layout = layouts
         ctx = _context()
-        self._ctx, self._prefills, self._decodes, self._started = ctx, [], [], []
+        self._ctx, self._prefills, self._decodes = ctx, [], []
         self.results = ctx.Queue()
         # every decode rank: its heads' slices, and a reply queue at each prefill rank it reads
         self.ranks = [(k, j) for k in range(group.instances) for j in range(group.d)]
         self.slices = {r: head_slices(self.prefill_layout, self.decode_layout, r[1])
                        for r in self.ranks}
-        replies = {i: [] for i in range(group.p)}  # per prefill rank, its decode ranks' queues
-        self._reply_at = {}
+        self._replies = {i: [] for i in range(group.p)}  # per prefill rank, in order
+        self._reply_to = {}  # (decode rank, prefill rank): (that queue, its number there)
         for r in self.ranks:
             for s in self.slices[r]:
-                replies[s.prefill_rank].append(ctx.Queue())
-                self._reply_at[r, s.prefill_rank] = len(replies[s.prefill_rank])  # 0: its own
-        self._replies = replies
+                q = ctx.Queue()
+                self._replies[s.prefill_rank].append(q)
+                # the prefill's own report queue is number 0 (roles.prefill_main)
+                self._reply_to[r, s.prefill_rank] = (q, len(self._replies[s.prefill_rank]))
         # processes prepare UCX for the first (roles.prepare_process): all agree (kv_buffer_sets)
         self.kv_buffers = list(kv_buffers)
         options = {**options, "kv_buffer": kv_buffers[0], "kv_buffers": self.kv_buffers}
@@ -114,9 +115,7 @@ class RankGroup:
                     "blocks": [list(map(int, b)) for b in self.blocks],
                     "references": self.references}
             pushers = {s.prefill_rank: (self._controls[s.prefill_rank],
-                                        self._replies[s.prefill_rank]
-                                        [self._reply_at[r, s.prefill_rank] - 1],
-                                        self._reply_at[r, s.prefill_rank])
+                                        *self._reply_to[r, s.prefill_rank])
                        for s in self.slices[r]}
             proc = ctx.Process(target=decode_rank_main, name=f"decode {k} rank {j}", daemon=True,
                                args=(self._commands[r], self.results, spec, pushers))
@@ -217,8 +216,9 @@ def decode_rank_main(commands, results, spec: dict, pushers: dict) -> None:
 
 
 class _Rank:
-    """A decode rank's state. Commands: ``{"connect": engine}`` (a client with that engine's
-    options, connected to its prefill ranks); ``{"move": op, "start": t, "check": bool,
+    """A decode rank's state. Commands: ``{"connect": engine, "server": i, "ports": [...]}``
+    (a client with that engine's options, connected to server ``i`` of each prefill rank it
+    reads, at its port); ``{"move": op, "start": t, "check": bool,
     "request": id}``; ``{"copy": True, "start": t}`` (the rank's ``RankReference``)."""
 
     def __init__(self, spec: dict, pushers: dict):
