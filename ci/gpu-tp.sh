@@ -52,7 +52,7 @@ PY
 echo "bench: exit $brc"; ((brc)) && tail -5 "$out/bench-tp.err"
 
 step "selftest --device-ids ${ids[*]} (mixed-TP groups on device memory, a rank a process)"
-timeout 200 "$py" -m kvruntime selftest --device-ids "${ids[@]}" --json --compact \
+timeout 180 "$py" -m kvruntime selftest --device-ids "${ids[@]}" --json --compact \
   --tp-pairs 2x2,2x1x2,1x2,2x4,4x2 >"$out/selftest.json" 2>"$out/selftest.err"
 src=$?; ((rc == 0 && src)) && rc=$src
 "$py" - "$out/selftest.json" <<'PY'
