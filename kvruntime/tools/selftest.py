@@ -210,12 +210,16 @@ def run_tp_modes(groups, options: dict, device_ids, seed: int, timeout: float,
                     connected = ranks.connect(engine, timeout)
                     staged = ENGINES[engine]["kv_buffer"] == "host_staged"
                     for op in (STAGED_OPS if staged else OPS):
-                        moved = {} if any("skipped" in c or "error" in c
-                                          for c in connected.values()) else \
-                            ranks.at_once(ranks.ranks, {"move": op, "check": True,
-                                                        "request": f"selftest-{op}"})
+                        # a group moves whole or not at all: ranks doubled up on one GPU
+                        # may connect where their neighbours' engine is unavailable
+                        refused = next((c["skipped"] for c in connected.values()
+                                        if "skipped" in c), None)
+                        moved = {} if refused or any("error" in c for c in connected.values()) \
+                            else ranks.at_once(ranks.ranks, {"move": op, "check": True,
+                                                             "request": f"selftest-{op}"})
                         modes += [_tp_entry(group, placement, r, op, engine, device,
-                                            connected[r], moved.get(r), ranks.slices[r])
+                                            connected[r], moved.get(r), ranks.slices[r],
+                                            refused)
                                   for r in ranks.ranks]
         except RankError as exc:
             return {"ok": False, "modes": modes, "module": module,
@@ -230,7 +234,10 @@ def tp_mode_name(device: str, group, rank, op: str, engine: str) -> str:
             f"{'' if group.instances == 1 else f' x{group.instances}'}/{who}/{op}/{engine}")
 
 
-def _tp_entry(group, placement, rank, op, engine, device, connected, moved, slices) -> dict:
+def _tp_entry(group, placement, rank, op, engine, device, connected, moved, slices,
+              refused: str | None = None) -> dict:
+    """One rank's mode. ``refused``: why another rank of the group could not take ``engine``
+    (then the group is skipped whole, this rank too, though its own connect worked)."""
     k, j = rank
     entry = {"mode": tp_mode_name(device, group, rank, op, engine), "op": op,
              "tp": [group.p, group.d], "group": group.label, "instance": k, "rank": j,
@@ -241,6 +248,8 @@ def _tp_entry(group, placement, rank, op, engine, device, connected, moved, slic
                      prefill_device_ids=[placement.prefill[s.prefill_rank] for s in slices])
     if "skipped" in connected:
         return {**entry, "status": "skipped", "reason": connected["skipped"]}
+    if refused and "error" not in connected:
+        return {**entry, "status": "skipped", "reason": f"another rank of the group: {refused}"}
     failed = connected.get("error") or (moved or {}).get("error")
     if failed or moved is None:
         return {**entry, "status": "failed",

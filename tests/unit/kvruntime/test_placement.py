@@ -76,3 +76,26 @@ def test_the_engine_list_is_open_and_staged_gets_processes_of_its_own_on_a_devic
     assert set(ENGINES) >= {"samenode", "nixl", "staged"}
     assert kv_buffer_sets("cpu") == [("device", "host_staged")]
     assert kv_buffer_sets("cuda") == [("device",), ("host_staged",)]
+
+
+def test_a_group_is_skipped_whole_when_one_rank_cannot_take_the_engine():
+    """2x4 on 4 GPUs doubles ranks up: a decode rank on its prefill rank's GPU connects through
+    the same-node engine while its neighbours on other GPUs are refused. Seen on 4 x H100: that
+    rank was reported failed ("another rank of the group failed to connect"); the group is skipped
+    whole instead, each rank saying why."""
+    from kvruntime.tools.selftest import _tp_entry
+    from kvruntime.tp import HeadSlice
+
+    group = parse_group("2x4", 8)
+    placement = place(group, FOUR)
+    why = "same-node engine unavailable: head slices across GPUs"
+    slices = [HeadSlice(1, (0, 1), (0, 1))]
+    ok = _tp_entry(group, placement, (0, 3), "pull", "samenode", "cuda", {"engine": "samenode"},
+                   None, slices, refused=why)
+    assert ok["status"] == "skipped" and ok["reason"] == f"another rank of the group: {why}"
+    own = _tp_entry(group, placement, (0, 0), "pull", "samenode", "cuda", {"skipped": why},
+                    None, slices, refused=why)
+    assert own["status"] == "skipped" and own["reason"] == why
+    broken = _tp_entry(group, placement, (0, 1), "pull", "samenode", "cuda", {"error": "boom"},
+                       None, slices, refused=why)
+    assert broken["status"] == "failed" and broken["reason"] == "boom"
