@@ -16,6 +16,8 @@ import math
 import os
 import sys
 
+from .options import Options
+
 
 @contextlib.contextmanager
 def _report_stream():
@@ -38,8 +40,7 @@ def _report_stream():
 
 
 def _secret(args) -> bytes | None:
-    text = args.secret or os.environ.get("KVRUNTIME_SECRET")
-    return text.encode() if text else None
+    return Options.from_env(**({"secret": args.secret.encode()} if args.secret else {})).secret
 
 
 def _selftest(args, out) -> int:

@@ -34,13 +34,13 @@ from dataclasses import dataclass, field, replace
 
 from . import frames
 from .agent import Agent, unique_name
-from .binding import NixlBinding
 from .channel import Channel
 from .errors import KVRuntimeError, PeerError
 from .handshake import PeerInfo, serve_handshake
 from .layout import KVLayout
 from .memory import KVCache
 from .naps import tighten_timer_slack
+from .options import Options
 from .plan import Planner, make_plan
 from .pushes import Pushes, Writes
 from .registration import Registration
@@ -105,38 +105,30 @@ class ServerStats:
 
 
 class PrefillServer:
-    def __init__(
-        self,
-        cache: KVCache,
-        *,
-        binding: NixlBinding | None = None,
-        secret: bytes | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        timeout: float = 5.0,
-        on_release=None,
-        ucx_threads: int = 0,
-        device_kind: str = "cpu",
-        name: str | None = None,
-        max_connections: int = 256,
-        max_handshaking_per_address: int = 16,
-        kv_buffer: str | None = None,
-        staging_blocks: int = 0,
-        tp_rank: int = 0,
-    ):
-        kv_buffer = resolve_kv_buffer(kv_buffer, device_kind, offered_transports)
+    def __init__(self, cache: KVCache, options: Options | None = None, *,
+                 host: str = "127.0.0.1", port: int = 0, on_release=None,
+                 max_connections: int = 256, max_handshaking_per_address: int = 16, **shared):
+        """Serve ``cache`` on ``host``:``port`` (0: any free port; ``address`` says which).
+        ``options`` (options.py), or its fields as keyword arguments, are what a decode
+        client takes too; ``on_release(request)`` is called as requests are released;
+        ``max_connections`` and ``max_handshaking_per_address`` bound what a flood of
+        connections can hold."""
+        o = self.options = Options.of(options, shared)
+        # the mode asked for, else KVRUNTIME_KV_BUFFER, else by the device (staging.py)
+        o = self.options = replace(o, kv_buffer=resolve_kv_buffer(o.kv_buffer, o.device_kind,
+                                                                  offered_transports))
         self.cache = cache
-        self.kv_buffer = kv_buffer
+        self.kv_buffer = o.kv_buffer
         self.staging: StagingPool | None = None
         self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
         self._stage_queue: deque = deque()  # (peer, request, plan, deadline, queued at)
         self._stage_lock = threading.Lock()
-        self.secret = secret
+        self.secret = o.secret
         self.max_connections = max_connections
         self.max_handshaking_per_address = max_handshaking_per_address
         self._handshaking: dict[str, int] = {}  # peer address -> connections not yet admitted
         self._handshaking_lock = threading.Lock()
-        self.timeout = timeout
+        self.timeout = o.timeout
         self.stats = ServerStats()
         self.released = Released(on_release)  # what decodes said may be freed (releases.py)
         self._work = threading.Event()
@@ -151,19 +143,20 @@ class PrefillServer:
         self._stop = threading.Event()
         self._closed = False
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
-        nixl_memory = "cpu" if kv_buffer == "host_staged" else device_kind
-        self.agent = Agent(name or unique_name("prefill"), binding, nixl_memory, ucx_threads)
+        nixl_memory = "cpu" if o.kv_buffer == "host_staged" else o.device_kind
+        self.agent = Agent(o.name or unique_name("prefill"), o.binding, nixl_memory,
+                           o.ucx_threads)
         try:
-            if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
-                self.staging = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,
-                                           cache)
+            if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
+                self.staging = StagingPool(cache.layout,
+                                           o.staging_blocks or cache.layout.num_blocks, cache)
             self.registration = Registration(self.agent, self.staging.cache if self.staging
                                              else cache)
             self._listener = socket.create_server((host, port), backlog=64)
             # our WRITEs and the pushes they serve (pushes.py)
-            self.writes = Writes(self.agent, self.registration, cache, timeout, self._release,
+            self.writes = Writes(self.agent, self.registration, cache, o.timeout, self._release,
                                  self._work.set, self._peers_lock)
-            self.pushes = Pushes(self.writes, cache, timeout, self.stats, self._peers,
+            self.pushes = Pushes(self.writes, cache, o.timeout, self.stats, self._peers,
                                  self._release, self._work.set, self.staging is not None)
         except Exception:
             if self.staging is not None:
@@ -171,7 +164,7 @@ class PrefillServer:
             self.agent.close()
             raise
         self._listener.settimeout(0.2)
-        if secret is None and not _loopback(host):
+        if o.secret is None and not _loopback(host):
             # NIXL metadata grants access to the registered memory: without a secret, anyone
             # who can reach this port can read (and write) this cache.
             log.warning("PrefillServer on %s:%s has NO shared secret: any host that reaches this "
@@ -179,8 +172,8 @@ class PrefillServer:
                         "to 127.0.0.1)", host, self.address[1])
         registered = self.staging.cache if self.staging else cache
         self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
-                             self.registration.region_triples(), registered.mem_type, kv_buffer,
-                             cache.layout if self.staging else None, tp_rank)
+                             self.registration.region_triples(), registered.mem_type, o.kv_buffer,
+                             cache.layout if self.staging else None, o.tp_rank)
         self._spawn(self._accept_loop, "kvr-accept")
         self._spawn(self._progress_loop, "kvr-progress")
 
