@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import replace
 
-from . import engines, frames, pushed
+from . import engines, frames, messages, pushed
 from .agent import Agent, unique_name
 from .channel import PeerChannel
 from .errors import KVRuntimeError, PeerError, WaitTimeout
@@ -192,8 +192,8 @@ class PrefillPeer:
             blocks = {"runs": frames.pack_runs(plan.run_src, plan.run_dst, plan.run_count)}
         else:
             blocks = {"src": frames.pack_ids(src), "dst": frames.pack_ids(dst)}
-        self.send({"type": "push", "request": request_id, **blocks,
-                    "timeout": timeout, "deadline": time.time() + timeout, "split": split})
+        self.send(messages.PUSH.build(request=request_id, **blocks, timeout=timeout,
+                                      deadline=time.time() + timeout, split=split))
         return handle
 
     def expect_push(self, dst_blocks, request_id: str | None = None,
@@ -308,8 +308,7 @@ class PrefillPeer:
     # -- control calls -------------------------------------------------------------------------
     def digests(self, blocks, timeout: float = 60.0) -> list[str]:
         blocks = [int(b) for b in blocks]
-        reply = self.channel.call({"type": "digests", "blocks": frames.pack_ids(blocks)}, "digests",
-                           timeout)
+        reply = self.channel.call(messages.DIGESTS, timeout, blocks=frames.pack_ids(blocks))
         out = reply.get("digests")
         if not isinstance(out, list) or len(out) != len(blocks):
             raise PeerError("peer answered a digests request with the wrong number of digests")
@@ -560,13 +559,13 @@ class DecodeClient:
             except KVRuntimeError as exc:
                 log.warning("polling notifications: %s", exc)
                 return
-            for agent, messages in (notifs or {}).items():
+            for agent, notes in (notifs or {}).items():
                 peer = next((p for p in list(self._peers.values()) if p.agent == agent), None)
                 if peer is None:
                     log.warning("ignoring %d NIXL notification(s) from %s: not a peer of ours",
-                                len(messages), agent)
+                                len(notes), agent)
                     continue
-                ignored = [why for why in map(peer.on_notif, messages) if why]
+                ignored = [why for why in map(peer.on_notif, notes) if why]
                 if ignored:  # one line a poll: a flood of them is not a flood of lines
                     log.warning("%s: ignored %d notification(s): %s", peer.name, len(ignored),
                                 ignored[0])

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from . import frames
+from . import frames, messages
 from .agent import Agent, unique_name
 from .channel import Channel
 from .errors import KVRuntimeError, PeerError
@@ -246,7 +246,7 @@ class PrefillServer:
                 except PeerError as exc:
                     log.info("connection from %s:%s ended: %s", addr[0], addr[1], exc)
                     return  # the decode side left
-                if message.get("type") == "bye":
+                if messages.BYE.is_(message):
                     return
                 self._handle(peer, message)
         except KVRuntimeError as exc:
@@ -313,33 +313,35 @@ class PrefillServer:
     def _handle(self, peer: _Peer, message: dict) -> None:
         kind = message["type"]
         layout = self.cache.layout
-        if kind == "push":
+        if kind == messages.PUSH.type:
             self.pushes.start_write(peer, message)
-        elif kind == "expect":
+        elif kind == messages.EXPECT.type:
             self.pushes.expect(peer, message)
-        elif kind == "cancel":
+        elif kind == messages.CANCEL.type:
             self.pushes.cancel(peer, frames.field(message, "request", str))
-        elif kind == "samenode":  # a decode asks to open our memory directly (samenode.py)
+        elif kind == messages.SAMENODE.type:  # a decode asks to open our memory (samenode.py)
             # host-staged: what a same-node decode may read is our staging pool
             offer = serve_offer(self.staging.cache if self.staging else self.cache, self._token)
             peer.opened = "unavailable" not in offer
             if peer.opened and self.staging is None:  # ours to push from: readies by ring too
                 peer.mailbox = peer.mailbox or Mailbox()
                 offer.update(peer.mailbox.offer())
-            peer.send({**offer, "request": message.get("request")}, self.timeout)
-        elif kind == "stage":
+            peer.send(messages.SAMENODE.build(**{**offer, "request": message.get("request")}),
+                      self.timeout)
+        elif kind == messages.STAGE.type:
             self._stage(peer, message)
-        elif kind == "unstage":
+        elif kind == messages.UNSTAGE.type:
             self._unstage(peer.agent, frames.field(message, "request", str))
-        elif kind == "release":  # pulls and same-node copies done: their blocks may be freed
+        elif kind == messages.RELEASE.type:  # pulls, same-node copies done: blocks may be freed
             for request in frames.names_field(message, "requests"):
                 self._release(peer.agent, request)
-        elif kind == "digests":
+        elif kind == messages.DIGESTS.type:
             blocks = frames.ids_field(message, "blocks")
             make_plan(layout, blocks)  # validates the ids
-            peer.send({"type": "digests", "request": message.get("request"),
-                       "digests": self.cache.block_digests(blocks.tolist())}, self.timeout)
-        else:
+            peer.send(messages.DIGESTS.build(request=message.get("request"),
+                                             digests=self.cache.block_digests(blocks.tolist())),
+                      self.timeout)
+        else:  # a type of the catalog a decode does not send, or none of it
             raise KVRuntimeError(f"unknown request type {kind!r}")
 
     # -- pushes we start (pushes.py) -------------------------------------------------------------
@@ -483,9 +485,9 @@ class PrefillServer:
                 if not self._stop.is_set():
                     log.warning("polling notifications: %s", exc)
                 notifs = {}
-            for agent, messages in notifs.items():
+            for agent, notes in notifs.items():
                 log.warning("ignoring %d NIXL notification(s) from %s: kvruntime peers release "
-                            "blocks by frame", len(messages), agent)
+                            "blocks by frame", len(notes), agent)
             try:
                 busy = self.writes.progress()
             except Exception:
