@@ -38,6 +38,7 @@ from .channel import Channel
 from .errors import KVRuntimeError, PeerError
 from .handshake import PeerInfo, serve_handshake
 from .layout import KVLayout
+from .listener import Listener
 from .memory import KVCache
 from .naps import tighten_timer_slack
 from .options import Options
@@ -124,10 +125,6 @@ class PrefillServer:
         self._stage_queue: deque = deque()  # (peer, request, plan, deadline, queued at)
         self._stage_lock = threading.Lock()
         self.secret = o.secret
-        self.max_connections = max_connections
-        self.max_handshaking_per_address = max_handshaking_per_address
-        self._handshaking: dict[str, int] = {}  # peer address -> connections not yet admitted
-        self._handshaking_lock = threading.Lock()
         self.timeout = o.timeout
         self.stats = ServerStats()
         self.released = Released(on_release)  # what decodes said may be freed (releases.py)
@@ -137,9 +134,6 @@ class PrefillServer:
         # Adding and dropping a peer are atomic: a reconnecting decode reuses its agent name,
         # and the old connection's teardown must not remove the new connection's agent.
         self._peers_lock = threading.RLock()
-        self._conns: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()  # running ones only
-        self._threads_lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
@@ -152,18 +146,18 @@ class PrefillServer:
                                            o.staging_blocks or cache.layout.num_blocks, cache)
             self.registration = Registration(self.agent, self.staging.cache if self.staging
                                              else cache)
-            self._listener = socket.create_server((host, port), backlog=64)
+            # accepting within limits, a thread a connection (listener.py)
+            self.listener = Listener(host, port, self.stats, self._serve_connection, self._stop,
+                                     max_connections, max_handshaking_per_address)
             # our WRITEs and the pushes they serve (pushes.py)
             self.writes = Writes(self.agent, self.registration, cache, o.timeout, self._release,
                                  self._work.set, self._peers_lock)
-            self.pushes = Pushes(self.writes, cache, o.timeout, self.stats, self._peers,
-                                 self._release, self._work.set, self.staging is not None)
+            self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None)
         except Exception:
             if self.staging is not None:
                 self.staging.close()
             self.agent.close()
             raise
-        self._listener.settimeout(0.2)
         if o.secret is None and not _loopback(host):
             # NIXL metadata grants access to the registered memory: without a secret, anyone
             # who can reach this port can read (and write) this cache.
@@ -174,67 +168,21 @@ class PrefillServer:
         self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                              self.registration.region_triples(), registered.mem_type, o.kv_buffer,
                              cache.layout if self.staging else None, o.tp_rank)
-        self._spawn(self._accept_loop, "kvr-accept")
-        self._spawn(self._progress_loop, "kvr-progress")
+        self.listener.spawn(self.listener.accept_loop, "kvr-accept")
+        self.listener.spawn(self._progress_loop, "kvr-progress")
 
     @property
     def address(self) -> tuple[str, int]:
-        return self._listener.getsockname()[:2]
-
-    def _spawn(self, target, name, *args) -> None:
-        def run():
-            try:
-                target(*args)
-            finally:  # a finished connection leaves nothing behind
-                with self._threads_lock:
-                    self._threads.discard(threading.current_thread())
-
-        t = threading.Thread(target=run, name=name, daemon=True)
-        with self._threads_lock:
-            self._threads.add(t)
-        t.start()
+        return self.listener.address
 
     # -- serving -----------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        """Accept until closed. Resource errors (EMFILE under a connection flood, ENOBUFS...)
-        are logged and waited out with backoff: the listener never dies while its socket stays
-        open (health checks would pass while every decode timed out)."""
-        backoff = 0.01
-        while not self._stop.is_set():
-            try:
-                sock, addr = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError as exc:
-                if self._stop.is_set() or self._listener.fileno() < 0:
-                    return
-                self.stats.accept_errors += 1
-                log.warning("accept failed (%s); retrying in %.2fs", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            backoff = 0.01
-            self.stats.connections += 1
-            host = addr[0]
-            if (len(self._conns) >= self.max_connections
-                    or self._handshaking.get(host, 0) >= self.max_handshaking_per_address):
-                self.stats.over_limit += 1
-                self.stats.refuse(addr, "connection limit reached")
-                _close_gracefully(sock, linger=0.0)
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conns.add(sock)
-            with self._handshaking_lock:
-                self._handshaking[host] = self._handshaking.get(host, 0) + 1
-            self._spawn(self._serve_connection, f"kvr-conn-{addr[1]}", sock, addr)
-
     def _serve_connection(self, sock: socket.socket, addr) -> None:
         peer = None
         admitted = []
 
         def admit(info: PeerInfo) -> None:  # before "ready": the decode may send at once
             admitted.append(self._add_peer(info, sock))
-            self._done_handshaking(addr[0])
+            self.listener.admitted(addr[0])
 
         try:
             serve_handshake(sock, self.info, self.secret, self.timeout, admit)
@@ -261,17 +209,8 @@ class PrefillServer:
             if peer is not None:
                 self._drop_peer(peer)
             else:
-                self._done_handshaking(addr[0])
-            self._conns.discard(sock)
-            _close_gracefully(sock)
-
-    def _done_handshaking(self, host: str) -> None:
-        with self._handshaking_lock:
-            left = self._handshaking.get(host, 0) - 1
-            if left > 0:
-                self._handshaking[host] = left
-            else:
-                self._handshaking.pop(host, None)
+                self.listener.admitted(addr[0])
+            self.listener.hang_up(sock)
 
     def _add_peer(self, info: PeerInfo, sock: socket.socket) -> _Peer:
         with self._peers_lock:
@@ -521,20 +460,7 @@ class PrefillServer:
             return
         self._closed = True
         self._stop.set()
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-        for sock in list(self._conns):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5
-        with self._threads_lock:
-            threads = list(self._threads)
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        self.listener.close()
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
         self.writes.close()
@@ -563,24 +489,3 @@ def _heads(value, num_heads: int) -> tuple[int, int]:
 
 def _loopback(host: str) -> bool:
     return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
-
-
-def _close_gracefully(sock: socket.socket, linger: float = 0.1) -> None:
-    """Close so that our last (error) frame reaches the peer: closing with unread input
-    makes the kernel send a reset, which can discard what we sent just before."""
-    try:
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(linger)
-        drained = 0
-        while drained < (1 << 20):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            drained += len(chunk)
-    except OSError:
-        pass
-    finally:
-        try:
-            sock.close()
-        except OSError:
-            pass

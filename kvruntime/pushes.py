@@ -79,8 +79,8 @@ class Writes:
         self.registration = registration
         self.cache = cache
         self.timeout = timeout
-        self._release = release
-        self._wake = wake
+        self.release = release
+        self.wake = wake
         self._peers_lock = peers_lock
         self._writes: dict[tuple[str, str], _Write] = {}  # (decode agent, request) -> WRITE
         # guards the WRITEs, and also the pushes' expected requests and offers (Pushes)
@@ -162,7 +162,7 @@ class Writes:
         # a WRITE done as it was posted (host memory by cma, copied in the call) is answered
         # from here: waking the progress loop to see it cost ~50 µs a push on the 2-core host
         if self.progress():
-            self._wake()
+            self.wake()
 
     def cancel(self, peer, request: str) -> bool:
         """A cancel of ``request``: False if no WRITE of it is in flight. A posted WRITE cannot
@@ -211,18 +211,18 @@ class Writes:
         """Answer a WRITE that ended well (error None) or in error; called under _writes_lock."""
         del self._writes[(write.peer.agent, write.request)]
         if error is None and write.notified:  # the decode has its notification
-            self._release(write.peer.agent, write.request)
+            self.release(write.peer.agent, write.request)
             return
         if error is None:
             result = write.xfer.result()
-            self._release(write.peer.agent, write.request)  # the blocks may be freed
+            self.release(write.peer.agent, write.request)  # the blocks may be freed
             reply = messages.PUSHED.build(request=write.request, nbytes=result.nbytes,
                                           seconds=result.seconds, descriptors=result.descriptors,
                                           nixl_descriptors=result.nixl_descriptors)
         else:  # it ended in error (UCX completed it): nothing more of it lands
             reply = messages.PUSH_FAILED.build(request=write.request, error=error)
             if write.notified:  # ours: nothing reads the caller's blocks now
-                self._release(write.peer.agent, write.request)
+                self.release(write.peer.agent, write.request)
         try:
             write.peer.send(reply, self.timeout)
         except KVRuntimeError as exc:
@@ -234,19 +234,17 @@ class Pushes:
     a decode named, and those we started before any decode named them (offers).
 
     The server's connections are ``peers`` (agent -> connection); ``writes`` posts and answers
-    the WRITEs; ``release``/``wake`` as for ``Writes``."""
+    the WRITEs, and its ``release``/``wake`` serve the pushes too."""
 
-    def __init__(self, writes: Writes, cache, timeout: float, stats, peers: dict, release, wake,
-                 staged: bool):
+    def __init__(self, writes: Writes, stats, peers: dict, staged: bool):
         self.writes = writes
-        self.cache = cache
-        self.timeout = timeout
+        # the server's, as the WRITEs have them
+        self.cache, self.timeout, self._release, self._wake = (
+            writes.cache, writes.timeout, writes.release, writes.wake)
         self.stats = stats
         self.peers = peers
-        self._release = release
-        self._wake = wake
         self.staged = staged  # host-staged: nothing is pushed directly
-        self._own = Planner(cache.layout)  # our ids alone (pushes' sources), made once
+        self._own = Planner(self.cache.layout)  # our ids alone (pushes' sources), made once
         # request -> a push waiting for its decode (under writes.lock, as the connections'
         # expected requests are)
         self._offers: dict[str, _Offer] = {}
