@@ -114,3 +114,11 @@ class BinaryCacheError(InstallerError):
 class Interrupted(InstallerError):
     exit_code = 130
     kind = "interrupted"
+
+
+# exit code -> the error that exits with it: the installer's table (README, "Exit codes"; the
+# command-line convention kvruntime shares: kvruntime/tools/cli.py)
+EXIT_CODES = {e.exit_code: e for e in (
+    UsageError, RecipeError, DownloadError, OfflineError, ChecksumError, SystemPackagesError,
+    BuildError, VerifyError, PrefixError, HostError, BinaryCacheError, BuildToolsError,
+    Interrupted)}

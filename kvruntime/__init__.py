@@ -2,14 +2,15 @@
 
 The public face, everything an engine needs::
 
-    from kvruntime import PrefillServer, DecodeClient, KVCache, KVLayout, TransferHandle, \
-        TransferResult, errors
+    from kvruntime import PrefillServer, DecodeClient, Options, KVCache, KVLayout, \
+        TransferHandle, TransferResult, errors
 
 A prefill process serves its ``KVCache`` with a ``PrefillServer``; a decode process connects a
 ``DecodeClient`` to it and pulls (or is pushed) blocks, each request a ``TransferHandle`` that ends
-in a ``TransferResult``. Every error is a ``errors.KVRuntimeError``.
+in a ``TransferResult``. ``Options`` holds what both sides take (their keyword arguments fill
+it). Every error is a ``errors.KVRuntimeError``.
 
-Pure layers (no NIXL, no torch): ``layout``, ``plan``, ``frames``, ``handshake``. The classes that
+Pure layers (no NIXL, no torch): ``layout``, ``plan``, ``frames``, ``handshake``, ``options``. The classes that
 touch NIXL, numpy or torch are imported on first use, so ``import kvruntime`` stays cheap and the
 pure layers work on any Python. Every other module is internal: its names may change.
 """
@@ -19,6 +20,7 @@ from importlib import import_module
 from . import errors
 from .errors import KVRuntimeError
 from .layout import CROSS_LAYER, PER_LAYER, KVLayout
+from .options import Options
 from .plan import TransferPlan, make_plan
 
 # public name -> the internal module that holds it, imported when the name is first read
@@ -31,8 +33,8 @@ _LAZY = {
 }
 
 __all__ = ["CROSS_LAYER", "PER_LAYER", "DecodeClient", "KVCache", "KVLayout", "KVRuntimeError",
-           "PrefillServer", "TransferHandle", "TransferPlan", "TransferResult", "errors",
-           "make_plan"]
+           "Options", "PrefillServer", "TransferHandle", "TransferPlan", "TransferResult",
+           "errors", "make_plan"]
 
 
 def __getattr__(name: str):

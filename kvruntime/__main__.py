@@ -1,8 +1,7 @@
 """CLI: ``python -m kvruntime selftest|bench [--json]``. The only place that prints.
 
-Exit codes (README, "Exit codes"): 0 success, 1 a selftest mode failed, 2 the stack is unusable
-(NIXL missing, a process failed to start; bench: any failure), 64 bad arguments (one line, before
-anything runs), 130 interrupted.
+Its parser and exit codes follow the convention both programs share (tools/cli.py: README,
+"Exit codes").
 """
 
 from __future__ import annotations
@@ -15,6 +14,9 @@ import logging
 import math
 import os
 import sys
+
+from .options import Options
+from .tools.cli import INTERRUPTED, MODE_FAILED, OK, UNUSABLE, Parser
 
 
 @contextlib.contextmanager
@@ -38,8 +40,7 @@ def _report_stream():
 
 
 def _secret(args) -> bytes | None:
-    text = args.secret or os.environ.get("KVRUNTIME_SECRET")
-    return text.encode() if text else None
+    return Options.from_env(**({"secret": args.secret.encode()} if args.secret else {})).secret
 
 
 def _selftest(args, out) -> int:
@@ -78,19 +79,8 @@ def _selftest(args, out) -> int:
         say(("OK" if report.get("ok") else "FAILED") + f" in {report.get('seconds')} s "
               f"(NIXL module: {report.get('nixl_module')})")
     if report.get("ok"):
-        return 0
-    return 1 if report.get("modes") else 2
-
-
-class _Parser(argparse.ArgumentParser):
-    """One-line errors; no abbreviated options (``selftest --device cuda`` would be read as
-    ``--device-ids`` and fail with a message about ids)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str):  # one line, and exit 64 as the module's docstring says
-        self.exit(64, f"{self.prog}: {message} (see {self.prog} --help)\n")
+        return OK
+    return MODE_FAILED if report.get("modes") else UNUSABLE
 
 
 def _transports(mode: dict) -> str:
@@ -224,7 +214,7 @@ def _bench(args, out) -> int:
                 f"{(report.get('results') or [{}])[0].get('ref')}")
         if report.get("error"):
             print(f"error: {report['error']}", file=sys.stderr)
-    return 0 if report.get("ok") else 2
+    return OK if report.get("ok") else UNUSABLE
 
 
 def _tp_lines(t: dict) -> list[str]:
@@ -256,7 +246,7 @@ def main(argv=None) -> int:
     from .tools.placement import SCENARIOS, place
     from .tools.tp_group import ENGINES as TP_ENGINES
 
-    parser = _Parser(prog="python -m kvruntime")
+    parser = Parser(prog="python -m kvruntime")
     parser.add_argument("--nixl-module", help="NIXL module to import (default: search "
                         "nixl_cpu, nixl_xpu, nixl_cu13, nixl_cu12, nixl; env "
                         "KVRUNTIME_NIXL_MODULE)")
@@ -382,7 +372,7 @@ def main(argv=None) -> int:
         with _report_stream() as out:
             return _selftest(args, out) if args.command == "selftest" else _bench(args, out)
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

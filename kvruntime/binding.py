@@ -9,11 +9,11 @@ plain ``nixl`` meta-package. The first one that imports wins unless the caller o
 from __future__ import annotations
 
 import importlib
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
 from .errors import NixlNotFoundError
+from .options import environment
 
 CANDIDATES = ("nixl_cpu", "nixl_xpu", "nixl_cu13", "nixl_cu12", "nixl")
 ENV_OVERRIDE = "KVRUNTIME_NIXL_MODULE"
@@ -44,7 +44,7 @@ class NixlBinding:
 
 def load_nixl(module: str | None = None) -> NixlBinding:
     """Import NIXL. ``module`` (or the env override) restricts the search to that one name."""
-    chosen = module or os.environ.get(ENV_OVERRIDE) or None
+    chosen = module or environment(ENV_OVERRIDE)
     names = (chosen,) if chosen else CANDIDATES
     tried = []
     for name in names:
@@ -74,7 +74,7 @@ def _quiet_nixl_info() -> None:
     import logging
 
     nixl_log = logging.getLogger("nixl")
-    wanted = os.environ.get("KVRUNTIME_LOG_LEVEL", "").upper()
+    wanted = (environment("KVRUNTIME_LOG_LEVEL") or "").upper()
     if nixl_log.level in (logging.NOTSET, logging.INFO) and wanted not in ("DEBUG", "INFO"):
         nixl_log.setLevel(logging.WARNING)
 

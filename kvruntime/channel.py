@@ -21,7 +21,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from . import frames
+from . import frames, messages
 from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .mailbox import MailboxReader
 from .naps import readable
@@ -31,8 +31,6 @@ _call_ids = itertools.count()
 MAX_FROM_RING = 65536  # readies taken from a prefill's ring whose frames have not come yet
 # How long a prefill may leave a cancel unanswered before its peer is treated as unusable.
 SETTLE_SECONDS = 5.0
-# Replies that go to the handle of their request (a push's answer, a staged run's).
-HANDLE_REPLIES = ("pushed", "push_failed", "cancelled", "staged", "stage_failed", "ready")
 
 
 class Channel:
@@ -101,7 +99,7 @@ class PeerChannel(Channel):
     def cancel(self, request_id: str) -> None:
         self._unsettled[request_id] = time.monotonic()
         try:
-            self.send({"type": "cancel", "request": request_id})
+            self.send(messages.CANCEL.build(request=request_id))
         except KVRuntimeError:
             pass  # the connection is gone: nothing of ours is left on the prefill
 
@@ -132,27 +130,28 @@ class PeerChannel(Channel):
         self.lose(f"side channel failed: {error}")
         raise TransferError(f"{self.name}: {error}") from error
 
-    def call(self, message: dict, reply_type: str, timeout: float) -> dict:
-        """Send a control request and wait (polling) for its reply of ``reply_type``."""
+    def call(self, kind: messages.Message, timeout: float, **fields) -> dict:
+        """Send a control request of ``kind`` (a samenode offer, digests) and wait, polling,
+        for its reply, which has the same type."""
         self.check_usable()
         call_id = f"c{next(_call_ids)}"
         self._replies[call_id] = None
         try:
-            self.send({**message, "request": call_id})
+            self.send(kind.build(request=call_id, **fields))
             deadline = time.monotonic() + timeout
             while self._replies.get(call_id) is None:
                 self.pump()
                 if self.broken:
                     raise TransferError(f"{self.name}: {self.broken}")
                 if time.monotonic() > deadline:
-                    raise WaitTimeout(f"{self.name}: no answer to {message['type']!r} within "
+                    raise WaitTimeout(f"{self.name}: no answer to {kind.type!r} within "
                                       f"{timeout}s")
                 time.sleep(0.0002)
             reply = self._replies[call_id]
         finally:
             self._replies.pop(call_id, None)
         try:
-            return frames.expect(reply, reply_type)
+            return frames.expect(reply, kind.type)
         except PeerError as exc:
             raise TransferError(f"{self.name}: {exc}") from exc
 
@@ -194,15 +193,15 @@ class PeerChannel(Channel):
         receive lock). A ring that cannot be read or trusted is given up: the frames carry
         every ready too."""
         try:
-            messages = self.ring.read()
+            records = self.ring.read()
         except (KVRuntimeError, OSError) as exc:
             log.warning("%s: its ring of readies is given up (%s); they come by frame", self.name,
                         exc)
             self.ring = None
             return
-        for message in messages:
+        for message in records:
             request = message.get("request")
-            if message.get("type") != "ready" or not isinstance(request, str):
+            if not messages.READY_IDS.is_(message) or not isinstance(request, str):
                 log.warning("%s: its ring holds a %r record; given up, readies come by frame",
                             self.name, message.get("type"))
                 self.ring = None
@@ -215,28 +214,28 @@ class PeerChannel(Channel):
     def dispatch(self, message: dict) -> None:
         """Hand one frame to whoever waits for it (under the receive lock)."""
         kind, request = message.get("type"), message.get("request")
-        if kind == "ready" and message.get("ring") is True:
+        if kind == messages.READY_IDS.type and message.get("ring") is True:
             # its record was written first: taken from the ring already, or now
             if self.ring is not None and request not in self.from_ring:
                 self._read_ring()
             if request in self.from_ring:
                 del self.from_ring[request]
                 return
-        if kind == "error" and not isinstance(request, str):
+        if kind == messages.ERROR.type and not isinstance(request, str):
             self.lose(f"prefill closed the connection: {message.get('message')}")
             return
         if request in self._replies:
             self._replies[request] = message
             return
-        if kind in HANDLE_REPLIES and isinstance(request, str):
+        if kind in messages.HANDLE_REPLIES and isinstance(request, str):
             handle = self.pending.get(request)
-            if handle is not None and kind != "ready":
+            if handle is not None and kind != messages.READY_IDS.type:
                 handle.on_reply(message)
                 return
             if handle is not None and handle.by_prefill:  # a ready: the ids for us to copy
                 self._on_ready(handle, message)
                 return
-        if kind == "cancelled":  # its WRITE ended and was answered before our cancel came
+        if kind == messages.CANCELLED.type:  # its WRITE ended, was answered before our cancel
             log.info("%s answered a cancel of request %r after its end", self.name, request)
             return
         log.warning("%s sent an unexpected %r frame (request %r); ignored", self.name, kind,
@@ -262,7 +261,7 @@ class PeerChannel(Channel):
         else goes out after it."""
         try:
             with self._send_lock:
-                frames.write_frame(self.sock, {"type": "bye"}, 0.5, self.session)
+                frames.write_frame(self.sock, messages.BYE.build(), 0.5, self.session)
         except KVRuntimeError:
             pass
         try:

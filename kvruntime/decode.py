@@ -30,14 +30,14 @@ import threading
 import time
 from dataclasses import replace
 
-from . import engines, frames, pushed
+from . import engines, frames, messages, pushed
 from .agent import Agent, unique_name
-from .binding import NixlBinding
 from .channel import PeerChannel
 from .errors import KVRuntimeError, PeerError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
 from .memory import KVCache
+from .options import Options
 from .plan import Planner, TransferPlan
 from .registration import Registration
 from .releases import Pending, ReleaseSender
@@ -192,8 +192,8 @@ class PrefillPeer:
             blocks = {"runs": frames.pack_runs(plan.run_src, plan.run_dst, plan.run_count)}
         else:
             blocks = {"src": frames.pack_ids(src), "dst": frames.pack_ids(dst)}
-        self.send({"type": "push", "request": request_id, **blocks,
-                    "timeout": timeout, "deadline": time.time() + timeout, "split": split})
+        self.send(messages.PUSH.build(request=request_id, **blocks, timeout=timeout,
+                                      deadline=time.time() + timeout, split=split))
         return handle
 
     def expect_push(self, dst_blocks, request_id: str | None = None,
@@ -308,8 +308,7 @@ class PrefillPeer:
     # -- control calls -------------------------------------------------------------------------
     def digests(self, blocks, timeout: float = 60.0) -> list[str]:
         blocks = [int(b) for b in blocks]
-        reply = self.channel.call({"type": "digests", "blocks": frames.pack_ids(blocks)}, "digests",
-                           timeout)
+        reply = self.channel.call(messages.DIGESTS, timeout, blocks=frames.pack_ids(blocks))
         out = reply.get("digests")
         if not isinstance(out, list) or len(out) != len(blocks):
             raise PeerError("peer answered a digests request with the wrong number of digests")
@@ -363,36 +362,29 @@ class PrefillPeer:
 
 
 class DecodeClient:
-    def __init__(
-        self,
-        cache: KVCache,
-        *,
-        binding: NixlBinding | None = None,
-        secret: bytes | None = None,
-        timeout: float = 5.0,
-        ucx_threads: int = 0,
-        host_streams: int | None = None,
-        device_kind: str = "cpu",
-        name: str | None = None,
-        engine: str = "auto",
-        kv_buffer: str | None = None,
-        staging_blocks: int = 0,
-        tp_rank: int = 0,
-    ):
+    def __init__(self, cache: KVCache, options: Options | None = None, *,
+                 host_streams: int | None = None, engine: str = "auto", **shared):
+        """A decode's client for ``cache``. ``options`` (options.py), or its fields as keyword
+        arguments, are what a prefill server takes too; ``engine``: "auto", "nixl" or
+        "samenode" (engines.py); ``host_streams``: the same-node engine's reader threads for
+        host memory (None: by this host's cores)."""
+        o = self.options = Options.of(options, shared)
         if engine not in ENGINES:
             raise KVRuntimeError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        kv_buffer = resolve_kv_buffer(kv_buffer, device_kind, offered_transports)
+        # the mode asked for, else KVRUNTIME_KV_BUFFER, else by the device (staging.py)
+        o = self.options = replace(o, kv_buffer=resolve_kv_buffer(o.kv_buffer, o.device_kind,
+                                                                  offered_transports))
         self.cache = cache
-        self.kv_buffer = kv_buffer
-        self.secret = secret
-        self.timeout = timeout
+        self.kv_buffer = o.kv_buffer
+        self.secret = o.secret
+        self.timeout = o.timeout
         self.engine = engine
         self._peers: dict[tuple[str, int], PrefillPeer] = {}
         self._closed = False
         self._inflight: dict[int, TransferHandle] = {}
         self._lock = threading.Lock()
         self._progress_lock = threading.Lock()
-        self.releaser = ReleaseSender(name or "decode")
+        self.releaser = ReleaseSender(o.name or "decode")
         # failed copies UCX (or the GPU) still runs, polled until they end (transfer.py), and
         # the failed handles that settled since get_settled was last called
         self.draining = Draining()
@@ -402,21 +394,21 @@ class DecodeClient:
         self._leaving: set[str] = set()
         self.staging: StagingPool | None = None
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
-        nixl_memory = "cpu" if kv_buffer == "host_staged" else device_kind
+        nixl_memory = "cpu" if o.kv_buffer == "host_staged" else o.device_kind
         # the same-node engine's reader threads for host memory (None: by this host's cores)
         self.host_streams, self.host_streams_reason = host_copy_streams(
             len(os.sched_getaffinity(0)), host_streams)
-        self.agent = Agent(name or unique_name("decode"), binding, nixl_memory, ucx_threads)
-        self._probe = engines.LaneProbe(self.agent, cache, self.draining, timeout)
+        self.agent = Agent(o.name or unique_name("decode"), o.binding, nixl_memory, o.ucx_threads)
+        self._probe = engines.LaneProbe(self.agent, cache, self.draining, o.timeout)
         try:
-            if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
-                self.staging = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,
-                                           cache)
+            if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
+                self.staging = StagingPool(cache.layout,
+                                           o.staging_blocks or cache.layout.num_blocks, cache)
             registered = self.staging.cache if self.staging else cache
             self.registration = Registration(self.agent, registered)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                                  self.registration.region_triples(), registered.mem_type,
-                                 kv_buffer, cache.layout if self.staging else None, tp_rank)
+                                 o.kv_buffer, cache.layout if self.staging else None, o.tp_rank)
         except Exception:
             if self.staging is not None:
                 self.staging.close()
@@ -567,13 +559,13 @@ class DecodeClient:
             except KVRuntimeError as exc:
                 log.warning("polling notifications: %s", exc)
                 return
-            for agent, messages in (notifs or {}).items():
+            for agent, notes in (notifs or {}).items():
                 peer = next((p for p in list(self._peers.values()) if p.agent == agent), None)
                 if peer is None:
                     log.warning("ignoring %d NIXL notification(s) from %s: not a peer of ours",
-                                len(messages), agent)
+                                len(notes), agent)
                     continue
-                ignored = [why for why in map(peer.on_notif, messages) if why]
+                ignored = [why for why in map(peer.on_notif, notes) if why]
                 if ignored:  # one line a poll: a flood of them is not a flood of lines
                     log.warning("%s: ignored %d notification(s): %s", peer.name, len(ignored),
                                 ignored[0])

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from . import messages
 from .errors import KVRuntimeError, PeerError, TransferError
 from .handshake import PeerInfo
 from .mailbox import MailboxReader
@@ -62,7 +63,7 @@ def open_samenode(peer, required: bool) -> None:
     client = peer.client
     staged = client.staging is not None
     try:
-        offer = peer.channel.call({"type": "samenode"}, "samenode", client.timeout)
+        offer = peer.channel.call(messages.SAMENODE, client.timeout)
         engine = open_engine(offer, peer.channel.sock, client.staging.cache if staged else
                              client.cache, peer.info.layout, peer.info.regions,
                              client.host_streams)

@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from . import messages
 from .errors import FrameError, PeerError, ProtocolVersionError
 
 MAGIC = b"KVRT"
@@ -304,7 +305,7 @@ def read_frame(
         if not unsealed_error:
             raise
         message = parse_payload(payload)
-        if message.get("type") != "error" or "mac" in message:
+        if not messages.ERROR.is_(message) or "mac" in message:
             raise
         return message
 
@@ -395,7 +396,7 @@ def _packed(message: dict, name: str, unit: int, what: str) -> bytes:
 def expect(message: dict, type_: str) -> dict:
     """``message`` if it has ``type_``; a peer error frame becomes PeerError."""
     got = message.get("type")
-    if got == "error":
+    if got == messages.ERROR.type:
         raise PeerError(f"peer refused: {message.get('message', 'no reason given')}")
     if got != type_:
         raise FrameError(f"expected a {type_!r} frame, got {got!r}")

@@ -32,7 +32,7 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 
-from . import frames
+from . import frames, messages
 from .errors import (
     AuthError,
     FrameError,
@@ -206,7 +206,7 @@ def serve_handshake(
     transcript = _Transcript()
     session = None  # from the decode's info on, every frame of ours is sealed (errors too)
     try:
-        hello = frames.expect(frames.read_frame(sock, timeout), "hello")
+        hello = frames.expect(frames.read_frame(sock, timeout), messages.HELLO.type)
         _nonce(hello)  # checked; the transcript carries it into every proof
         try:
             their_layout = KVLayout.from_dict(hello.get("layout"))
@@ -214,11 +214,11 @@ def serve_handshake(
             raise FrameError(f"peer sent an invalid layout: {exc}") from None
         transcript.add(hello)
         server_nonce = os.urandom(NONCE_BYTES)
-        challenge = {"type": "challenge", "nonce": frames.b64(server_nonce),
-                     "auth": secret is not None}
+        challenge = messages.CHALLENGE.build(nonce=frames.b64(server_nonce),
+                                             auth=secret is not None)
         frames.write_frame(sock, challenge, timeout)
         transcript.add(challenge)
-        auth = frames.expect(frames.read_frame(sock, timeout), "auth")
+        auth = frames.expect(frames.read_frame(sock, timeout), messages.AUTH.type)
         if secret is not None and not _proof_ok(auth.get("proof"),
                                                 transcript.proof(secret, b"c")):
             raise AuthError("peer failed the shared-secret challenge (wrong or no secret)")
@@ -233,11 +233,11 @@ def serve_handshake(
         except IncompatiblePeerError as exc:
             _send_error(sock, str(exc), "incompatible", exc.fields, timeout)
             raise
-        welcome = {"type": "welcome", "info": local.to_dict()}
+        welcome = messages.WELCOME.build(info=local.to_dict())
         transcript.add(welcome)
         welcome["proof"] = transcript.proof(secret, b"s") if secret is not None else ""
         frames.write_frame(sock, welcome, timeout)
-        info = frames.expect(frames.read_frame(sock, timeout), "info")
+        info = frames.expect(frames.read_frame(sock, timeout), messages.INFO.type)
         transcript.add(info)
         if secret is not None and not _proof_ok(info.get("proof"),
                                                 transcript.proof(secret, b"i")):
@@ -253,7 +253,7 @@ def serve_handshake(
         peer = replace(peer, session=session)
         if admit is not None:
             admit(peer)
-        frames.write_frame(sock, {"type": "ready"}, timeout, session)
+        frames.write_frame(sock, messages.READY.build(), timeout, session)
         return peer
     except IncompatiblePeerError:
         raise
@@ -271,21 +271,21 @@ def client_handshake(
     """Decode side. Returns the prefill peer's info or raises."""
     transcript = _Transcript()
     client_nonce = os.urandom(NONCE_BYTES)
-    hello = {"type": "hello", "layout": local.layout.to_dict(), "nonce": frames.b64(client_nonce),
-             "kv_buffer": local.kv_buffer}
+    hello = messages.HELLO.build(layout=local.layout.to_dict(), nonce=frames.b64(client_nonce),
+                                 kv_buffer=local.kv_buffer)
     frames.write_frame(sock, hello, timeout)
     transcript.add(hello)
-    challenge = _expect_or_raise(frames.read_frame(sock, timeout), "challenge")
+    challenge = _expect_or_raise(frames.read_frame(sock, timeout), messages.CHALLENGE.type)
     _nonce(challenge)
     transcript.add(challenge)
     if challenge.get("auth") and secret is None:
         raise AuthError("peer requires a shared secret and none was configured")
     if secret is not None and not challenge.get("auth"):
         raise AuthError("a shared secret is configured but the peer does not authenticate")
-    auth = {"type": "auth", "proof": transcript.proof(secret, b"c") if secret is not None else ""}
+    auth = messages.AUTH.build(proof=transcript.proof(secret, b"c") if secret is not None else "")
     frames.write_frame(sock, auth, timeout)
     transcript.add(auth)
-    welcome = _expect_or_raise(frames.read_frame(sock, timeout), "welcome")
+    welcome = _expect_or_raise(frames.read_frame(sock, timeout), messages.WELCOME.type)
     transcript.add(welcome)
     if secret is not None and not _proof_ok(welcome.get("proof"),
                                             transcript.proof(secret, b"s")):
@@ -294,18 +294,18 @@ def client_handshake(
     peer = PeerInfo.from_dict(welcome.get("info"))
     check_buffers(local, peer)
     check_compat(local.layout, peer.layout)
-    info = {"type": "info", "info": local.to_dict()}
+    info = messages.INFO.build(info=local.to_dict())
     transcript.add(info)
     info["proof"] = transcript.proof(secret, b"i") if secret is not None else ""
     frames.write_frame(sock, info, timeout)
     session = transcript.session(secret, decode_side=True)
     _expect_or_raise(frames.read_frame(sock, timeout, session=session, unsealed_error=True),
-                     "ready")
+                     messages.READY.type)
     return replace(peer, session=session)
 
 
 def _expect_or_raise(message: dict, type_: str) -> dict:
-    if message.get("type") == "error":
+    if messages.ERROR.is_(message):
         code, text = message.get("code"), str(message.get("message", "no reason given"))
         if code == "incompatible":
             fields = message.get("fields")
@@ -321,8 +321,8 @@ def _expect_or_raise(message: dict, type_: str) -> dict:
 def _send_error(sock, text: str, code: str, fields: list, timeout: float,
                 session: frames.Session | None = None) -> None:
     try:
-        frames.write_frame(sock, {"type": "error", "code": code, "message": text,
-                                  "fields": fields}, min(timeout, 1.0), session)
+        frames.write_frame(sock, messages.ERROR.build(code=code, message=text, fields=fields),
+                           min(timeout, 1.0), session)
     except KVRuntimeError:
         pass  # the peer is gone; the caller closes the socket anyway
 

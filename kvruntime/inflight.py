@@ -23,6 +23,7 @@ import os
 import threading
 import time
 
+from . import messages
 from .errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
 from .plan import TransferPlan
 from .jobs import Job
@@ -276,19 +277,19 @@ class TransferHandle:
     # -- events from the peer (frames) ----------------------------------------------------------
     def on_reply(self, message: dict) -> None:
         kind = message.get("type")
-        if kind in ("staged", "stage_failed"):  # for the staged job this handle polls
+        if kind in (messages.STAGED.type, messages.STAGE_FAILED.type):  # the staged job's
             self.peer.settled(self)
             self._xfer.on_reply(message)
             return
         with self.lock:
-            if kind == "pushed":
+            if kind == messages.PUSHED.type:
                 self._arrived = time.time()
                 self._reply = message
                 if self.state == FAILED:  # it landed after we gave up: the blocks were written
                     self._settle_now()
                     self.peer.client.log_late(self, "the prefill's WRITE ended after its "
                                                      "deadline (the blocks were written)")
-            elif kind in ("push_failed", "cancelled"):
+            elif kind in (messages.PUSH_FAILED.type, messages.CANCELLED.type):
                 # the prefill says its WRITE has ended (in error) or never started
                 if self.state == PENDING:
                     self.fail(TransferError(f"prefill refused push of request "

@@ -33,6 +33,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from .options import environment
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "idscan.c"
@@ -90,14 +92,14 @@ def status() -> str:
 
 
 def cache_dir() -> Path:
-    if os.environ.get("KVRUNTIME_CACHE_DIR"):
-        return Path(os.environ["KVRUNTIME_CACHE_DIR"])
+    if environment("KVRUNTIME_CACHE_DIR"):
+        return Path(environment("KVRUNTIME_CACHE_DIR"))
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "kvruntime"
 
 
 def _load():
-    if os.environ.get("KVRUNTIME_NATIVE", "1") == "0":
+    if environment("KVRUNTIME_NATIVE") == "0":
         return None, "off (KVRUNTIME_NATIVE=0): block-id lists are read by array('q')"
     try:
         source = SOURCE.read_bytes()

@@ -32,15 +32,16 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from . import frames
+from . import frames, messages
 from .agent import Agent, unique_name
-from .binding import NixlBinding
 from .channel import Channel
 from .errors import KVRuntimeError, PeerError
 from .handshake import PeerInfo, serve_handshake
 from .layout import KVLayout
+from .listener import Listener
 from .memory import KVCache
 from .naps import tighten_timer_slack
+from .options import Options
 from .plan import Planner, make_plan
 from .pushes import Pushes, Writes
 from .registration import Registration
@@ -105,38 +106,26 @@ class ServerStats:
 
 
 class PrefillServer:
-    def __init__(
-        self,
-        cache: KVCache,
-        *,
-        binding: NixlBinding | None = None,
-        secret: bytes | None = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        timeout: float = 5.0,
-        on_release=None,
-        ucx_threads: int = 0,
-        device_kind: str = "cpu",
-        name: str | None = None,
-        max_connections: int = 256,
-        max_handshaking_per_address: int = 16,
-        kv_buffer: str | None = None,
-        staging_blocks: int = 0,
-        tp_rank: int = 0,
-    ):
-        kv_buffer = resolve_kv_buffer(kv_buffer, device_kind, offered_transports)
+    def __init__(self, cache: KVCache, options: Options | None = None, *,
+                 host: str = "127.0.0.1", port: int = 0, on_release=None,
+                 max_connections: int = 256, max_handshaking_per_address: int = 16, **shared):
+        """Serve ``cache`` on ``host``:``port`` (0: any free port; ``address`` says which).
+        ``options`` (options.py), or its fields as keyword arguments, are what a decode
+        client takes too; ``on_release(request)`` is called as requests are released;
+        ``max_connections`` and ``max_handshaking_per_address`` bound what a flood of
+        connections can hold."""
+        o = self.options = Options.of(options, shared)
+        # the mode asked for, else KVRUNTIME_KV_BUFFER, else by the device (staging.py)
+        o = self.options = replace(o, kv_buffer=resolve_kv_buffer(o.kv_buffer, o.device_kind,
+                                                                  offered_transports))
         self.cache = cache
-        self.kv_buffer = kv_buffer
+        self.kv_buffer = o.kv_buffer
         self.staging: StagingPool | None = None
         self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
         self._stage_queue: deque = deque()  # (peer, request, plan, deadline, queued at)
         self._stage_lock = threading.Lock()
-        self.secret = secret
-        self.max_connections = max_connections
-        self.max_handshaking_per_address = max_handshaking_per_address
-        self._handshaking: dict[str, int] = {}  # peer address -> connections not yet admitted
-        self._handshaking_lock = threading.Lock()
-        self.timeout = timeout
+        self.secret = o.secret
+        self.timeout = o.timeout
         self.stats = ServerStats()
         self.released = Released(on_release)  # what decodes said may be freed (releases.py)
         self._work = threading.Event()
@@ -145,33 +134,31 @@ class PrefillServer:
         # Adding and dropping a peer are atomic: a reconnecting decode reuses its agent name,
         # and the old connection's teardown must not remove the new connection's agent.
         self._peers_lock = threading.RLock()
-        self._conns: set[socket.socket] = set()
-        self._threads: set[threading.Thread] = set()  # running ones only
-        self._threads_lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
-        nixl_memory = "cpu" if kv_buffer == "host_staged" else device_kind
-        self.agent = Agent(name or unique_name("prefill"), binding, nixl_memory, ucx_threads)
+        nixl_memory = "cpu" if o.kv_buffer == "host_staged" else o.device_kind
+        self.agent = Agent(o.name or unique_name("prefill"), o.binding, nixl_memory,
+                           o.ucx_threads)
         try:
-            if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
-                self.staging = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,
-                                           cache)
+            if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
+                self.staging = StagingPool(cache.layout,
+                                           o.staging_blocks or cache.layout.num_blocks, cache)
             self.registration = Registration(self.agent, self.staging.cache if self.staging
                                              else cache)
-            self._listener = socket.create_server((host, port), backlog=64)
+            # accepting within limits, a thread a connection (listener.py)
+            self.listener = Listener(host, port, self.stats, self._serve_connection, self._stop,
+                                     max_connections, max_handshaking_per_address)
             # our WRITEs and the pushes they serve (pushes.py)
-            self.writes = Writes(self.agent, self.registration, cache, timeout, self._release,
+            self.writes = Writes(self.agent, self.registration, cache, o.timeout, self._release,
                                  self._work.set, self._peers_lock)
-            self.pushes = Pushes(self.writes, cache, timeout, self.stats, self._peers,
-                                 self._release, self._work.set, self.staging is not None)
+            self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None)
         except Exception:
             if self.staging is not None:
                 self.staging.close()
             self.agent.close()
             raise
-        self._listener.settimeout(0.2)
-        if secret is None and not _loopback(host):
+        if o.secret is None and not _loopback(host):
             # NIXL metadata grants access to the registered memory: without a secret, anyone
             # who can reach this port can read (and write) this cache.
             log.warning("PrefillServer on %s:%s has NO shared secret: any host that reaches this "
@@ -179,69 +166,23 @@ class PrefillServer:
                         "to 127.0.0.1)", host, self.address[1])
         registered = self.staging.cache if self.staging else cache
         self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
-                             self.registration.region_triples(), registered.mem_type, kv_buffer,
-                             cache.layout if self.staging else None, tp_rank)
-        self._spawn(self._accept_loop, "kvr-accept")
-        self._spawn(self._progress_loop, "kvr-progress")
+                             self.registration.region_triples(), registered.mem_type, o.kv_buffer,
+                             cache.layout if self.staging else None, o.tp_rank)
+        self.listener.spawn(self.listener.accept_loop, "kvr-accept")
+        self.listener.spawn(self._progress_loop, "kvr-progress")
 
     @property
     def address(self) -> tuple[str, int]:
-        return self._listener.getsockname()[:2]
-
-    def _spawn(self, target, name, *args) -> None:
-        def run():
-            try:
-                target(*args)
-            finally:  # a finished connection leaves nothing behind
-                with self._threads_lock:
-                    self._threads.discard(threading.current_thread())
-
-        t = threading.Thread(target=run, name=name, daemon=True)
-        with self._threads_lock:
-            self._threads.add(t)
-        t.start()
+        return self.listener.address
 
     # -- serving -----------------------------------------------------------------------------
-    def _accept_loop(self) -> None:
-        """Accept until closed. Resource errors (EMFILE under a connection flood, ENOBUFS...)
-        are logged and waited out with backoff: the listener never dies while its socket stays
-        open (health checks would pass while every decode timed out)."""
-        backoff = 0.01
-        while not self._stop.is_set():
-            try:
-                sock, addr = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError as exc:
-                if self._stop.is_set() or self._listener.fileno() < 0:
-                    return
-                self.stats.accept_errors += 1
-                log.warning("accept failed (%s); retrying in %.2fs", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
-                continue
-            backoff = 0.01
-            self.stats.connections += 1
-            host = addr[0]
-            if (len(self._conns) >= self.max_connections
-                    or self._handshaking.get(host, 0) >= self.max_handshaking_per_address):
-                self.stats.over_limit += 1
-                self.stats.refuse(addr, "connection limit reached")
-                _close_gracefully(sock, linger=0.0)
-                continue
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conns.add(sock)
-            with self._handshaking_lock:
-                self._handshaking[host] = self._handshaking.get(host, 0) + 1
-            self._spawn(self._serve_connection, f"kvr-conn-{addr[1]}", sock, addr)
-
     def _serve_connection(self, sock: socket.socket, addr) -> None:
         peer = None
         admitted = []
 
         def admit(info: PeerInfo) -> None:  # before "ready": the decode may send at once
             admitted.append(self._add_peer(info, sock))
-            self._done_handshaking(addr[0])
+            self.listener.admitted(addr[0])
 
         try:
             serve_handshake(sock, self.info, self.secret, self.timeout, admit)
@@ -253,7 +194,7 @@ class PrefillServer:
                 except PeerError as exc:
                     log.info("connection from %s:%s ended: %s", addr[0], addr[1], exc)
                     return  # the decode side left
-                if message.get("type") == "bye":
+                if messages.BYE.is_(message):
                     return
                 self._handle(peer, message)
         except KVRuntimeError as exc:
@@ -268,17 +209,8 @@ class PrefillServer:
             if peer is not None:
                 self._drop_peer(peer)
             else:
-                self._done_handshaking(addr[0])
-            self._conns.discard(sock)
-            _close_gracefully(sock)
-
-    def _done_handshaking(self, host: str) -> None:
-        with self._handshaking_lock:
-            left = self._handshaking.get(host, 0) - 1
-            if left > 0:
-                self._handshaking[host] = left
-            else:
-                self._handshaking.pop(host, None)
+                self.listener.admitted(addr[0])
+            self.listener.hang_up(sock)
 
     def _add_peer(self, info: PeerInfo, sock: socket.socket) -> _Peer:
         with self._peers_lock:
@@ -320,33 +252,35 @@ class PrefillServer:
     def _handle(self, peer: _Peer, message: dict) -> None:
         kind = message["type"]
         layout = self.cache.layout
-        if kind == "push":
+        if kind == messages.PUSH.type:
             self.pushes.start_write(peer, message)
-        elif kind == "expect":
+        elif kind == messages.EXPECT.type:
             self.pushes.expect(peer, message)
-        elif kind == "cancel":
+        elif kind == messages.CANCEL.type:
             self.pushes.cancel(peer, frames.field(message, "request", str))
-        elif kind == "samenode":  # a decode asks to open our memory directly (samenode.py)
+        elif kind == messages.SAMENODE.type:  # a decode asks to open our memory (samenode.py)
             # host-staged: what a same-node decode may read is our staging pool
             offer = serve_offer(self.staging.cache if self.staging else self.cache, self._token)
             peer.opened = "unavailable" not in offer
             if peer.opened and self.staging is None:  # ours to push from: readies by ring too
                 peer.mailbox = peer.mailbox or Mailbox()
                 offer.update(peer.mailbox.offer())
-            peer.send({**offer, "request": message.get("request")}, self.timeout)
-        elif kind == "stage":
+            peer.send(messages.SAMENODE.build(**{**offer, "request": message.get("request")}),
+                      self.timeout)
+        elif kind == messages.STAGE.type:
             self._stage(peer, message)
-        elif kind == "unstage":
+        elif kind == messages.UNSTAGE.type:
             self._unstage(peer.agent, frames.field(message, "request", str))
-        elif kind == "release":  # pulls and same-node copies done: their blocks may be freed
+        elif kind == messages.RELEASE.type:  # pulls, same-node copies done: blocks may be freed
             for request in frames.names_field(message, "requests"):
                 self._release(peer.agent, request)
-        elif kind == "digests":
+        elif kind == messages.DIGESTS.type:
             blocks = frames.ids_field(message, "blocks")
             make_plan(layout, blocks)  # validates the ids
-            peer.send({"type": "digests", "request": message.get("request"),
-                       "digests": self.cache.block_digests(blocks.tolist())}, self.timeout)
-        else:
+            peer.send(messages.DIGESTS.build(request=message.get("request"),
+                                             digests=self.cache.block_digests(blocks.tolist())),
+                      self.timeout)
+        else:  # a type of the catalog a decode does not send, or none of it
             raise KVRuntimeError(f"unknown request type {kind!r}")
 
     # -- pushes we start (pushes.py) -------------------------------------------------------------
@@ -490,9 +424,9 @@ class PrefillServer:
                 if not self._stop.is_set():
                     log.warning("polling notifications: %s", exc)
                 notifs = {}
-            for agent, messages in notifs.items():
+            for agent, notes in notifs.items():
                 log.warning("ignoring %d NIXL notification(s) from %s: kvruntime peers release "
-                            "blocks by frame", len(messages), agent)
+                            "blocks by frame", len(notes), agent)
             try:
                 busy = self.writes.progress()
             except Exception:
@@ -526,20 +460,7 @@ class PrefillServer:
             return
         self._closed = True
         self._stop.set()
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-        for sock in list(self._conns):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        deadline = time.monotonic() + 5
-        with self._threads_lock:
-            threads = list(self._threads)
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        self.listener.close()
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
         self.writes.close()
@@ -568,24 +489,3 @@ def _heads(value, num_heads: int) -> tuple[int, int]:
 
 def _loopback(host: str) -> bool:
     return host in ("127.0.0.1", "::1", "localhost") or host.startswith("127.")
-
-
-def _close_gracefully(sock: socket.socket, linger: float = 0.1) -> None:
-    """Close so that our last (error) frame reaches the peer: closing with unread input
-    makes the kernel send a reset, which can discard what we sent just before."""
-    try:
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(linger)
-        drained = 0
-        while drained < (1 << 20):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            drained += len(chunk)
-    except OSError:
-        pass
-    finally:
-        try:
-            sock.close()
-        except OSError:
-            pass

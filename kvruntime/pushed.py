@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import frames
+from . import frames, messages
 from .errors import KVRuntimeError, TransferError
 from .inflight import PENDING, TransferHandle
 from .plan import Planner, TransferPlan, make_plan, spans_ids
@@ -40,12 +40,10 @@ def expect(peer, dst_blocks, request_id: str | None, timeout: float,
     handle.by_prefill = True
     peer.channel.expect(handle)
     peer.client.track(handle)
-    message = {"type": "expect", "request": request_id,
-               "dst": frames.pack_ids(plan.block_ids()[0]),
-               "timeout": timeout, "deadline": time.time() + timeout}
-    if peer.samenode is not None:  # same node: "send the ids when ready, we copy"
-        message["copy"] = True
-    peer.send(message)
+    # same node: "send the ids when ready, we copy"
+    copy = {"copy": True} if peer.samenode is not None else {}
+    peer.send(messages.EXPECT.build(request=request_id, dst=frames.pack_ids(plan.block_ids()[0]),
+                                    timeout=timeout, deadline=time.time() + timeout, **copy))
     return handle
 
 
@@ -113,7 +111,7 @@ def on_notif(peer, raw) -> str | None:
         return str(exc)
     request = message.get("request")
     handle = peer.channel.pending.get(request) if isinstance(request, str) else None
-    if message.get("type") != "pushed" or handle is None or not handle.by_prefill:
+    if not messages.PUSHED.is_(message) or handle is None or not handle.by_prefill:
         return (f"an unexpected {str(message.get('type'))[:40]!r} notification (request "
                 f"{str(request)[:80]!r})")
     handle.on_reply(message)

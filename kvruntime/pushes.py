@@ -21,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import frames
+from . import frames, messages
 from .errors import KVRuntimeError
 from .plan import Planner, make_plan
 from .tp import head_rows
@@ -79,8 +79,8 @@ class Writes:
         self.registration = registration
         self.cache = cache
         self.timeout = timeout
-        self._release = release
-        self._wake = wake
+        self.release = release
+        self.wake = wake
         self._peers_lock = peers_lock
         self._writes: dict[tuple[str, str], _Write] = {}  # (decode agent, request) -> WRITE
         # guards the WRITEs, and also the pushes' expected requests and offers (Pushes)
@@ -162,7 +162,7 @@ class Writes:
         # a WRITE done as it was posted (host memory by cma, copied in the call) is answered
         # from here: waking the progress loop to see it cost ~50 µs a push on the 2-core host
         if self.progress():
-            self._wake()
+            self.wake()
 
     def cancel(self, peer, request: str) -> bool:
         """A cancel of ``request``: False if no WRITE of it is in flight. A posted WRITE cannot
@@ -211,18 +211,18 @@ class Writes:
         """Answer a WRITE that ended well (error None) or in error; called under _writes_lock."""
         del self._writes[(write.peer.agent, write.request)]
         if error is None and write.notified:  # the decode has its notification
-            self._release(write.peer.agent, write.request)
+            self.release(write.peer.agent, write.request)
             return
         if error is None:
             result = write.xfer.result()
-            self._release(write.peer.agent, write.request)  # the blocks may be freed
-            reply = {"type": "pushed", "request": write.request, "nbytes": result.nbytes,
-                     "seconds": result.seconds, "descriptors": result.descriptors,
-                     "nixl_descriptors": result.nixl_descriptors}
+            self.release(write.peer.agent, write.request)  # the blocks may be freed
+            reply = messages.PUSHED.build(request=write.request, nbytes=result.nbytes,
+                                          seconds=result.seconds, descriptors=result.descriptors,
+                                          nixl_descriptors=result.nixl_descriptors)
         else:  # it ended in error (UCX completed it): nothing more of it lands
-            reply = {"type": "push_failed", "request": write.request, "error": error}
+            reply = messages.PUSH_FAILED.build(request=write.request, error=error)
             if write.notified:  # ours: nothing reads the caller's blocks now
-                self._release(write.peer.agent, write.request)
+                self.release(write.peer.agent, write.request)
         try:
             write.peer.send(reply, self.timeout)
         except KVRuntimeError as exc:
@@ -234,19 +234,17 @@ class Pushes:
     a decode named, and those we started before any decode named them (offers).
 
     The server's connections are ``peers`` (agent -> connection); ``writes`` posts and answers
-    the WRITEs; ``release``/``wake`` as for ``Writes``."""
+    the WRITEs, and its ``release``/``wake`` serve the pushes too."""
 
-    def __init__(self, writes: Writes, cache, timeout: float, stats, peers: dict, release, wake,
-                 staged: bool):
+    def __init__(self, writes: Writes, stats, peers: dict, staged: bool):
         self.writes = writes
-        self.cache = cache
-        self.timeout = timeout
+        # the server's, as the WRITEs have them
+        self.cache, self.timeout, self._release, self._wake = (
+            writes.cache, writes.timeout, writes.release, writes.wake)
         self.stats = stats
         self.peers = peers
-        self._release = release
-        self._wake = wake
         self.staged = staged  # host-staged: nothing is pushed directly
-        self._own = Planner(cache.layout)  # our ids alone (pushes' sources), made once
+        self._own = Planner(self.cache.layout)  # our ids alone (pushes' sources), made once
         # request -> a push waiting for its decode (under writes.lock, as the connections'
         # expected requests are)
         self._offers: dict[str, _Offer] = {}
@@ -298,17 +296,16 @@ class Pushes:
             self.stats.late_pushes += 1
             log.warning("refusing push %s from %s: its deadline passed %.3fs ago", request,
                         peer.agent, -left)
-            peer.send({"type": "push_failed", "request": request,
-                       "error": f"its deadline passed {-left:.3f}s before the prefill read it; "
-                                f"nothing was written"}, self.timeout)
+            peer.send(messages.PUSH_FAILED.build(
+                request=request, error=f"its deadline passed {-left:.3f}s before the prefill "
+                                       f"read it; nothing was written"), self.timeout)
             return
         try:
             planner = peer.planner(self.cache.layout)
             plan = planner.plan(src, dst) if runs is None else planner.plan_runs(*runs)
             self.writes.post(peer, request, plan, time.monotonic() + min(left, timeout), split)
         except KVRuntimeError as exc:
-            peer.send({"type": "push_failed", "request": request, "error": str(exc)},
-                      self.timeout)
+            peer.send(messages.PUSH_FAILED.build(request=request, error=str(exc)), self.timeout)
 
     # -- pushes we start: the decode said where the blocks go (expect), we say when ---------------
     def start_push(self, request: str, src_blocks, peer: str | None = None,
@@ -391,17 +388,17 @@ class Pushes:
         and copies them itself, as a pull, releasing them once done; any other gets a WRITE
         whose notification tells it they landed."""
         if copies:
-            message = {"type": "ready", "request": request, "posted": posted}
             if 2 * plan.num_runs < plan.num_blocks:
-                message["src_spans"] = frames.pack_spans(plan.run_src, plan.run_count)
+                ids = {"src_spans": frames.pack_spans(plan.run_src, plan.run_count)}
             else:
-                message["src"] = frames.pack_ids(plan.block_ids()[0])
+                ids = {"src": frames.pack_ids(plan.block_ids()[0])}
+            message = messages.READY_IDS.build(request=request, posted=posted, **ids)
             if peer.mailbox is not None:  # it may read it there before the frame comes
                 message["ring"] = peer.mailbox.post(frames.encode_payload(message))
             peer.send(message, self.timeout)
             return
-        notif = frames.encode_notif({"type": "pushed", "request": request, "posted": posted,
-                                     "descriptors": plan.descriptor_count}, peer.info.session)
+        notif = frames.encode_notif(messages.PUSHED.build(
+            request=request, posted=posted, descriptors=plan.descriptor_count), peer.info.session)
         self.writes.post(peer, request, plan, deadline, 1, notif)
 
     def _push_failed(self, peer, request: str, error: str, release: bool) -> None:
@@ -410,7 +407,7 @@ class Pushes:
         if release:
             self._release(peer.agent, request)
         try:
-            peer.send({"type": "push_failed", "request": request, "error": error}, self.timeout)
+            peer.send(messages.PUSH_FAILED.build(request=request, error=error), self.timeout)
         except KVRuntimeError as exc:
             log.warning("telling %s that push %s failed: %s", peer.agent, request, exc)
 
@@ -479,10 +476,9 @@ class Pushes:
             if self.writes.cancel(peer, request):
                 return
             if self._unname(peer, request) is not None:  # named, not pushed yet
-                peer.send({"type": "cancelled", "request": request, "state": "not pushed"},
+                peer.send(messages.CANCELLED.build(request=request, state="not pushed"),
                           self.timeout)
                 return
         # Not in flight: it was refused, or finished and answered before this cancel (frames
         # of one connection are answered in order), so the decode already knows which.
-        peer.send({"type": "cancelled", "request": request, "state": "not in flight"},
-                  self.timeout)
+        peer.send(messages.CANCELLED.build(request=request, state="not in flight"), self.timeout)

@@ -25,6 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 
+from . import messages
 from .errors import KVRuntimeError
 
 log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ class Pending:
             for i in range(0, len(ids), FRAME_IDS):
                 chunk = ids[i:i + FRAME_IDS]
                 try:
-                    self.peer.send({"type": "release", "requests": chunk})
+                    self.peer.send(messages.RELEASE.build(requests=chunk))
                 except KVRuntimeError as exc:
                     log.warning("%s: telling the prefill to free requests %s: %s",
                                 self.peer.name, ", ".join(chunk), exc)

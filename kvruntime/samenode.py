@@ -585,7 +585,7 @@ def open_cuda_ipc(e: dict):
 
 def serve_offer(cache, token: NodeToken) -> dict:
     """Prefill side: the token, and for CUDA memory the IPC export of every region."""
-    offer = {"type": "samenode", **token.offer(), "mem_type": cache.mem_type}
+    offer = {**token.offer(), "mem_type": cache.mem_type}  # the fields of its "samenode" reply
     tensors = cache.tensors
     if cache.mem_type == "VRAM":
         if not tensors or tensors[0].device.type != "cuda":

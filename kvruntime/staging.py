@@ -53,9 +53,9 @@ def resolve_kv_buffer(kv_buffer: str | None, device_kind: str = "cpu",
     platform recipe: tpu stages), else by device: Intel GPU memory goes direct only when this
     host's UCX offers a Level Zero transport (``offered()``: ucx_info's transports), else staged
     with a warning that says why; everything else direct."""
-    import os
+    from .options import environment
 
-    value = kv_buffer if kv_buffer is not None else os.environ.get("KVRUNTIME_KV_BUFFER")
+    value = kv_buffer if kv_buffer is not None else environment("KVRUNTIME_KV_BUFFER")
     if value is None and device_kind == "xpu":
         transports = offered()
         if transports is not None and "ze_copy" in transports:

@@ -10,12 +10,13 @@ Prints one JSON object per (layout, slot size)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
 import statistics
 import time
+
+from .cli import UNUSABLE, Parser
 
 
 def _timeline(pool, blocks, iters: int) -> dict:
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
     from ..memory import KVCache, device_unavailable
     from ..staging import StagingPool
 
-    ap = argparse.ArgumentParser(prog="python -m kvruntime.tools.bench_bounce", description=__doc__)
+    ap = Parser(prog="python -m kvruntime.tools.bench_bounce", description=__doc__)
     ap.add_argument("--device", default="cuda", choices=["cuda", "xpu"])
     ap.add_argument("--mib", type=int, default=1024, help="bytes a request moves (MiB)")
     ap.add_argument("--slots-mib", type=int, nargs="+", default=[4, 16, 32, 64])
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     why = device_unavailable(args.device)
     if why:
         print(f"bench_bounce: no {args.device} device here: {why}")
-        return 2
+        return UNUSABLE
     cfg = BenchConfig(sizes_mib=[args.mib], iters=args.iters, device=args.device)
     for kind in args.layouts:
         layout = bench_layout(kind, cfg.block_kib, args.mib)

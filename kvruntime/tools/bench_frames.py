@@ -16,11 +16,12 @@ Prints one JSON object per id count."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import time
+
+from .cli import Parser
 
 
 def _per_request(payloads, sessions, requests: int) -> float:
@@ -71,7 +72,7 @@ def measure(n_ids: int, requests: int, rounds: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvruntime.tools.bench_frames", description=__doc__)
+    ap = Parser(prog="python -m kvruntime.tools.bench_frames", description=__doc__)
     ap.add_argument("--ids", type=int, nargs="+", default=[1, 64, 4096])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=7)

@@ -201,9 +201,10 @@ def _serve_command(command, servers, replies) -> bool:
 def _log_from_env() -> None:
     """Role processes log at KVRUNTIME_LOG_LEVEL (e.g. INFO) to stderr when it is set."""
     import logging
-    import os
 
-    level = os.environ.get("KVRUNTIME_LOG_LEVEL")
+    from ..options import environment
+
+    level = environment("KVRUNTIME_LOG_LEVEL")
     if level:
         logging.basicConfig(level=level.upper(), format="%(processName)s %(levelname)s "
                             "%(name)s: %(message)s")

@@ -168,7 +168,7 @@ def test_malformed_proofs_end_in_an_auth_error_frame():
                 reply = frames.read_frame(s, 5)
                 assert reply["type"] == "error" and reply["code"] == "auth", reply
         deadline = time.monotonic() + 5
-        while len(server._threads) > 2 and time.monotonic() < deadline:
+        while len(server.listener.threads) > 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [r for r in server.stats.refused if "TypeError" in r[1]]
     cache.close()
@@ -178,18 +178,18 @@ def test_failed_connections_leave_no_state_behind():
     """Before: a thread object and a refused entry per failed connection, forever."""
     cache = KVCache.allocate_host(LAYOUT)
     with PrefillServer(cache, secret=b"k", timeout=0.5) as server:
-        base = len(server._threads)
+        base = len(server.listener.threads)
         for _ in range(300):
             with socket.create_connection(server.address, timeout=5) as s:
                 s.sendall(b"GET / HTTP/1.0\r\n\r\n")
         deadline = time.monotonic() + 10
-        while ((server.stats.connections < 300 or len(server._threads) > base)
+        while ((server.stats.connections < 300 or len(server.listener.threads) > base)
                and time.monotonic() < deadline):
             time.sleep(0.05)
-        assert len(server._threads) == base
+        assert len(server.listener.threads) == base
         assert server.stats.refused_total >= 300
         assert len(server.stats.refused) <= 256
-        assert server._handshaking == {}
+        assert server.listener.handshaking == {}
     cache.close()
 
 

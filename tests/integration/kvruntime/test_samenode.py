@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvruntime import frames
+from kvruntime import frames, messages
 from kvruntime.decode import DecodeClient
 from kvruntime.errors import KVRuntimeError, PlanError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
@@ -211,7 +211,7 @@ def test_a_prefill_naming_another_process_is_not_trusted(prefill, monkeypatch):
         cache = KVCache.allocate_host(layout)
         with DecodeClient(cache, secret=b"s", engine="nixl") as spy:
             peer = spy.connect("127.0.0.1", ports[0])
-            stolen = peer.channel.call({"type": "samenode"}, "samenode", 10)
+            stolen = peer.channel.call(messages.SAMENODE, 10)
         assert stolen["pid"] == victim.pid and stolen["pid"] != os.getpid()
         monkeypatch.setattr(prefill_mod, "serve_offer", lambda *_a: dict(stolen))
         liar_cache = KVCache.allocate_host(layout)

@@ -47,7 +47,7 @@ def test_selftest_reports_tp_pairs_and_transports_and_no_ucx_errors():
 def test_bad_pairs_at_once_is_one_line(bad):
     r = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--pairs-at-once", bad],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 64
+    assert r.returncode == 2
     assert "is not a whole number of at least 1" in r.stderr
 
 
@@ -56,7 +56,7 @@ def test_an_option_is_never_taken_for_a_longer_one():
     what it is, not read as the start of --device-ids and refused for its ids."""
     r = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--device", "cuda"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 64
+    assert r.returncode == 2
     assert "unrecognized arguments: --device cuda" in r.stderr and "expected 2" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -65,7 +65,7 @@ def test_an_option_is_never_taken_for_a_longer_one():
 def test_bad_tp_pairs_are_one_line(bad):
     r = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--tp-pairs", bad],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 64
+    assert r.returncode == 2
     assert "PxD" in r.stderr or "1x2,2x1" in r.stderr
 
 

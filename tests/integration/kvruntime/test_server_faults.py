@@ -137,5 +137,5 @@ def test_selftest_cli_json():
 def test_selftest_without_nixl_fails_clearly():
     proc = _cli("selftest", "--json", env={"KVRUNTIME_NIXL_MODULE": "nixl_missing_here"})
     report = json.loads(proc.stdout)
-    assert proc.returncode == 2
+    assert proc.returncode == 3  # the stack is unusable
     assert report["ok"] is False and "nixl_missing_here" in report["error"]

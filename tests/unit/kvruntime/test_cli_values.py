@@ -1,6 +1,6 @@
 """`python -m kvruntime selftest|bench` refuses every bad value with one line and the usage exit
-code (64), before any process starts: values that raised a traceback (a TP size that does not
-split the model's heads, a negative size, a zero block), failed later with exit 2, or were
+code (2), before any process starts: values that raised a traceback (a TP size that does not
+split the model's heads, a negative size, a zero block), failed later (as the stack unusable), or were
 accepted silently (nan seconds, split 0, -1 UCX threads, a TP pair the heads do not split)."""
 
 import subprocess
@@ -29,7 +29,7 @@ BAD = [
 def test_a_bad_value_is_one_line_and_the_usage_code(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(argv.split())
-    assert exit_.value.code == 64
+    assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "argument --" in err, err
     assert argv.split()[1] in err  # names the option
@@ -67,5 +67,5 @@ def test_a_scenario_is_its_groups_devices_and_sizes_alone(monkeypatch):
 def test_the_process_prints_no_traceback():
     r = subprocess.run([sys.executable, "-m", "kvruntime", "bench", "--sizes", "-5"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 64 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr

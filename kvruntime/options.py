@@ -1,0 +1,77 @@
+"""What a PrefillServer and a DecodeClient share: one ``Options``, and every KVRUNTIME_*
+environment variable, read here and nowhere else.
+
+``Options`` holds the nine settings both sides take (the keyword arguments of both constructors
+fill it, so ``PrefillServer(cache, timeout=2)`` and ``PrefillServer(cache, Options(timeout=2))``
+are the same server). ``Options.from_env()`` starts from the environment (``ENV``), then takes
+what the caller gives. ``environment(name)`` is how any other module reads one of the variables
+in ``ENV``, so that the table below is the whole list (README's table is made from it).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from typing import Mapping
+
+# variable -> (the Options field it fills, or None for a module's own setting; what it does)
+ENV = {
+    "KVRUNTIME_KV_BUFFER": ("kv_buffer", "`direct` or `host_staged`: where NIXL reads and writes "
+                            "the KV (default: direct where the device memory registers)"),
+    "KVRUNTIME_SECRET": ("secret", "the shared secret both sides prove at the handshake"),
+    "KVRUNTIME_NIXL_MODULE": (None, "the NIXL Python module to load (default: the first of "
+                              "nixl_cpu, nixl_xpu, nixl_cu13, nixl_cu12, nixl)"),
+    "KVRUNTIME_LOG_LEVEL": (None, "NIXL's INFO lines are kept at INFO or DEBUG; the tools' "
+                            "processes log at this level to stderr"),
+    "KVRUNTIME_NATIVE": (None, "`0`: block-id lists are read by Python, not the compiled reader"),
+    "KVRUNTIME_CACHE_DIR": (None, "where the compiled reader is kept (default: "
+                            "$XDG_CACHE_HOME/kvruntime)"),
+}
+
+
+def environment(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of KVRUNTIME_* variable ``name`` (one of ``ENV``), or None when unset or empty."""
+    if name not in ENV:
+        raise KeyError(f"{name} is not one of kvruntime's variables (options.ENV)")
+    return (os.environ if environ is None else environ).get(name) or None
+
+
+@dataclass(frozen=True)
+class Options:
+    """Settings of both sides. ``binding``: a loaded NIXL module (binding.py; None: found by
+    name); ``secret``: the handshake's shared secret (None: no authentication, loopback
+    only); ``timeout``: seconds for a connect, a frame, a control call; ``ucx_threads``:
+    NIXL's progress threads (0: the caller's polls progress); ``device_kind``: "cpu",
+    "cuda" or "xpu" (which UCX settings apply); ``name``: the NIXL agent's name (None: a
+    unique one); ``kv_buffer``: "direct" or "host_staged" (None: by the device kind);
+    ``staging_blocks``: host-staged pool size in blocks (0: the cache's); ``tp_rank``: this
+    side's tensor-parallel rank."""
+
+    binding: object = None
+    secret: bytes | None = None
+    timeout: float = 5.0
+    ucx_threads: int = 0
+    device_kind: str = "cpu"
+    name: str | None = None
+    kv_buffer: str | None = None
+    staging_blocks: int = 0
+    tp_rank: int = 0
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **given) -> "Options":
+        """The environment's settings (``ENV``), overridden by ``given``."""
+        found = {}
+        for name, (field, _what) in ENV.items():
+            value = environment(name, environ)
+            if field is not None and value is not None:
+                found[field] = value.encode() if field == "secret" else value
+        return cls(**{**found, **given})
+
+    @classmethod
+    def of(cls, options: "Options | None", given: dict) -> "Options":
+        """``options`` (or the defaults) with the keyword arguments a constructor got; an
+        unknown name raises TypeError, as a call with it would."""
+        unknown = set(given) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
+        return replace(options or cls(), **given)
