@@ -6,9 +6,11 @@
 # `ucx_info -d` under the Level Zero null driver (built from the mirror's level-zero), the moved
 # level moves host memory between two processes on each fresh build.
 #
-# Leaves the prefixes at _work/pinned/{cpu,xpu,xpu-ipc} (ignored paths; ci/containers.sh reads
-# _work/pinned/cpu) and _work/pinned/env.sh, which exports their absolute paths for the steps
-# that follow: KVSTACK_PINNED_PREFIX_CPU, _XPU, _XPU_IPC, and KVSTACK_WHEEL_PREFIX (the cpu one).
+# The installer's own verification is the proof (all three levels, before each prefix switches):
+# nothing runs it twice. Leaves the prefixes at _work/pinned/{cpu,xpu,xpu-ipc} (ignored paths;
+# ci/containers.sh reads _work/pinned/cpu), the builds' venv _work/pinned/venv, and
+# _work/pinned/env.sh, which exports their absolute paths for the steps that follow:
+# KVSTACK_PINNED_PREFIX_CPU, _XPU, _XPU_IPC, and KVSTACK_WHEEL_PREFIX (the cpu one).
 # The cache directory _work/pinned/cache serves every build of the run (sources, build tools,
 # autoconf results; compiled objects through ccache, below); a re-run with nothing changed builds
 # nothing.
@@ -34,13 +36,18 @@ if [ -d /usr/lib/ccache ] && command -v ccache >/dev/null; then
   export PATH=/usr/lib/ccache:$PATH CCACHE_DIR=$out/ccache CCACHE_BASEDIR=$out
 fi
 
-# Each install links its NIXL module into the target Python (kvstack-nixl.pth, the last one wins):
-# the tests that follow choose their NIXL themselves (these builds through the variables below),
-# so the venv is left as it was found, whatever happens here.
-pth=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/kvstack-nixl.pth
-saved=$(cat "$pth" 2>/dev/null || true)
-restore_pth() { if [ -n "$saved" ]; then printf '%s\n' "$saved" > "$pth"; else rm -f "$pth"; fi; }
-trap restore_pth EXIT
+# The builds' own Python environment (CI runs the tests in .venv while these compile): each
+# install links its NIXL module into its target Python (kvstack-nixl.pth, the last one wins) and
+# the verification's moved level runs kvruntime's selftest there. It sees .venv's packages (torch,
+# kvruntime) through a path hook, so nothing is installed twice, and .venv itself is left alone.
+venv=$out/venv
+if [ ! -x "$venv/bin/python" ]; then
+  base=$("$py" -c "import sys; print(getattr(sys, '_base_executable', sys.executable))")
+  "$base" -m venv --without-pip "$venv"
+fi
+site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+own=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "import site; site.addsitedir('$site')" > "$own/kvstack-tests-venv.pth"
 
 # name, then the installer's platform arguments
 builds=("cpu --platform cpu" "xpu --platform xpu" "xpu-ipc --platform xpu --variant ze-ipc")
@@ -50,9 +57,7 @@ for b in "${builds[@]}"; do
   echo "--- pinned $name: python -m installer $args (mirror $mirror)"
   # shellcheck disable=SC2086  # $args is a list of words
   "$py" -m installer $args --mirror "$mirror" --recipe-overlay "$mirror/asio-overlay.toml" \
-    --prefix "$out/$name" --cache-dir "$out/cache"
-  echo "--- pinned $name: installer verify"
-  "$py" -m installer verify --prefix "$out/$name"
+    --prefix "$out/$name" --cache-dir "$out/cache" --python "$venv/bin/python"
   echo "--- pinned $name: $((SECONDS - start)) s"
 done
 if [ -n "${CCACHE_DIR:-}" ]; then

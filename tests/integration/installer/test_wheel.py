@@ -34,7 +34,7 @@ import pytest
 
 from installer import elf, wheelformat
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.build]
 ROOT = Path(__file__).resolve().parents[3]
 PREFIX = os.environ.get("KVSTACK_WHEEL_PREFIX")
 DEBIAN_UCP = Path("/usr/lib/x86_64-linux-gnu/libucp.so.0")
