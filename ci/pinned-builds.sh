@@ -49,6 +49,9 @@ site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 own=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 echo "import site; site.addsitedir('$site')" > "$own/kvstack-tests-venv.pth"
 
+# env.sh names each build as soon as it is verified (the tests of the cpu build can start while
+# the xpu ones compile), and only then
+printf '# written by ci/pinned-builds.sh: the pinned builds of this checkout finished so far\n' > "$out/env.sh"
 # name, then the installer's platform arguments
 builds=("cpu --platform cpu" "xpu --platform xpu" "xpu-ipc --platform xpu --variant ze-ipc")
 for b in "${builds[@]}"; do
@@ -59,17 +62,12 @@ for b in "${builds[@]}"; do
   "$py" -m installer $args --mirror "$mirror" --recipe-overlay "$mirror/asio-overlay.toml" \
     --prefix "$out/$name" --cache-dir "$out/cache" --python "$venv/bin/python"
   echo "--- pinned $name: $((SECONDS - start)) s"
+  var=KVSTACK_PINNED_PREFIX_$(echo "$name" | tr a-z- A-Z_)
+  echo "export $var='$out/$name'" >> "$out/env.sh"
+  if [ "$name" = cpu ]; then echo "export KVSTACK_WHEEL_PREFIX='$out/$name'" >> "$out/env.sh"; fi
 done
 if [ -n "${CCACHE_DIR:-}" ]; then
   echo "--- ccache: $(ccache --print-stats | awk '$1 ~ /^(direct_cache_hit|preprocessed_cache_hit|cache_miss)$/ {printf "%s %s ", $1, $2}')"
 fi
 # the builds' source and build trees (~250 MB each): nothing reads them once a build is installed
 rm -rf "$out/cache/work"
-
-cat > "$out/env.sh" <<ENV
-# written by ci/pinned-builds.sh: the pinned builds of this checkout
-export KVSTACK_PINNED_PREFIX_CPU='$out/cpu'
-export KVSTACK_PINNED_PREFIX_XPU='$out/xpu'
-export KVSTACK_PINNED_PREFIX_XPU_IPC='$out/xpu-ipc'
-export KVSTACK_WHEEL_PREFIX='$out/cpu'
-ENV

@@ -10,7 +10,7 @@ step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 
 step "system packages"
 pkgs=(git build-essential autoconf automake libtool pkg-config cmake ninja-build libnuma-dev
-      libze-dev dpkg-dev python3-dev python3-venv ccache)
+      libze-dev python3-dev python3-venv ccache)
 missing=()
 for p in "${pkgs[@]}"; do dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii' || missing+=("$p"); done
 if ((${#missing[@]})); then
@@ -20,17 +20,6 @@ if ((${#missing[@]})); then
   else
     echo "missing: ${missing[*]}; run: sudo apt-get install ${missing[*]}" >&2; exit 1
   fi
-fi
-
-# The real-build tests take UCX and level-zero from Debian's source packages: enable deb-src
-# lines beside the configured deb ones when there are none yet.
-if [ "$(id -u)" = 0 ] && ! grep -rqs '^Types:.*deb-src\|^deb-src ' /etc/apt/sources.list /etc/apt/sources.list.d/; then
-  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
-    sed 's/^Types: deb$/Types: deb-src/' /etc/apt/sources.list.d/debian.sources > /etc/apt/sources.list.d/kvstack-deb-src.sources
-  elif [ -f /etc/apt/sources.list ]; then
-    sed -n 's/^deb /deb-src /p' /etc/apt/sources.list > /etc/apt/sources.list.d/kvstack-deb-src.list
-  fi
-  apt-get update -qq
 fi
 
 step "python packages (into .venv: a distribution's python3 refuses pip installs, PEP 668)"
@@ -55,9 +44,9 @@ run_pytest() {
 # The pinned builds compile for ~15 minutes on 2 cores while the tests that do not need them wait
 # mostly on sockets and processes: the builds run in the background, in a process group of their
 # own (killed if this script stops first) and in a venv of their own (ci/pinned-builds.sh), their
-# log shown whole when they finish; the tests on the builds run after them.
+# log shown whole when they finish; the tests of each build run once it is verified.
 step "pinned builds start (cpu, xpu, xpu --variant ze-ipc from ../shared/mirror, each verified: ci/pinned-builds.sh, in the background)"
-mkdir -p _work/pinned
+mkdir -p _work/pinned && rm -f _work/pinned/env.sh  # a run before this one named its builds there
 builds_log=_work/pinned/builds.log
 setsid bash ci/pinned-builds.sh > "$builds_log" 2>&1 &
 builds=$!
@@ -67,6 +56,13 @@ trap stop_builds EXIT
 step "unit and integration tests (beside the pinned builds)"
 # tests/integration/containers build images against a daemon: CI's container step (ci/containers.sh) runs them
 run_pytest unit -m "not build" --ignore=tests/integration/containers "$@"
+
+step "tests on the pinned cpu build, once it is verified (its wheel in a fresh venv), beside the xpu builds"
+# env.sh names each build when it is verified (ci/pinned-builds.sh); the builds' end also ends the wait
+until grep -qs '^export KVSTACK_WHEEL_PREFIX=' _work/pinned/env.sh || ! kill -0 "$builds" 2>/dev/null; do sleep 5; done
+if grep -qs '^export KVSTACK_WHEEL_PREFIX=' _work/pinned/env.sh; then
+  (. _work/pinned/env.sh && run_pytest wheel -m build tests/integration/installer/test_wheel.py "$@")
+fi
 
 step "pinned builds (their log)"
 rc=0; wait "$builds" || rc=$?
@@ -79,6 +75,6 @@ fi
 # their prefixes for the tests that follow (KVSTACK_PINNED_PREFIX_*, KVSTACK_WHEEL_PREFIX)
 . _work/pinned/env.sh
 
-step "tests on the pinned builds (the wheel, the stacks' transports, the same bytes again)"
-run_pytest builds -m build --ignore=tests/integration/containers "$@"
+step "tests on the pinned builds (the stacks' transports and policy)"
+run_pytest builds -m build --ignore=tests/integration/containers --ignore=tests/integration/installer/test_wheel.py "$@"
 rmdir "$tmp"
