@@ -51,6 +51,7 @@ builds_log=_work/pinned/builds.log
 setsid bash ci/pinned-builds.sh > "$builds_log" 2>&1 &
 builds=$!
 stop_builds() { kill -- -"$builds" 2>/dev/null || true; }
+running() { local s; s=$(ps -o stat= -p "$1" 2>/dev/null) && [ "${s:0:1}" != Z ]; }  # a zombie has ended
 trap stop_builds EXIT
 
 step "unit and integration tests (beside the pinned builds)"
@@ -59,7 +60,7 @@ run_pytest unit -m "not build" --ignore=tests/integration/containers "$@"
 
 step "tests on the pinned cpu build, once it is verified (its wheel in a fresh venv), beside the xpu builds"
 # env.sh names each build when it is verified (ci/pinned-builds.sh); the builds' end also ends the wait
-until grep -qs '^export KVSTACK_WHEEL_PREFIX=' _work/pinned/env.sh || ! kill -0 "$builds" 2>/dev/null; do sleep 5; done
+until grep -qs '^export KVSTACK_WHEEL_PREFIX=' _work/pinned/env.sh || ! running "$builds"; do sleep 5; done
 if grep -qs '^export KVSTACK_WHEEL_PREFIX=' _work/pinned/env.sh; then
   (. _work/pinned/env.sh && run_pytest wheel -m build tests/integration/installer/test_wheel.py "$@")
 fi
