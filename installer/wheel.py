@@ -192,16 +192,8 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
         privateucx.privatize(nixl_elves, private, own, {f: _rpath_to(str(root / libs), str(f.parent)) for f in nixl_elves},
                              patchelf)
         elves = sorted(p for p in root.rglob("*") if elf.is_elf(p))
-        # what neither the wheel nor a manylinux host has comes from wheels this one requires
-        # (the cuda build's libcudart from nvidia-cuda-runtime): each file that needs such a
-        # library gets a RUNPATH into that wheel's directory in site-packages, after its own
-        needs = {f: manylinux.read_needs(f) for f in elves}
         ours = {p.name for p in elves}
-        from_pip = manylinux.from_pip(list(needs.values()), ours)
-        for f, n in needs.items():
-            extra = [_rpath_to(str(root / d.directory), str(f.parent)) for d in from_pip if d.library in n.libraries]
-            if extra:
-                patchelf.set_rpath(f, ":".join([p for p in patchelf.dynamic(f).runpath.split(":") if p] + extra))
+        from_pip = require_from_pip(elves, root, patchelf)
         unnamed = {str(f.relative_to(root)): said for f in elves
                    if (said := elf.replace_strings(f, [d.encode() for d in builds], ".rodata", NOWHERE))}
         _check(elves, private, root, build, patchelf)
@@ -241,6 +233,20 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
             "from_pip": {d.library: d.requirement for d in from_pip}, "module": m, "version": ver, "ucx": mapping, "nixl": nixl_map,
             "unnamed": unnamed,
             "files": [e.path for e in entries] + [f"{dist_info}/RECORD"], "size": dest.stat().st_size}
+
+
+def require_from_pip(elves: list[Path], root: Path, patchelf: elf.Patchelf) -> list[manylinux.FromPip]:
+    """What neither the wheel nor a manylinux host has comes from wheels this one requires (the
+    cuda build's libcudart from nvidia-cuda-runtime): each file that needs such a library gets a
+    RUNPATH into that wheel's directory in site-packages (`root` stands for site-packages), after
+    its own. Returns those libraries."""
+    needs = {f: manylinux.read_needs(f) for f in elves}
+    from_pip = manylinux.from_pip(list(needs.values()), {p.name for p in elves})
+    for f, n in needs.items():
+        extra = [_rpath_to(str(root / d.directory), str(f.parent)) for d in from_pip if d.library in n.libraries]
+        if extra:
+            patchelf.set_rpath(f, ":".join([p for p in patchelf.dynamic(f).runpath.split(":") if p] + extra))
+    return from_pip
 
 
 def _check(elves: list[Path], mapping: dict[str, str], root: Path, build: Build, patchelf: elf.Patchelf) -> None:
