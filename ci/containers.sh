@@ -5,8 +5,8 @@
 # python3; then, for the pinned cpu build (ci/pinned-builds.sh), as second hosts that never held
 # it: its wheel into a fresh venv of a container of that base (ci/second-host.sh), and its binary
 # cache into the cpu image the Containerfile builds (ci/image-inputs.sh), where `installer verify`
-# and `kvruntime selftest` run (tests/integration/containers). The daemon is stopped by its process id on exit. Needs root and
-# .venv (ci/venv.sh).
+# and `kvruntime selftest` run (tests/integration/containers). The daemon is stopped by its
+# process id on exit. Needs root, .venv (ci/venv.sh) and the pinned cpu build (_work/pinned/cpu).
 # A machine whose disk cannot hold a step skips it and the steps after it, saying so: running
 # out of space half-way through a build proves nothing about the code. Measured on a fresh
 # clone: dockerd, the base image and the stock Debian set-up peak at ~2.1 GiB over what is in use
