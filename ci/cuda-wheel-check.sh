@@ -9,6 +9,13 @@
 # dependencies (.[installer]) and torch with CUDA; the host needs autotools and libtool (Debian's
 # libtool .deb unpacks with dpkg -x where none is installed). CI has no GPU: this runs on a GPU
 # host, its figures go to BENCHMARKS.md.
+#
+# The wheel requires numpy and nvidia-cuda-runtime==13.* (its libcudart.so.13, reached by a
+# RUNPATH into site-packages/nvidia/cu13/lib): pip installs it with its dependencies and no index
+# (GPU hosts here are offline), so they must already be in the fresh venv's view — python3's
+# site-packages, seen through a .pth (torch's cu13 wheels require the same nvidia-cuda-runtime) —
+# or be wheels in KVSTACK_WHEELS (default: .whl/ of this checkout, where it exists). The script
+# says which it took, and the wheel's tag and requirements.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mirror=$(realpath "${1:?usage: bash ci/cuda-wheel-check.sh MIRROR [OUTDIR] [DEVICE_IDS...]}")
@@ -32,13 +39,33 @@ python3 -m installer wheel --prefix "$prefix" -o "$wheels" || exit 1
 step "the build removed: $prefix, its builds, the installer's cache"
 rm -rf "$prefix" "$prefix.builds" "$cache"
 
-step "pip install into a fresh venv (torch from this python's site-packages, by a .pth)"
+step "pip install into a fresh venv (torch and what the wheel requires from python3's site-packages, by a .pth)"
+whl=$(ls "$wheels"/*.whl)
+python3 - "$whl" <<'PY'
+import os, sys, zipfile
+whl = zipfile.ZipFile(sys.argv[1])
+print("wheel:", os.path.basename(sys.argv[1]))
+for name in whl.namelist():
+    if name.endswith(".dist-info/WHEEL") or name.endswith(".dist-info/METADATA"):
+        print("\n".join(l for l in whl.read(name).decode().splitlines() if l.startswith(("Tag: ", "Requires-Dist: "))))
+PY
 t=$SECONDS
 python3 -m venv "$venv" || exit 1
 site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 "$venv/bin/python" -c 'import site, sys; open(site.getsitepackages()[0] + "/kvstack-torch.pth", "w").write(sys.argv[1])' "$site"
-"$venv/bin/pip" install -q --no-index --no-deps "$wheels"/*.whl || exit 1
+carried=${KVSTACK_WHEELS:-.whl}
+links=(); [ -d "$carried" ] && links=(--find-links "$carried")
+"$venv/bin/pip" install --disable-pip-version-check --no-index "${links[@]}" "$whl" >"$out/pip.log" 2>&1 || {
+  tail -5 "$out/pip.log"
+  echo "pip install failed: what the wheel requires is neither in $site nor in $carried; on a connected host:" \
+       "pip download --no-deps -d .whl 'nvidia-cuda-runtime==13.*' numpy, and carry .whl/ here"; exit 1; }
+grep -E '^(Requirement already|Processing|Successfully)' "$out/pip.log"
 echo "pip install: $((SECONDS - t)) s"
+"$venv/bin/python" - <<'PY'
+import importlib.metadata as md
+d = md.distribution("nvidia-cuda-runtime")
+print(f"nvidia-cuda-runtime {d.version} from {d.locate_file('')}")
+PY
 
 step "selftest --device-ids ${ids[*]} from the wheel"
 t=$SECONDS
@@ -50,6 +77,13 @@ import collections, json, sys
 report = json.load(open(sys.argv[1]))
 print("ok", report["ok"], "module", report["nixl_module_file"],
       dict(collections.Counter(m["status"] for m in report["modes"])))
+PY
+module=$("$venv/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["recipe"]["verify"]["nixl"]["module"])' "$out/manifest.json")
+"$venv/bin/python" - "$module" <<'PY'
+import importlib, sys
+importlib.import_module(f"{sys.argv[1]}._api")
+maps = sorted({line.split()[-1] for line in open("/proc/self/maps") if "libcudart" in line})
+print("libcudart loaded from:", ", ".join(maps) or "nowhere")
 PY
 rm -rf "$work"
 exit "$rc"

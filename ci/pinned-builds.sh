@@ -6,9 +6,11 @@
 # `ucx_info -d` under the Level Zero null driver (built from the mirror's level-zero), the moved
 # level moves host memory between two processes on each fresh build.
 #
-# Leaves the prefixes at _work/pinned/{cpu,xpu,xpu-ipc} (ignored paths; ci/containers.sh reads
-# _work/pinned/cpu) and _work/pinned/env.sh, which exports their absolute paths for the steps
-# that follow: KVSTACK_PINNED_PREFIX_CPU, _XPU, _XPU_IPC, and KVSTACK_WHEEL_PREFIX (the cpu one).
+# The installer's own verification is the proof (all three levels, before each prefix switches):
+# nothing runs it twice. Leaves the prefixes at _work/pinned/{cpu,xpu,xpu-ipc} (ignored paths;
+# ci/containers.sh reads _work/pinned/cpu), the builds' venv _work/pinned/venv, and
+# _work/pinned/env.sh, which exports their absolute paths for the steps that follow:
+# KVSTACK_PINNED_PREFIX_CPU, _XPU, _XPU_IPC, and KVSTACK_WHEEL_PREFIX (the cpu one).
 # The cache directory _work/pinned/cache serves every build of the run (sources, build tools,
 # autoconf results; compiled objects through ccache, below); a re-run with nothing changed builds
 # nothing.
@@ -34,14 +36,22 @@ if [ -d /usr/lib/ccache ] && command -v ccache >/dev/null; then
   export PATH=/usr/lib/ccache:$PATH CCACHE_DIR=$out/ccache CCACHE_BASEDIR=$out
 fi
 
-# Each install links its NIXL module into the target Python (kvstack-nixl.pth, the last one wins):
-# the tests that follow choose their NIXL themselves (these builds through the variables below),
-# so the venv is left as it was found, whatever happens here.
-pth=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/kvstack-nixl.pth
-saved=$(cat "$pth" 2>/dev/null || true)
-restore_pth() { if [ -n "$saved" ]; then printf '%s\n' "$saved" > "$pth"; else rm -f "$pth"; fi; }
-trap restore_pth EXIT
+# The builds' own Python environment (CI runs the tests in .venv while these compile): each
+# install links its NIXL module into its target Python (kvstack-nixl.pth, the last one wins) and
+# the verification's moved level runs kvruntime's selftest there. It sees .venv's packages (torch,
+# kvruntime) through a path hook, so nothing is installed twice, and .venv itself is left alone.
+venv=$out/venv
+if [ ! -x "$venv/bin/python" ]; then
+  base=$("$py" -c "import sys; print(getattr(sys, '_base_executable', sys.executable))")
+  "$base" -m venv --without-pip "$venv"
+fi
+site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+own=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "import site; site.addsitedir('$site')" > "$own/kvstack-tests-venv.pth"
 
+# env.sh names each build as soon as it is verified (the tests of the cpu build can start while
+# the xpu ones compile), and only then
+printf '# written by ci/pinned-builds.sh: the pinned builds of this checkout finished so far\n' > "$out/env.sh"
 # name, then the installer's platform arguments
 builds=("cpu --platform cpu" "xpu --platform xpu" "xpu-ipc --platform xpu --variant ze-ipc")
 for b in "${builds[@]}"; do
@@ -50,21 +60,14 @@ for b in "${builds[@]}"; do
   echo "--- pinned $name: python -m installer $args (mirror $mirror)"
   # shellcheck disable=SC2086  # $args is a list of words
   "$py" -m installer $args --mirror "$mirror" --recipe-overlay "$mirror/asio-overlay.toml" \
-    --prefix "$out/$name" --cache-dir "$out/cache"
-  echo "--- pinned $name: installer verify"
-  "$py" -m installer verify --prefix "$out/$name"
+    --prefix "$out/$name" --cache-dir "$out/cache" --python "$venv/bin/python"
   echo "--- pinned $name: $((SECONDS - start)) s"
+  var=KVSTACK_PINNED_PREFIX_$(echo "$name" | tr a-z- A-Z_)
+  echo "export $var='$out/$name'" >> "$out/env.sh"
+  if [ "$name" = cpu ]; then echo "export KVSTACK_WHEEL_PREFIX='$out/$name'" >> "$out/env.sh"; fi
 done
 if [ -n "${CCACHE_DIR:-}" ]; then
   echo "--- ccache: $(ccache --print-stats | awk '$1 ~ /^(direct_cache_hit|preprocessed_cache_hit|cache_miss)$/ {printf "%s %s ", $1, $2}')"
 fi
 # the builds' source and build trees (~250 MB each): nothing reads them once a build is installed
 rm -rf "$out/cache/work"
-
-cat > "$out/env.sh" <<ENV
-# written by ci/pinned-builds.sh: the pinned builds of this checkout
-export KVSTACK_PINNED_PREFIX_CPU='$out/cpu'
-export KVSTACK_PINNED_PREFIX_XPU='$out/xpu'
-export KVSTACK_PINNED_PREFIX_XPU_IPC='$out/xpu-ipc'
-export KVSTACK_WHEEL_PREFIX='$out/cpu'
-ENV

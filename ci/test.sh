@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command of README.md. Installs what the tests need on a fresh Debian/Ubuntu machine
 # (as root; otherwise it says what is missing), builds the pinned stacks from the offline mirror
-# (ci/pinned-builds.sh: cpu, xpu, xpu ze-ipc, each verified), then runs the fast and integration
-# suites on them, and last, in a step of its own, the long real builds.
+# (ci/pinned-builds.sh: cpu, xpu, xpu ze-ipc, each verified) while the unit and integration
+# suites run beside them, then the tests that use those builds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,7 +10,7 @@ step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 
 step "system packages"
 pkgs=(git build-essential autoconf automake libtool pkg-config cmake ninja-build libnuma-dev
-      libze-dev dpkg-dev python3-dev python3-venv ccache)
+      libze-dev python3-dev python3-venv ccache)
 missing=()
 for p in "${pkgs[@]}"; do dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii' || missing+=("$p"); done
 if ((${#missing[@]})); then
@@ -20,17 +20,6 @@ if ((${#missing[@]})); then
   else
     echo "missing: ${missing[*]}; run: sudo apt-get install ${missing[*]}" >&2; exit 1
   fi
-fi
-
-# The real-build tests take UCX and level-zero from Debian's source packages: enable deb-src
-# lines beside the configured deb ones when there are none yet.
-if [ "$(id -u)" = 0 ] && ! grep -rqs '^Types:.*deb-src\|^deb-src ' /etc/apt/sources.list /etc/apt/sources.list.d/; then
-  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
-    sed 's/^Types: deb$/Types: deb-src/' /etc/apt/sources.list.d/debian.sources > /etc/apt/sources.list.d/kvstack-deb-src.sources
-  elif [ -f /etc/apt/sources.list ]; then
-    sed -n 's/^deb /deb-src /p' /etc/apt/sources.list > /etc/apt/sources.list.d/kvstack-deb-src.list
-  fi
-  apt-get update -qq
 fi
 
 step "python packages (into .venv: a distribution's python3 refuses pip installs, PEP 668)"
@@ -52,15 +41,41 @@ run_pytest() {
   rm -rf "${tmp:?}/$name"
 }
 
-step "pinned builds (cpu, xpu, xpu --variant ze-ipc from ../shared/mirror, each verified: ci/pinned-builds.sh)"
-bash ci/pinned-builds.sh
-# their prefixes for the tests that follow (KVSTACK_PINNED_PREFIX_*, KVSTACK_WHEEL_PREFIX)
-. _work/pinned/env.sh
+# The pinned builds compile for ~15 minutes on 2 cores while the tests that do not need them wait
+# mostly on sockets and processes: the builds run in the background, in a process group of their
+# own (killed if this script stops first) and in a venv of their own (ci/pinned-builds.sh), their
+# log shown whole when they finish; the tests of each build run once it is verified.
+step "pinned builds start (cpu, xpu, xpu --variant ze-ipc from ../shared/mirror, each verified: ci/pinned-builds.sh, in the background)"
+mkdir -p _work/pinned && rm -f _work/pinned/env.sh  # a run before this one named its builds there
+builds_log=_work/pinned/builds.log
+setsid bash ci/pinned-builds.sh > "$builds_log" 2>&1 &
+builds=$!
+stop_builds() { kill -- -"$builds" 2>/dev/null || true; }
+running() { local s; s=$(ps -o stat= -p "$1" 2>/dev/null) && [ "${s:0:1}" != Z ]; }  # a zombie has ended
+trap stop_builds EXIT
 
-step "unit and integration tests"
+step "unit and integration tests (beside the pinned builds)"
 # tests/integration/containers build images against a daemon: CI's container step (ci/containers.sh) runs them
 run_pytest unit -m "not build" --ignore=tests/integration/containers "$@"
 
-step "real builds (UCX from Debian's source package through the installer)"
-run_pytest builds -m build "$@"
+step "tests on the pinned cpu build, once it is verified (its wheel in a fresh venv), beside the xpu builds"
+# env.sh names each build when it is verified (ci/pinned-builds.sh); the builds' end also ends the wait
+until grep -qs '^export KVSTACK_WHEEL_PREFIX=' _work/pinned/env.sh || ! running "$builds"; do sleep 5; done
+if grep -qs '^export KVSTACK_WHEEL_PREFIX=' _work/pinned/env.sh; then
+  (. _work/pinned/env.sh && run_pytest wheel -m build tests/integration/installer/test_wheel.py "$@")
+fi
+
+step "pinned builds (their log)"
+rc=0; wait "$builds" || rc=$?
+trap - EXIT
+cat "$builds_log"
+if [ "$rc" != 0 ]; then
+  echo "error: the pinned builds failed (exit $rc; the installer's last lines above, its log: $builds_log)" >&2
+  exit 1
+fi
+# their prefixes for the tests that follow (KVSTACK_PINNED_PREFIX_*, KVSTACK_WHEEL_PREFIX)
+. _work/pinned/env.sh
+
+step "tests on the pinned builds (the stacks' transports and policy)"
+run_pytest builds -m build --ignore=tests/integration/containers --ignore=tests/integration/installer/test_wheel.py "$@"
 rmdir "$tmp"

@@ -13,6 +13,7 @@ CACHE is a directory or a file:// URL; `install --binary-cache` also reads http(
 directory served by any web server), downloading the entry beside the prefix first."""
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -91,7 +92,10 @@ def publish(prefix: Path, where: str | Path) -> dict[str, Any]:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        with tarfile.open(tmp / ARCHIVE, "w:gz") as tf:
+        # gzip's header without a time: one build published twice is the same bytes (an image
+        # layer that holds it is then reused); tarfile adds a directory's entries sorted
+        with open(tmp / ARCHIVE, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz, \
+                tarfile.open(fileobj=gz, mode="w") as tf:
             for child in sorted(build_dir.iterdir()):
                 tf.add(child, arcname=child.name)
         digest = _sha256(tmp / ARCHIVE)

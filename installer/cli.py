@@ -241,6 +241,9 @@ def _wheel(args) -> int:
           f"tag {out['tag']}: {out['tag_why']})")
     for what in ("ucx", "nixl"):
         print(f"  private {what.upper()}: " + ", ".join(f"{k} -> {v}" for k, v in out[what].items()))
+    print("  requires: " + ", ".join(out["requires"]))
+    for library, requirement in out["from_pip"].items():
+        print(f"  {library}: from {requirement} (RUNPATH into its directory in site-packages)")
     for file, strings in out["unnamed"].items():
         print(f"  {file}: compiled-in {', '.join(strings)} -> {wheel.NOWHERE.decode()}")
     return 0

@@ -28,7 +28,8 @@ MIRROR_DIR = "_work/image-mirror"  # inside the build context; the Containerfile
 CA_FILE = "_work/image-ca.crt"
 OVERLAY_DIR = "_work/image-overlays"  # --recipe-overlay files, in order (NN-name.toml)
 WHEEL_DIR = "_work/image-wheels"      # --wheels: installed into the image's venv as given
-STAGED = (MIRROR_DIR, CA_FILE, OVERLAY_DIR, WHEEL_DIR)
+BINARY_CACHE_DIR = "_work/image-binary-cache"  # --binary-cache: the installer takes the build from it
+STAGED = (MIRROR_DIR, CA_FILE, OVERLAY_DIR, WHEEL_DIR, BINARY_CACHE_DIR)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the daemon colours a RUN step's stderr
 _TAG_RE = re.compile(r"^[a-z0-9]+(?:[._/:@-][a-zA-Z0-9._-]+)*$")
 
@@ -43,12 +44,14 @@ class ImageRequest:
     overlays: tuple[Path, ...] = ()
     wheels: Path | None = None
     variant: str | None = None
+    binary_cache: Path | None = None
     extra_args: dict[str, str] = field(default_factory=dict)
 
 
 def request(platform: str, tag: str | None = None, base_image: str | None = None,
             mirror: str | None = None, ca_bundle: str | None = None,
-            overlays: Iterable[str] = (), wheels: str | None = None, variant: str | None = None) -> ImageRequest:
+            overlays: Iterable[str] = (), wheels: str | None = None, variant: str | None = None,
+            binary_cache: str | None = None) -> ImageRequest:
     """Check the options; every bad one is one clear line saying which option to fix."""
     if platform not in BASE_IMAGES:
         raise UsageError(f"no base image for platform {platform!r}",
@@ -77,7 +80,11 @@ def request(platform: str, tag: str | None = None, base_image: str | None = None
     if w is not None and not any(w.glob("*.whl")):
         raise UsageError(f"--wheels {wheels}: no .whl files there",
                          fix="fill it with: python -m pip download -d DIR --only-binary=:all: REQUIREMENT...")
-    return ImageRequest(platform, tag, base, m, ca, ov, w, variant)
+    bc = Path(binary_cache).resolve() if binary_cache else None
+    if bc is not None and not any(bc.glob("*/manifest.json")):
+        raise UsageError(f"--binary-cache {binary_cache}: no published build there",
+                         fix="fill it with: python -m installer publish DIR --prefix PREFIX")
+    return ImageRequest(platform, tag, base, m, ca, ov, w, variant, bc)
 
 
 def _overlays(platform: str, overlays: Iterable[str], variant: str | None) -> list[Path]:
@@ -98,7 +105,8 @@ def build_args(req: ImageRequest) -> dict[str, str]:
     """The Containerfile's ARGs for this request (the mapping unit tests check)."""
     args = {"PLATFORM": req.platform, "VARIANT": req.variant or "", "BASE_IMAGE": req.base_image,
             "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0",
-            "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0"}
+            "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0",
+            "WITH_BINARY_CACHE": "1" if req.binary_cache else "0"}
     args.update(req.extra_args)
     return args
 
@@ -130,8 +138,9 @@ def base_is_local(client, ref: str) -> bool:
 
 
 def stage_context(req: ImageRequest, checkout: Path) -> None:
-    """Put the optional mirror, overlays, wheels and CA bundle where the Containerfile looks for
-    them (wheels and mirror files hard-linked where the filesystem allows: no copy of GBs)."""
+    """Put the optional mirror, overlays, wheels, binary cache and CA bundle where the Containerfile
+    looks for them (wheels, mirror and cache files hard-linked where the filesystem allows: no copy
+    of GBs)."""
     import shutil  # noqa: PLC0415
     unstage_context(checkout)
     mdir, ca = checkout / MIRROR_DIR, checkout / CA_FILE
@@ -149,6 +158,8 @@ def stage_context(req: ImageRequest, checkout: Path) -> None:
         wdir.mkdir(parents=True)
         for w in sorted(req.wheels.glob("*.whl")):
             _link_or_copy(w, wdir / w.name)
+    if req.binary_cache:
+        shutil.copytree(req.binary_cache, checkout / BINARY_CACHE_DIR, copy_function=_link_or_copy)
 
 
 def unstage_context(checkout: Path) -> None:
@@ -273,7 +284,8 @@ def inspect(client, image_id: str) -> dict:
 
 def parts(manifest: dict | None, dists: dict[str, str], nixl_module: dict | None) -> list[dict]:
     """Where each part of the stack in an image came from: built by the installer (its recipe
-    source: file, sha256, url) or a wheel in the venv (NIXL where no NIXL source was built)."""
+    source: file, sha256, url; where the install took that build from a binary cache, the directory
+    it was built in) or a wheel in the venv (NIXL where no NIXL source was built)."""
     out = []
     recipe = (manifest or {}).get("recipe", {})
     comps = recipe.get("components", {})
@@ -284,7 +296,8 @@ def parts(manifest: dict | None, dists: dict[str, str], nixl_module: dict | None
             src = sources.get(comp.get("source"), {})
             out.append({"part": name, "from": "source", "source": comp.get("source"),
                         "file": src.get("filename"), "sha256": src.get("sha256"), "url": src.get("url"),
-                        "version": _version_of(src.get("filename") or "")})
+                        "version": _version_of(src.get("filename") or ""),
+                        "binary_cache": (manifest.get("binary_cache") or {}).get("built_in")})
         elif name == "nixl" and nixl_module:
             dist = nixl_module["name"].replace("_", "-")
             out.append({"part": name, "from": "wheel", "distribution": dist, "version": dists.get(dist),
@@ -305,7 +318,8 @@ def render_parts(res: dict) -> list[str]:
     for p in res["parts"]:
         if p["from"] == "source":
             lines.append(f"{p['part']}: {p['version'] or '?'} built from source {p['source']} "
-                         f"({p['file']}, sha256 {p['sha256']}, {p['url']})")
+                         f"({p['file']}, sha256 {p['sha256']}, {p['url']})"
+                         + (f", taken from a binary cache (built in {p['binary_cache']})" if p.get("binary_cache") else ""))
         elif p["from"] == "wheel":
             lines.append(f"{p['part']}: {p['distribution']} {p['version']} wheel in the image's venv "
                          f"(module {p['module']}, not built from source)")

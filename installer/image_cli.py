@@ -23,6 +23,8 @@ def parser() -> argparse.ArgumentParser:
                    help="lay this TOML over the platform recipe in the build (repeatable)")
     p.add_argument("--wheels", metavar="DIR", help="a complete set of wheels installed into the image's venv as given "
                    "(--no-deps), e.g. PyPI's nixl-cu12 where NIXL is not built from source")
+    p.add_argument("--binary-cache", metavar="DIR", help="a directory `python -m installer publish` filled: the "
+                   "build stage takes the build of its plan's build id from there instead of compiling")
     p.add_argument("--json", action="store_true", help="also print the result (parts, sizes, manifest) as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="log every detail")
     return p
@@ -31,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Build the image (errors are InstallerErrors: the CLI prints their one line)."""
     req = image.request(args.platform, args.tag, args.base_image, args.mirror, args.ca_bundle,
-                        args.recipe_overlay, args.wheels, args.variant)
+                        args.recipe_overlay, args.wheels, args.variant, args.binary_cache)
     client = image.connect()
     n = 0
 

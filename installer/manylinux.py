@@ -74,8 +74,24 @@ class Verdict:
     why: str        # what set it: the newest need, or what rules manylinux out
 
 
+@dataclass(frozen=True)
+class FromPip:
+    """A library a wheel takes from another wheel it requires (manylinux.toml's [pip] table)."""
+    library: str
+    requirement: str   # PEP 508: nvidia-cuda-runtime==13.*
+    directory: str     # where that wheel installs it, relative to site-packages
+
+
+def from_pip(needs: list[Needs], bundled: set[str], policy_path: Path = POLICY) -> list[FromPip]:
+    """The libraries these files need that neither the wheel nor the host has and a wheel on PyPI provides."""
+    table = tomllib.loads(policy_path.read_text()).get("pip", {})
+    needed = {lib for n in needs for lib in n.libraries} - bundled
+    return [FromPip(lib, row["requirement"], row["directory"]) for lib, row in sorted(table.items()) if lib in needed]
+
+
 def platform_tag(files: list[Path], bundled: set[str], policy_path: Path = POLICY) -> Verdict:
-    """The tag for a wheel holding ``files``, whose own libraries are named ``bundled``."""
+    """The tag for a wheel holding ``files``, whose own libraries are named ``bundled`` (with those
+    it takes from the wheels it requires: `from_pip`)."""
     return decide([read_needs(p) for p in files], bundled, tomllib.loads(policy_path.read_text()))
 
 

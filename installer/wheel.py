@@ -192,13 +192,15 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
         privateucx.privatize(nixl_elves, private, own, {f: _rpath_to(str(root / libs), str(f.parent)) for f in nixl_elves},
                              patchelf)
         elves = sorted(p for p in root.rglob("*") if elf.is_elf(p))
+        ours = {p.name for p in elves}
+        from_pip = require_from_pip(elves, root, patchelf)
         unnamed = {str(f.relative_to(root)): said for f in elves
                    if (said := elf.replace_strings(f, [d.encode() for d in builds], ".rodata", NOWHERE))}
         _check(elves, private, root, build, patchelf)
         _check_build_named(root, [m, libs], builds)
         # the platform tag from what the files need of the host (manylinux.py), so that pip
         # refuses the wheel on a host too old for it instead of the import failing there
-        verdict = manylinux.platform_tag(elves, {p.name for p in elves})
+        verdict = manylinux.platform_tag(elves, ours | {d.library for d in from_pip})
         if not verdict.platform.endswith("_" + tag.platform.removeprefix("linux_")):
             raise PrefixError(f"the libraries are for {verdict.platform}, the module for {tag.platform}",
                               fix="rebuild the prefix")
@@ -210,6 +212,7 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
 
         entries = _entries(root, [m, libs])
         requires = list(build.manifest.get("recipe", {}).get("build_tools", {}).get("target", []))
+        requires += sorted({d.requirement for d in from_pip} - set(requires))
         summary = (f"NIXL {ver.split('+')[0]} ({m}) with a private UCX, built by kvstack "
                    f"({build.manifest.get('platform')}, build {build.manifest['build_id']})")
         entries += [
@@ -226,9 +229,24 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
         except OSError as e:
             part.unlink(missing_ok=True)
             raise HostError.from_oserror(e, f"writing {dest}") from None
-    return {"wheel": str(dest), "tag": str(tag), "tag_why": verdict.why, "module": m, "version": ver, "ucx": mapping, "nixl": nixl_map,
+    return {"wheel": str(dest), "tag": str(tag), "tag_why": verdict.why, "requires": requires,
+            "from_pip": {d.library: d.requirement for d in from_pip}, "module": m, "version": ver, "ucx": mapping, "nixl": nixl_map,
             "unnamed": unnamed,
             "files": [e.path for e in entries] + [f"{dist_info}/RECORD"], "size": dest.stat().st_size}
+
+
+def require_from_pip(elves: list[Path], root: Path, patchelf: elf.Patchelf) -> list[manylinux.FromPip]:
+    """What neither the wheel nor a manylinux host has comes from wheels this one requires (the
+    cuda build's libcudart from nvidia-cuda-runtime): each file that needs such a library gets a
+    RUNPATH into that wheel's directory in site-packages (`root` stands for site-packages), after
+    its own. Returns those libraries."""
+    needs = {f: manylinux.read_needs(f) for f in elves}
+    from_pip = manylinux.from_pip(list(needs.values()), {p.name for p in elves})
+    for f, n in needs.items():
+        extra = [_rpath_to(str(root / d.directory), str(f.parent)) for d in from_pip if d.library in n.libraries]
+        if extra:
+            patchelf.set_rpath(f, ":".join([p for p in patchelf.dynamic(f).runpath.split(":") if p] + extra))
+    return from_pip
 
 
 def _check(elves: list[Path], mapping: dict[str, str], root: Path, build: Build, patchelf: elf.Patchelf) -> None:

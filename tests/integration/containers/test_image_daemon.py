@@ -4,9 +4,11 @@ module starts and stops by its pid. Skipped with the reason only when no daemon 
 (not root, no dockerd); CI installs docker.io and starts one, so CI runs every test here.
 
 No registry is reachable: a missing base fails at FROM ("base image missing and no registry"),
-and the cpu image is built on the debootstrapped base (ci/base-image.sh) from what CI can reach
-(ci/image-inputs.sh): UCX from Debian's source package through a recipe overlay, NIXL from PyPI's
-nixl-cu12 wheel. Inside it, `installer verify` and `kvruntime selftest` must pass."""
+and the cpu image is built on the debootstrapped base (ci/base-image.sh) from the pinned cpu build
+CI made (ci/pinned-builds.sh; KVSTACK_PINNED_PREFIX_CPU names it, the image tests skip without it):
+its binary cache, which the build stage installs from, relocated and verified there
+(ci/image-inputs.sh). Inside the image, `installer verify` (all three levels) and `kvruntime
+selftest` must pass on that build's UCX and NIXL."""
 import json
 import os
 import shutil
@@ -79,20 +81,24 @@ def test_missing_base_without_registry_is_one_line_and_leaves_no_containers(daem
 def cpu_image(daemon, tmp_path_factory):
     """The cpu image as CI's container step builds it (same inputs, same checkout as context)."""
     client, host = daemon
+    prefix = os.environ.get("KVSTACK_PINNED_PREFIX_CPU")
+    if not prefix or not (Path(prefix) / "manifest.json").is_file():
+        pytest.skip("KVSTACK_PINNED_PREFIX_CPU names no pinned cpu build (ci/pinned-builds.sh makes it)")
     env = dict(os.environ, DOCKER_HOST=host)
     if not image.base_is_local(client, BASE):
         subprocess.run(["bash", "ci/base-image.sh", BASE], cwd=ROOT, env=env, check=True, timeout=1200)
     inputs = tmp_path_factory.mktemp("image-inputs")
-    r = subprocess.run(["bash", "ci/image-inputs.sh", str(inputs)], cwd=ROOT, env=env, capture_output=True,
+    r = subprocess.run(["bash", "ci/image-inputs.sh", str(inputs), prefix], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     req = image.request("cpu", TAG, BASE, str(inputs / "mirror"), str(HOST_CA) if HOST_CA.is_file() else None,
-                        [str(inputs / "debian-ucx.toml")], str(inputs / "wheels"))
+                        [str(p) for p in sorted((inputs / "overlays").glob("*.toml"))], str(inputs / "wheels"),
+                        binary_cache=str(inputs / "cache"))
     before = {c.id for c in client.containers.list(all=True)}
     lines = []
     res = image.build(client, req, ROOT, lines.append)
     assert {c.id for c in client.containers.list(all=True)} == before  # intermediate ones removed
-    return client, res, lines
+    return client, res, lines, json.loads((Path(prefix) / "manifest.json").read_text())
 
 
 def _run(client, tag: str, script: str, caps=("SYS_PTRACE",)) -> tuple[int, str]:
@@ -108,49 +114,53 @@ def _run(client, tag: str, script: str, caps=("SYS_PTRACE",)) -> tuple[int, str]
 
 
 def test_cpu_image_says_where_its_parts_came_from(cpu_image):
-    client, res, _ = cpu_image
+    client, res, _, built = cpu_image
     ucx, nixl = res["parts"]
-    assert ucx["from"] == "source" and ucx["source"] == "ucx-debian" and ucx["version"] == "1.13.1"
-    assert ucx["file"].startswith("ucx-1.13.1-") and ucx["file"].endswith("-debian.tar.gz")
-    assert nixl["from"] == "wheel" and nixl["distribution"] == "nixl-cu12" and nixl["module"] == "nixl_cu12"
-    assert nixl["file"].startswith("/opt/venv/")
-    lines = image.render_parts(res)
-    assert lines[0].startswith("ucx: 1.13.1 built from source ucx-debian") and "nixl-cu12" in lines[1]
+    assert ucx["from"] == "source" and ucx["source"] == "ucx" and ucx["version"] == "1.22.0"
+    assert nixl["from"] == "source" and nixl["source"] == "nixl" and nixl["version"] == "1.4.0"
+    assert ucx["binary_cache"] == nixl["binary_cache"] == built["install_dir"]  # not compiled in the image
+    # the build stage took it from the binary cache (its log may be all "Using cache": CI built it just before)
+    assert res["manifest"]["build_id"] == built["build_id"] and list(res["manifest"]["phases"]) == ["binary-cache"]
+    rendered = image.render_parts(res)
+    assert rendered[0].startswith("ucx: 1.22.0 built from source ucx (ucx-1.22.0.tar.gz")
+    assert rendered[0].endswith(f", taken from a binary cache (built in {built['install_dir']})")
     # the runtime stage carries the prefix, the venv and env.sh: no compiler, no checkout
     assert res["size"] < res["build_stage"]["size"]
     rc, out = _run(client, TAG, "command -v gcc make; ls /src 2>&1; ls /opt/kvstack/")
-    assert "gcc" not in out and "No such file" in out and "env.sh" in out and "ucx" in out
+    assert "gcc" not in out and "No such file" in out and "env.sh" in out and "ucx" in out and "nixl" in out
 
 
 def test_installer_verify_passes_inside_the_image(cpu_image):
-    client, res, _ = cpu_image
+    client, res, _, _ = cpu_image
     rc, out = _run(client, res["tag"], "python -m installer verify --prefix /opt/kvstack --json")
     report = json.loads(out)
     levels = report["levels"]
     assert rc == 0 and report["ok"], out[-3000:]
-    assert levels["built"]["status"] == "passed" and levels["loaded"]["status"] == "passed"
-    assert {c["check"] for c in levels["loaded"]["checks"]} >= {"transport cma", "transport tcp", "memory domain posix"}
+    assert {name: lvl["status"] for name, lvl in levels.items()} == {"built": "passed", "loaded": "passed", "moved": "passed"}
+    assert {c["check"] for c in levels["loaded"]["checks"]} >= {"transport cma", "transport tcp", "memory domain posix",
+                                                               "NIXL plugin UCX"}
     assert all(c["ok"] is True for c in levels["loaded"]["checks"])
-    # NIXL is the wheel's (with its own UCX), not this build's: verify says so instead of passing
-    assert levels["moved"] == {"status": "skipped", "reason": "this recipe builds no NIXL", "checks": []}
+    assert all(c["ok"] is True for c in levels["moved"]["checks"])
 
 
 def test_without_cap_sys_ptrace_cma_is_not_checked_rather_than_passed(cpu_image):
-    client, res, _ = cpu_image
+    client, res, _, _ = cpu_image
     rc, out = _run(client, res["tag"], "python -m installer verify --prefix /opt/kvstack --json", caps=())
     loaded = json.loads(out)["levels"]["loaded"]
-    assert rc == 0 and loaded["status"] == "passed"
+    assert loaded["status"] == "passed", out[-3000:]
     cma = {c["check"]: c for c in loaded["checks"] if "cma" in c["check"]}
     assert set(cma) == {"transport cma", "memory domain cma"}
     assert all(c["ok"] is None and "CAP_SYS_PTRACE" in c["detail"] for c in cma.values())
 
 
 def test_kvruntime_selftest_moves_bytes_between_two_processes_inside_the_image(cpu_image):
-    client, res, _ = cpu_image
+    client, res, _, built = cpu_image
     rc, out = _run(client, res["tag"], "python -m kvruntime selftest --json")
     report = json.loads(out)
     assert rc == 0 and report["ok"], (report.get("error"), out[-3000:])
-    assert report["nixl_module"] == "nixl_cu12" and report["nixl_module_file"].startswith("/opt/venv/")
+    assert report["nixl_module"] == "nixl_cpu" and report["nixl_module_file"].startswith("/opt/kvstack.builds/")
+    # the runtime stage has no compiler: the block-id reader is the one the build stage cached
+    assert report["id_reader"].startswith("loaded /opt/kvruntime-cache/"), report["id_reader"]
     passed = [m for m in report["modes"] if m["status"] == "passed"]
     engines = {m.get("engine", "").split(":")[0] for m in passed}  # e.g. samenode:process_vm_readv
     assert {"nixl", "samenode", "host_staged"} <= engines, engines

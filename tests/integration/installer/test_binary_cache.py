@@ -54,6 +54,14 @@ def test_publish_stores_archive_hash_and_manifest_under_the_build_id(published):
     assert again.returncode == 0 and "already in" in again.stdout
 
 
+def test_the_same_build_published_twice_is_the_same_bytes(published, tmp_path):
+    """(an image layer that holds the archive, CI's cpu image, is then reused)"""
+    r = _cli("publish", str(tmp_path / "again"), "--prefix", str(published["prefix"]))
+    assert r.returncode == 0, r.stderr
+    again = tmp_path / "again" / published["build_id"] / "build.tar.gz"
+    assert again.read_bytes() == (published["entry"] / "build.tar.gz").read_bytes()
+
+
 def test_install_from_cache_into_another_prefix_is_relocated_and_verified(world, published):
     prefix = published["base"] / "second-host" / "opt" / "kv"
     r = _install(world, prefix, "--binary-cache", f"file://{published['cache']}", "--json")

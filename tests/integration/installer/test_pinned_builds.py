@@ -18,7 +18,7 @@ import pytest
 from installer import envfile, recipe, verify
 from kvruntime import transports
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.build]
 PR_HEAD = "b8d6012325b5fe026a94be537009f486ed2b9d40"
 RELEASE_TRANSPORTS = ["cma", "posix", "self", "sysv", "tcp", "ze_copy"]
 

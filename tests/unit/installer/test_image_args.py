@@ -12,7 +12,7 @@ def test_default_base_image_per_platform():
         assert req.tag == f"kvstack:{p}"
         args = image.build_args(req)
         assert args == {"PLATFORM": p, "VARIANT": "", "BASE_IMAGE": image.BASE_IMAGES[p], "WITH_MIRROR": "0", "WITH_CA": "0",
-                        "WITH_OVERLAYS": "0", "WITH_WHEELS": "0"}
+                        "WITH_OVERLAYS": "0", "WITH_WHEELS": "0", "WITH_BINARY_CACHE": "0"}
     assert "cuda" in image.BASE_IMAGES["cuda"] and "devel" in image.BASE_IMAGES["cuda"]
 
 
@@ -23,7 +23,18 @@ def test_mirror_and_ca_map_to_args(tmp_path):
     ca.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
     req = image.request("cpu", "me/kv:1", "local/debian:12", str(tmp_path / "m"), str(ca))
     assert image.build_args(req) == {"PLATFORM": "cpu", "VARIANT": "", "BASE_IMAGE": "local/debian:12",
-                                     "WITH_MIRROR": "1", "WITH_CA": "1", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0"}
+                                     "WITH_MIRROR": "1", "WITH_CA": "1", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0",
+                                     "WITH_BINARY_CACHE": "0"}
+
+
+def test_a_binary_cache_maps_to_its_arg_and_one_without_a_build_is_one_line(tmp_path):
+    (tmp_path / "cache" / "cpu-0123456789ab").mkdir(parents=True)
+    with pytest.raises(UsageError) as e:
+        image.request("cpu", binary_cache=str(tmp_path / "cache"))
+    assert "--binary-cache" in e.value.line() and "no published build" in e.value.line() and "\n" not in e.value.line()
+    (tmp_path / "cache" / "cpu-0123456789ab" / "manifest.json").write_text("{}")
+    req = image.request("cpu", binary_cache=str(tmp_path / "cache"))
+    assert req.binary_cache == (tmp_path / "cache").resolve() and image.build_args(req)["WITH_BINARY_CACHE"] == "1"
 
 
 def test_xpu_image_takes_the_ze_ipc_variant():
@@ -140,7 +151,8 @@ def test_parts_say_where_each_part_came_from():
     nixl = {"name": "nixl_cu12", "file": "/opt/venv/lib/python3.11/site-packages/nixl_cu12/__init__.py"}
     parts = image.parts(MANIFEST, {"nixl-cu12": "1.5.1", "torch": "2.13.0+cpu"}, nixl)
     assert parts[0] == {"part": "ucx", "from": "source", "source": "ucx-debian", "file": "ucx-1.13.1-1-debian.tar.gz",
-                        "sha256": "5e66" * 16, "url": "https://debian.invalid/ucx_1.13.1-1.dsc", "version": "1.13.1"}
+                        "sha256": "5e66" * 16, "url": "https://debian.invalid/ucx_1.13.1-1.dsc", "version": "1.13.1",
+                        "binary_cache": None}
     assert parts[1]["from"] == "wheel" and parts[1]["distribution"] == "nixl-cu12" and parts[1]["version"] == "1.5.1"
     built = {"recipe": {**MANIFEST["recipe"], "components": {"ucx": {"source": "ucx-debian"}, "nixl": {"source": "nixl"}}}}
     assert image.parts(built, {}, nixl)[1]["from"] == "source"  # a built NIXL wins over any wheel
@@ -151,3 +163,7 @@ def test_parts_say_where_each_part_came_from():
     assert lines[0].startswith("ucx: 1.13.1 built from source ucx-debian (ucx-1.13.1-1-debian.tar.gz")
     assert lines[1].startswith("nixl: nixl-cu12 1.5.1 wheel")
     assert lines[2] == "sizes: runtime stage kvstack:cpu 1024 MiB, build stage kvstack:cpu-build 2048 MiB (base 1 MiB)"
+    cached = image.parts({**built, "binary_cache": {"built_in": "/ci/_work/pinned/cpu.builds/cpu-1"}}, {}, nixl)
+    assert [p["binary_cache"] for p in cached] == ["/ci/_work/pinned/cpu.builds/cpu-1"] * 2
+    assert image.render_parts({**res, "parts": cached})[0].endswith(
+        ", taken from a binary cache (built in /ci/_work/pinned/cpu.builds/cpu-1)")

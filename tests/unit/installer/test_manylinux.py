@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from installer import manylinux
-from installer.manylinux import Needs, decide
+from installer.manylinux import FromPip, Needs, decide, from_pip
 
 POLICY = tomllib.loads(manylinux.POLICY.read_text())
 
@@ -89,3 +89,15 @@ def test_policy_rows_are_oldest_first_and_never_go_backwards():
         for key in ("glibc", "glibcxx", "cxxabi"):
             assert tuple(map(int, a[key].split("."))) <= tuple(map(int, b[key].split("."))), (a, b)
     assert not set(POLICY["system"]) & set(POLICY["drivers"])
+
+
+def test_the_cuda_runtime_comes_from_nvidias_wheel_and_then_the_tag_is_manylinux():
+    """libcudart.so.13 is neither the host's nor bundled: nvidia-cuda-runtime provides it, into
+    site-packages/nvidia/cu13/lib (the layout of its 13.x wheels on PyPI)."""
+    needs = [_needs(("libcudart.so.13", "libcuda.so.1", "libc.so.6")), _needs(("libc.so.6",))]
+    assert decide(needs, set(), POLICY).platform == "linux_x86_64"
+    found = from_pip(needs, set())
+    assert found == [FromPip("libcudart.so.13", "nvidia-cuda-runtime==13.*", "nvidia/cu13/lib")]
+    assert decide(needs, {d.library for d in found}, POLICY).platform == "manylinux_2_17_x86_64"
+    assert from_pip(needs, {"libcudart.so.13"}) == []          # bundled: nothing to require
+    assert from_pip([_needs(("libc.so.6",))], set()) == []     # the cpu build needs none
