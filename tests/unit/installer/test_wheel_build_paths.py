@@ -86,9 +86,13 @@ def test_text_naming_the_build_is_refused_and_other_files_pass(tmp_path):
 def test_preload_never_deep_binds(monkeypatch):
     """NIXL_UCX_DEEPBIND=1 in the environment is overridden: deep-bound, libucs reads libc's own
     `environ` instead of the executable's copy and UCX faults in ucp_worker_create."""
+    # set first, then deleted: monkeypatch then restores each to what it was (absent too),
+    # although the preload sets them; a bare delenv of an absent name records nothing, and the
+    # variables leaked into later tests' NIXL (its UCX plugin then refused to load)
+    for name in ("NIXL_UCX_EXPECTED_SONAME", "KVRUNTIME_KV_BUFFER"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("NIXL_UCX_DEEPBIND", "1")
-    monkeypatch.delenv("NIXL_UCX_EXPECTED_SONAME", raising=False)
-    monkeypatch.delenv("KVRUNTIME_KV_BUFFER", raising=False)
     spec = importlib.util.spec_from_file_location("kvstack_preload_under_test", wheel.PRELOAD_SOURCE)
     preload = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(preload)  # as the wheel's import does, with CONFIG = {}
