@@ -48,9 +48,10 @@ from .registration import Registration, Scratch
 from .releases import ReleaseSender
 from .samenode import (ENGINES, Batch, SameNodeUnavailable, SharedJob, host_copy_streams,
                        open_engine)
-from .staging import StagedPull, StagingExhausted, StagingPool, resolve_kv_buffer
+from . import coalesce as coalescing
+from .staging import PoolRoute, StagedPull, StagingExhausted, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
-from .tp import head_rows
+from .tp import head_rows, rows_per_chunk
 from .transfer import Draining, PostedTransfer, Rows, TransferResult
 
 log = logging.getLogger("kvruntime")
@@ -100,6 +101,11 @@ class PrefillPeer:
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
         self.lanes = None  # UCX's protocols of our agent after the connect-time probe (ucxlog)
         self.engine_reason = "not asked"  # why the engine in use was chosen
+        # through the pools (staging.py): a host-staged peer's, or a direct NIXL peer's
+        # coalesced requests (coalesce.py), and the model auto chooses by
+        self.route: PoolRoute | None = None
+        self.coalesce_model: coalescing.Model | None = None
+        self.coalesce_reason = "not a NIXL peer"  # why requests may (not) go coalesced
 
     @property
     def engine(self) -> str:
@@ -180,9 +186,41 @@ class PrefillPeer:
         handle = self._handle("pull", request_id, plan, timeout, t0)
         if self._engine is not None:
             return self._start_local(handle)
-        if self.client.staging is not None:
+        if self.client.staging is not None or self._coalesced(handle):
             return self._start_staged(handle)
         return self._post_read(handle, split)
+
+    def _coalesced(self, handle: TransferHandle) -> bool:
+        """Whether a direct NIXL request goes through the pools (coalesce.py); the choice and
+        its reason go into its result."""
+        mode = self.client.coalesce
+        if self.route is None or mode == "never":
+            handle.coalesce = (False, self.coalesce_reason)
+            return False
+        plan = handle.plan
+        heads = self.head_slice.count if self.head_slice else self.client.cache.layout.num_kv_heads
+        units = plan.num_blocks * heads
+        fits = min(self.route.pool.units, self.route.remote_units)
+        if units > fits:
+            if mode == "always":  # it could never fit: refused now, not at its deadline
+                raise StagingExhausted(
+                    f"request {handle.request_id} can never fit the staging pools: {units} "
+                    f"units, the decode's pool {self.route.pool.units}, the prefill's "
+                    f"{self.route.remote_units}; size the pools (staging_blocks) for the "
+                    f"largest request, or coalesce='auto'")
+            handle.coalesce = (False, f"{units} units do not fit the pools ({fits} units)")
+            return False
+        if mode == "always":
+            handle.coalesce = (True, "coalesce='always'")
+            return True
+        if self.coalesce_model is None:
+            handle.coalesce = (False, self.coalesce_reason)
+            return False
+        lay = self.client.cache.layout  # mixed TP, direct: a descriptor a token row
+        descriptors = (plan.num_blocks * lay.num_regions * rows_per_chunk(lay)
+                       if self.head_slice is not None else plan.descriptor_count)
+        handle.coalesce = self.coalesce_model.choose(descriptors, handle.nbytes)
+        return handle.coalesce[0]
 
     def _start_staged(self, handle: TransferHandle) -> TransferHandle:
         """Host-staged (staging.py): the prefill gathers into its pool, we READ the run into
@@ -190,8 +228,9 @@ class PrefillPeer:
         if handle.request_id in self._pending:
             raise KVRuntimeError(f"request id {handle.request_id!r} is already in flight on "
                                  f"{self.name}")
-        job = StagedPull(self, handle.plan, handle.request_id, time.time() + handle.timeout)
-        pool = self.client.staging
+        job = StagedPull(self, handle.plan, handle.request_id, time.time() + handle.timeout,
+                         self.route)
+        pool = self.route.pool
         if job.units > pool.units:  # it could never fit: refused now, not at its deadline
             raise StagingExhausted(f"request {handle.request_id} can never fit the decode's "
                                    f"staging pool: {pool.numbers(job.units)}; size the pool "
@@ -243,6 +282,8 @@ class PrefillPeer:
             raise KVRuntimeError(f"request id {request_id!r} is already in flight on {self.name}")
         handle = self._handle("push", request_id, plan, timeout, t0)
         if self.client.staging is not None:
+            return self._start_staged(handle)
+        if self._engine is None and self._coalesced(handle):  # the pull's road, the push's outcome
             return self._start_staged(handle)
         if self._engine is not None:
             # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
@@ -697,6 +738,7 @@ class DecodeClient:
         kv_buffer: str | None = None,
         staging_blocks: int = 0,
         tp_rank: int = 0,
+        coalesce: str = "auto",
     ):
         if engine not in ENGINES:
             raise KVRuntimeError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -706,6 +748,7 @@ class DecodeClient:
         self.secret = secret
         self.timeout = timeout
         self.engine = engine
+        self.coalesce = coalescing.check_mode(coalesce)
         self._peers: dict[tuple[str, int], PrefillPeer] = {}
         self._closed = False
         self._inflight: dict[int, TransferHandle] = {}
@@ -720,6 +763,10 @@ class DecodeClient:
         # metadata, the rkeys a READ in flight uses, must outlive it)
         self._leaving: set[str] = set()
         self.staging: StagingPool | None = None
+        # the pool requests go through: the host-staged one, or a direct side's for coalesced
+        # NIXL transfers (coalesce.py), registered beside the cache
+        self.pool: StagingPool | None = None
+        self._pool_reg: coalescing.PoolRegistration | None = None
         self._scratch: Scratch | None = None  # the lane probe's destination (registration.py)
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
         nixl_memory = "cpu" if kv_buffer == "host_staged" else device_kind
@@ -731,14 +778,20 @@ class DecodeClient:
             if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
                 self.staging = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,
                                            cache)
+                self.pool = self.staging
+            elif self.coalesce != "never":
+                self.pool = coalescing.make_pool(cache, staging_blocks)
+                self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
             registered = self.staging.cache if self.staging else cache
             self.registration = Registration(self.agent, registered)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                                  self.registration.region_triples(), registered.mem_type,
                                  kv_buffer, cache.layout if self.staging else None, tp_rank)
         except Exception:
-            if self.staging is not None:
-                self.staging.close()
+            if self._pool_reg is not None:
+                self._pool_reg.close()
+            if self.pool is not None:
+                self.pool.close()
             self.agent.close()
             raise
 
@@ -800,8 +853,47 @@ class DecodeClient:
             except BaseException:
                 peer.close()
                 raise
+        if self.staging is not None:
+            address, length, device = info.regions[0]
+            peer.route = PoolRoute(self.staging, (address, length, device), info.mem_type,
+                                   info.layout.num_blocks, "host_staged")
+        elif peer.engine == "nixl":
+            try:
+                self._open_pool(peer)
+            except BaseException:
+                peer.close()
+                raise
         peer.handshake_seconds = time.perf_counter() - start
         return peer
+
+    def _open_pool(self, peer: PrefillPeer) -> None:
+        """A direct NIXL peer: ask where its staging pool is and, for auto, measure the pair
+        (coalesce.py). A prefill without one, or a bad offer, leaves requests direct, and the
+        reason is kept."""
+        if self.pool is None:
+            peer.coalesce_reason = "coalesce='never'"
+            return
+        try:
+            t = time.perf_counter()
+            reply = peer._call({"type": "pool"}, "pool", self.timeout)
+            round_trip = time.perf_counter() - t
+            peer.route = coalescing.route_from(reply, self.pool)
+        except KVRuntimeError as exc:
+            if peer._broken:
+                raise
+            peer.coalesce_reason = f"direct: {exc}"
+            log.info("%s: %s", peer.name, peer.coalesce_reason)
+            return
+        if self.coalesce != "auto":
+            peer.coalesce_reason = f"coalesce={self.coalesce!r}"
+            return
+        try:
+            peer.coalesce_model = coalescing.probe(peer, peer.route, round_trip)
+        except KVRuntimeError as exc:
+            log.info("%s: coalescing probe: %s", peer.name, exc)
+        peer.coalesce_reason = ("auto: by the connect-time probe" if peer.coalesce_model else
+                                "direct: the connect-time probe could not run (our pool busy, "
+                                "or the peer's cache too small)")
 
     def _check_lanes(self, peer: PrefillPeer) -> None:
         """Device memory over NIXL: READ a few bytes of the peer's cache into our scratch, so
@@ -979,8 +1071,10 @@ class DecodeClient:
         if self._scratch is not None:
             self._scratch.close()
         self.registration.close()
-        if self.staging is not None:
-            self.staging.close()
+        if self._pool_reg is not None:
+            self._pool_reg.close()
+        if self.pool is not None:
+            self.pool.close()
         self.agent.close()
 
     def __enter__(self):

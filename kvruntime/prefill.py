@@ -44,6 +44,7 @@ from .plan import Planner, make_plan
 from .registration import Registration
 from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
+from . import coalesce as coalescing
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import HeadSlice, direct_slice, head_rows
@@ -177,12 +178,18 @@ class PrefillServer:
         kv_buffer: str | None = None,
         staging_blocks: int = 0,
         tp_rank: int = 0,
+        coalesce: str = "auto",
     ):
         kv_buffer = resolve_kv_buffer(kv_buffer, device_kind, offered_transports)
+        coalescing.check_mode(coalesce)
         self.cache = cache
         self._own = Planner(cache.layout)  # our ids alone (pushes' sources), made once
         self.kv_buffer = kv_buffer
         self.staging: StagingPool | None = None
+        # the pool staged requests are gathered into: the host-staged one, or a direct
+        # server's for its decodes' coalesced requests (coalesce.py; none for "never")
+        self.pool: StagingPool | None = None
+        self._pool_reg: coalescing.PoolRegistration | None = None
         self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
         self._stage_queue: deque = deque()  # (peer, request, plan, deadline, queued at)
         self._stage_lock = threading.Lock()
@@ -221,12 +228,18 @@ class PrefillServer:
             if kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
                 self.staging = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,
                                            cache)
+                self.pool = self.staging
+            elif coalesce != "never":  # registered before our metadata goes out
+                self.pool = coalescing.make_pool(cache, staging_blocks)
+                self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
             self.registration = Registration(self.agent, self.staging.cache if self.staging
                                              else cache)
             self._listener = socket.create_server((host, port), backlog=64)
         except Exception:
-            if self.staging is not None:
-                self.staging.close()
+            if self._pool_reg is not None:
+                self._pool_reg.close()
+            if self.pool is not None:
+                self.pool.close()
             self.agent.close()
             raise
         self._listener.settimeout(0.2)
@@ -418,6 +431,10 @@ class PrefillServer:
                 peer.mailbox = peer.mailbox or Mailbox()
                 offer.update(peer.mailbox.offer())
             peer.send({**offer, "request": message.get("request")}, self.timeout)
+        elif kind == "pool":  # a direct decode asks where our pool is (coalesce.py)
+            peer.send({**coalescing.offer(self.pool if self.staging is None else None,
+                                          "coalesce='never' on this prefill"),
+                       "request": message.get("request")}, self.timeout)
         elif kind == "stage":
             self._stage(peer, message)
         elif kind == "unstage":
@@ -678,19 +695,19 @@ class PrefillServer:
         src = frames.ids_field(message, "src")
         deadline = float(frames.field(message, "deadline", (int, float)))
         try:
-            if self.staging is None:
-                raise KVRuntimeError("this prefill is not host-staged")
+            if self.pool is None:
+                raise KVRuntimeError("this prefill has no staging pool (coalesce='never')")
             plan = make_plan(self.cache.layout, src)
             heads = _heads(message.get("heads"), self.cache.layout.num_kv_heads)
             left = deadline - time.time()
             if left <= 0:
                 raise KVRuntimeError(f"its deadline passed {-left:.3f}s before it was read")
             units = plan.num_blocks * (heads[1] - heads[0])
-            if units > self.staging.units:
+            if units > self.pool.units:
                 raise KVRuntimeError(f"a request of {units} units ({plan.num_blocks} blocks x "
                                      f"{heads[1] - heads[0]} heads) cannot fit a staging pool "
-                                     f"of {self.staging.units} units (the prefill's: "
-                                     f"{self.staging.numbers(units)})")
+                                     f"of {self.pool.units} units (the prefill's: "
+                                     f"{self.pool.numbers(units)})")
         except KVRuntimeError as exc:
             peer.send({"type": "stage_failed", "request": request, "error": str(exc)},
                       self.timeout)
@@ -714,36 +731,56 @@ class PrefillServer:
                     start, reply = None, {
                         "type": "stage_failed", "request": request,
                         "error": f"the prefill's staging pool is exhausted: "
-                                 f"{self.staging.numbers(n)}; waited "
+                                 f"{self.pool.numbers(n)}; waited "
                                  f"{time.monotonic() - queued:.3f}s until the request's "
                                  f"deadline"}
                 else:
-                    start = self.staging.try_acquire(n)
+                    start = self.pool.try_acquire(n)
                     if start is None:
                         return  # the head waits for blocks (FIFO: no starving large requests)
                     self._stage_queue.popleft()
                     reply = None
             if reply is None:
-                try:
-                    self.staging.gather(plan.block_ids()[0], start, heads)
-                except Exception as exc:
-                    self.staging.release(start, n)
-                    reply = {"type": "stage_failed", "request": request,
-                             "error": f"gather failed: {exc}"}
-                else:
-                    # freed by unstage; or, if the decode never says, well after its deadline
-                    # (its READ has been aborted by then)
-                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
-                    reply = {"type": "staged", "request": request, "start": start, "count": n}
+                self._gather_answering(peer, request, plan, heads, start, n, deadline)
+                continue
             try:
                 peer.send(reply, self.timeout)
             except KVRuntimeError as exc:
                 log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
 
+    def _gather_answering(self, peer: _Peer, request: str, plan, heads, start: int, n: int,
+                          deadline: float) -> None:
+        """Gather a request's run chunk by chunk (staging.StagingPool.chunks), answering each
+        ("staged" with its rows) as soon as it is in the pool: the decode READs one chunk while
+        the next is gathered."""
+        pool, ids = self.pool, plan.block_ids()[0]
+        # freed by unstage; or, if the decode never says, well after its deadline (its READ
+        # has been aborted by then)
+        self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
+        chunks = pool.chunks(len(ids), heads[1] - heads[0])
+        for i, rows in enumerate(chunks):
+            try:
+                pool.gather(ids, start, heads, rows)
+            except Exception as exc:
+                if self._staged.pop((peer.agent, request), None) is not None:
+                    pool.release(start, n)
+                reply = {"type": "stage_failed", "request": request,
+                         "error": f"gather failed: {exc}"}
+            else:
+                reply = {"type": "staged", "request": request, "start": start, "count": n,
+                         "rows": list(rows), "last": i == len(chunks) - 1}
+            try:
+                peer.send(reply, self.timeout)
+            except KVRuntimeError as exc:
+                log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
+                return
+            if reply["type"] == "stage_failed":
+                return
+
     def _unstage(self, agent: str, request: str) -> None:
         staged = self._staged.pop((agent, request), None)
         if staged is not None:
-            self.staging.release(staged[0], staged[1])
+            self.pool.release(staged[0], staged[1])
             self._release(agent, request)
             self._work.set()  # queued requests may fit now
 
@@ -753,7 +790,7 @@ class PrefillServer:
             if now > expiry and self._staged.pop(key, None) is not None:
                 log.warning("staged request %s of %s was never unstaged; its pool blocks are "
                             "freed", key[1], key[0])
-                self.staging.release(start, n)
+                self.pool.release(start, n)
 
     def _cancel_write(self, peer: _Peer, request: str) -> None:
         with self._writes_lock:
@@ -927,8 +964,10 @@ class PrefillServer:
         if self._orphans.drain(self.timeout):  # the agent goes now: its worker's end stops them
             log.error("closing with WRITEs still in flight after %.1fs", self.timeout)
         self.registration.close()
-        if self.staging is not None:
-            self.staging.close()
+        if self._pool_reg is not None:
+            self._pool_reg.close()
+        if self.pool is not None:
+            self.pool.close()
         self.agent.close()
 
     def __enter__(self):

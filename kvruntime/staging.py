@@ -31,12 +31,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import threading
 import time
 from dataclasses import dataclass
 
-from . import frames
-from .bounce import SLOT_BYTES, BounceRing, pieces
+from . import frames, native
+from .bounce import SLOT_BYTES, BounceRing, _TorchStreams, pieces
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
 from .plan import TransferPlan, make_plan
@@ -96,37 +97,68 @@ def _byte_regions(cache) -> list:
             for r in cache.regions]
 
 
+POOL_MEMORY = ("host", "device")
+# A run is answered (and READ) in pieces of about this many bytes: the gather of one piece
+# overlaps the READ of the one before it, and its scatter the READ of the next.
+CHUNK_BYTES = 4 << 20
+
+
 class StagingPool:
-    """``blocks`` host staging blocks for caches of ``layout``: a KVCache of its own (what gets
-    registered with NIXL), an allocator of consecutive runs, and gather/scatter."""
+    """``blocks`` staging blocks for caches of ``layout``: a KVCache of its own (what gets
+    registered with NIXL), an allocator of consecutive runs, and gather/scatter.
+
+    ``memory``: "host" (DRAM: host caches, and the host-staged mode of device caches, whose
+    copies cross PCIe through the bounce ring) or "device" (VRAM on the cache's own device:
+    coalesced NIXL transfers of a device cache, gathered and scattered by index ops on the
+    device itself). One allocator, one unit (one KV head of one block), one run layout."""
 
     def __init__(self, layout: KVLayout, blocks: int, device_cache,
-                 bounce_bytes: int = SLOT_BYTES):
+                 bounce_bytes: int = SLOT_BYTES, memory: str = "host"):
         from .memory import KVCache
 
-        if not isinstance(blocks, int) or blocks < 1:
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
             raise KVRuntimeError(f"staging_blocks must be a positive integer, got {blocks!r}")
+        if memory not in POOL_MEMORY:
+            raise KVRuntimeError(f"a staging pool's memory must be one of "
+                                 f"{', '.join(POOL_MEMORY)}, got {memory!r}")
+        tensors = device_cache.tensors
+        on_device = bool(tensors) and tensors[0].device.type != "cpu"
+        if memory == "device" and not on_device:
+            raise KVRuntimeError("a device staging pool needs a device cache (cuda or xpu "
+                                 "tensors); a host cache stages in host memory")
+        self.memory = memory
         self.layout = staging_layout(layout, blocks * layout.num_kv_heads)
         self.device_layout = layout
         self.device_cache = device_cache
-        self.cache = KVCache.allocate_host(self.layout)
-        self._free = [True] * self.layout.num_blocks  # in units (one head of one block)
+        if memory == "device":
+            dev = tensors[0].device
+            self.cache = KVCache.allocate_device(self.layout, dev.type, dev.index or 0)
+        else:
+            self.cache = KVCache.allocate_host(self.layout)
+        # one byte a unit (one head of one block), 1 free: a run of n free units is found by
+        # one C search (bytes.find), not a Python loop over tens of thousands of units
+        self._free = bytearray(b"\x01") * self.layout.num_blocks
         self._cv = threading.Condition()
         self._pinned = False
-        tensors = device_cache.tensors
-        if tensors and tensors[0].device.type == "cuda":
+        if memory == "host" and on_device and tensors[0].device.type == "cuda":
             self._pin()
         self._pool = _byte_regions(self.cache)[0]
         self._device = _byte_regions(device_cache)
         self._ring = None
+        self._streams = None  # a device pool's stream and events (bounce._TorchStreams)
+        self._scatters = None  # a host cache's scatters run on a thread of their own
         self._region_views: dict = {}  # (h0, h1) -> the regions' views of those heads
         self._pool_words = self._words(self._pool)  # views made once: a request's prologue
         self._head_words = layout.head_dim * layout.element_bytes // self._pool_words.element_size()
         dev = self._device[0].device
-        if dev.type != "cpu":  # copies pipelined through device bounce slots (bounce.py)
+        if memory == "device":
+            self._streams = _TorchStreams(dev)
+        elif dev.type != "cpu":  # copies pipelined through device bounce slots (bounce.py)
             row = layout.tokens_per_block * layout.num_kv_heads * self._head_words
             self._ring = BounceRing(dev, self._pool_words.dtype,
                                     max(row, bounce_bytes // self._pool_words.element_size()))
+        else:  # host memory both sides: C copies of the pieces (native.py), no torch op
+            self._bases, self._strides = _region_bases(device_cache)
 
     def _pin(self) -> None:
         """Page-lock the pool for CUDA copies (without it a copy to pageable memory is staged
@@ -146,12 +178,8 @@ class StagingPool:
 
     # -- allocation ----------------------------------------------------------------------------
     def _find(self, n: int) -> int | None:
-        run = 0
-        for i, free in enumerate(self._free):
-            run = run + 1 if free else 0
-            if run == n:
-                return i - n + 1
-        return None
+        at = self._free.find(b"\x01" * n)
+        return None if at < 0 else at
 
     def largest_free_run(self) -> int:
         with self._cv:
@@ -160,21 +188,17 @@ class StagingPool:
     def numbers(self, wanted: int) -> str:
         """The pool's numbers for an error: asked, free, largest free run, size."""
         with self._cv:
-            return (f"{wanted} units asked, {sum(self._free)} free (largest free run "
+            return (f"{wanted} units asked, {self._free.count(1)} free (largest free run "
                     f"{self._largest_free_run()}) of {self.units}")
 
     def _largest_free_run(self) -> int:
-        best = run = 0
-        for free in self._free:
-            run = run + 1 if free else 0
-            best = max(best, run)
-        return best
+        return max(map(len, self._free.split(b"\x00")), default=0)
 
     def try_acquire(self, n: int) -> int | None:
         with self._cv:
             start = self._find(n)
             if start is not None:
-                self._free[start:start + n] = [False] * n
+                self._free[start:start + n] = bytes(n)
             return start
 
     def acquire(self, n: int, deadline: float) -> int:
@@ -187,7 +211,7 @@ class StagingPool:
             while True:
                 start = self._find(n)
                 if start is not None:
-                    self._free[start:start + n] = [False] * n
+                    self._free[start:start + n] = bytes(n)
                     return start
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -199,13 +223,32 @@ class StagingPool:
 
     def release(self, start: int, n: int) -> None:
         with self._cv:
-            self._free[start:start + n] = [True] * n
+            self._free[start:start + n] = b"\x01" * n
             self._cv.notify_all()
 
     # -- copies ----------------------------------------------------------------------------------
     # A staged run of n blocks and hs heads holds [2 x layers][n][tokens][hs][head_dim] (K/V of
     # each layer, then blocks): the same on every side whatever its layout kind or TP size, so
-    # a decode rank's heads arrive as one contiguous run and scatter into their place.
+    # a decode rank's heads arrive as one contiguous run and scatter into their place. Its
+    # "rows" are its (region, block) pairs in that order, row r * n + b: a range of rows is one
+    # contiguous range of the run, which is what a chunk is.
+    def row_bytes(self, hs: int) -> int:
+        """Bytes of one row (one region of one block, ``hs`` heads) of a run."""
+        lay = self.device_layout
+        return lay.tokens_per_block * hs * lay.head_dim * lay.element_bytes
+
+    def chunks(self, n: int, hs: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+        """The row ranges a run of ``n`` blocks and ``hs`` heads is gathered, answered, READ
+        and scattered in: about ``chunk_bytes`` each; whole regions where the bounce ring
+        copies (its pieces follow region order)."""
+        regions = 2 * self.device_layout.num_layers
+        total = regions * n
+        if self._ring is not None:
+            k = min(CHUNKS, regions)
+            return [(i * regions // k * n, (i + 1) * regions // k * n) for i in range(k)]
+        per = max(1, chunk_bytes // self.row_bytes(hs))
+        return [(lo, min(total, lo + per)) for lo in range(0, total, per)]
+
     def _run(self, start: int, n: int, hs: int):
         lay = self.device_layout
         return self._run_flat(start, n, hs).view(2 * lay.num_layers, n, lay.tokens_per_block,
@@ -262,24 +305,78 @@ class StagingPool:
 
         return np.asarray(blocks, dtype=np.int64)
 
-    def gather(self, blocks, start: int, heads: tuple[int, int] | None = None) -> int:
-        """Heads ``heads`` (all by default) of device cache ``blocks`` -> the run at ``start``;
-        finished when this returns (waiting for the pool's own streams, never the device).
-        Returns the units used."""
+    def _pieces(self, ids, heads: tuple[int, int], rows: tuple[int, int]):
+        """A host cache's addresses of rows ``rows`` of a run of blocks ``ids``, heads
+        ``heads``: one piece a row (all heads: a region of a block is contiguous), else one a
+        token row of it. Returns (uint64 addresses, bytes a piece)."""
+        import numpy as np
+
+        lay = self.device_layout
+        head = lay.head_dim * lay.element_bytes
+        r, b = np.divmod(np.arange(rows[0], rows[1], dtype=np.int64), len(ids))
+        at = (self._bases[r] + ids[b].astype(np.uint64) * self._strides[r]
+              + np.uint64(heads[0] * head))
+        hs = heads[1] - heads[0]
+        if hs == lay.num_kv_heads:
+            return at, lay.page_bytes
+        within = np.arange(lay.tokens_per_block, dtype=np.uint64) * np.uint64(lay.num_kv_heads * head)
+        return (at[:, None] + within[None, :]).reshape(-1), hs * head
+
+    def _host_copy(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int],
+                   gather: bool) -> None:
+        """Rows ``rows`` between a host cache and the run at ``start``: one C call (its
+        copies without the GIL), or piece by piece through ctypes where native.py is off."""
+        addresses, length = self._pieces(ids, heads, rows)
+        n, hs = len(ids), heads[1] - heads[0]
+        run = (self.cache.regions[0].address + start * self.layout.block_bytes
+               + rows[0] * self.row_bytes(hs))
+        copy = native.piece_copy()
+        if copy is not None:
+            copy(run, addresses, length) if gather else copy(addresses, run, length)
+            return
+        for i, at in enumerate(addresses.tolist()):
+            there = run + i * length
+            ctypes.memmove(there, at, length) if gather else ctypes.memmove(at, there, length)
+
+    def _device_copy(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int],
+                     gather: bool):
+        """Rows ``rows`` between a device cache and the run at ``start`` in a device pool:
+        index ops on the pool's stream (after the caller's). Returns an event after them."""
         import torch
 
+        n, hs = len(ids), heads[1] - heads[0]
+        views, run = self._regions(heads), self._run(start, n, hs)
+        st = self._streams
+        with st.compute_after_caller():
+            dev_ids = st.upload(ids)
+            for r, b0, b1 in spans(rows, n):
+                if gather:
+                    torch.index_select(views[r], 0, dev_ids[b0:b1], out=run[r, b0:b1])
+                else:
+                    views[r].index_copy_(0, dev_ids[b0:b1], run[r, b0:b1])
+            event = st.event()
+            st.record(event, st.compute)
+        return event
+
+    def gather(self, blocks, start: int, heads: tuple[int, int] | None = None,
+               rows: tuple[int, int] | None = None) -> int:
+        """Heads ``heads`` (all by default) of device cache ``blocks`` -> rows ``rows`` (all
+        by default) of the run at ``start``; finished when this returns (waiting for the
+        pool's own streams, never the device). Returns the units of the run."""
         h0, h1 = heads = heads or (0, self.device_layout.num_kv_heads)
         ids = self.ids(blocks)
         n, hs = len(ids), h1 - h0
-        regions = self._regions(heads)
-        if self._ring is None:  # a CPU cache: straight into the run, one pass
-            run = self._run(start, n, hs)  # [regions][n][t][hs][words]
-            for r, view in enumerate(regions):
-                torch.index_select(view, 0, torch.from_numpy(ids), out=run[r])
-            return n * hs
-        shape = self._row_shape(hs)
-        fills = pieces(range(len(regions)), n, math.prod(shape), self._ring.slot_words)
-        wait(self._ring.gather(fills, regions, ids, self._run_flat(start, n, hs), shape))
+        rows = rows or (0, 2 * self.device_layout.num_layers * n)
+        if self._streams is not None:
+            wait(self._device_copy(ids, start, heads, rows, True))
+        elif self._ring is None:  # a CPU cache: straight into the run
+            self._host_copy(ids, start, heads, rows, True)
+        else:
+            shape = self._row_shape(hs)
+            fills = pieces(range(rows[0] // n, -(-rows[1] // n)), n, math.prod(shape),
+                           self._ring.slot_words)
+            wait(self._ring.gather(fills, self._regions(heads), ids,
+                                   self._run_flat(start, n, hs), shape))
         return n * hs
 
     def scatter(self, start: int, blocks, heads: tuple[int, int] | None = None) -> None:
@@ -288,25 +385,28 @@ class StagingPool:
         wait(self.scatter_async(start, blocks, heads))
 
     def scatter_async(self, start: int, blocks, heads: tuple[int, int] | None = None,
-                      regions: tuple[int, int] | None = None):
-        """Queue regions ``regions`` (all by default: a run is region-major, so a range of them
-        is one contiguous piece of it) of the run at ``start`` into heads ``heads`` of device
-        cache ``blocks``. Returns an event to poll (None: already done, a CPU cache). The run
-        must stay untouched until then."""
+                      rows: tuple[int, int] | None = None):
+        """Queue rows ``rows`` (all by default) of the run at ``start`` into heads ``heads``
+        of device cache ``blocks``. Returns what to poll (``done``/``wait``): a device
+        event, or a host scatter's future (run on the pool's scatter thread, beside its
+        caller's NIXL calls). The run must stay untouched until then."""
         g0, g1 = heads = heads or (0, self.device_layout.num_kv_heads)
-        r0, r1 = regions or (0, 2 * self.device_layout.num_layers)
-        n, hs = len(blocks), g1 - g0
-        views = self._regions(heads)
-        if self._ring is None:  # numpy copies whole rows; torch's CPU index ops element by element
-            src = self._run(start, n, hs)
-            ids = self.ids(blocks)
-            for r in range(r0, r1):
-                views[r].numpy()[ids] = src[r].numpy()
-            return None
+        ids = self.ids(blocks)
+        n, hs = len(ids), g1 - g0
+        rows = rows or (0, 2 * self.device_layout.num_layers * n)
+        if self._streams is not None:
+            return self._device_copy(ids, start, heads, rows, False)
+        if self._ring is None:
+            if self._scatters is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._scatters = ThreadPoolExecutor(1, thread_name_prefix="kvr-scatter")
+            return self._scatters.submit(self._host_copy, ids, start, heads, rows, False)
         shape = self._row_shape(hs)
-        fills = pieces(range(r0, r1), n, math.prod(shape), self._ring.slot_words)
-        return self._ring.scatter(fills, self._run_flat(start, n, hs), views, self.ids(blocks),
-                                  shape)
+        fills = pieces(range(rows[0] // n, -(-rows[1] // n)), n, math.prod(shape),
+                       self._ring.slot_words)
+        return self._ring.scatter(fills, self._run_flat(start, n, hs), self._regions(heads),
+                                  ids, shape)
 
     def close(self) -> None:
         if self._pinned:
@@ -314,20 +414,52 @@ class StagingPool:
 
             torch.cuda.cudart().cudaHostUnregister(self.cache.regions[0].address)
             self._pinned = False
-        self._pool = self._ring = None
+        if self._scatters is not None:
+            self._scatters.shutdown(wait=True)
+        self._pool = self._ring = self._streams = self._scatters = None
         self._device = []
         self.cache.close()
 
 
 def wait(event) -> None:
-    """Until an event of the pool's stream has passed (this stream's work only, never a
-    device-wide synchronize)."""
-    if event is not None:
+    """Until a copy has passed: an event of the pool's stream (this stream's work only, never
+    a device-wide synchronize), or a host scatter's future (its error raised here)."""
+    if event is None:
+        return
+    if hasattr(event, "result"):
+        event.result()
+    else:
         event.synchronize()
 
 
 def done(event) -> bool:
-    return event is None or event.query()
+    if event is None:
+        return True
+    return event.done() if hasattr(event, "result") else event.query()
+
+
+def spans(rows: tuple[int, int], n: int):
+    """(region, first block, end block) of each region that rows ``rows`` of a run of ``n``
+    blocks touch (row r * n + b)."""
+    lo, hi = rows
+    for r in range(lo // n, -(-hi // n)):
+        yield r, max(lo - r * n, 0), min(hi - r * n, n)
+
+
+def _region_bases(cache):
+    """A host cache's per-region (address of block 0, bytes from one block to the next), as
+    uint64 arrays indexed by region (K or V of one layer)."""
+    import numpy as np
+
+    lay = cache.layout
+    regions = 2 * lay.num_layers
+    if lay.kind == CROSS_LAYER:
+        bases = [cache.regions[0].address + r * lay.page_bytes for r in range(regions)]
+        stride = lay.block_bytes
+    else:
+        bases = [region.address for region in cache.regions]
+        stride = lay.page_bytes
+    return (np.array(bases, dtype=np.uint64), np.full(regions, stride, dtype=np.uint64))
 
 
 def pool_plan(src_layout: KVLayout, src_start: int, dst_layout: KVLayout, dst_start: int,
@@ -337,23 +469,37 @@ def pool_plan(src_layout: KVLayout, src_start: int, dst_layout: KVLayout, dst_st
                      list(range(dst_start, dst_start + n)))
 
 
-# A staged run is READ in this many pieces (whole regions each), so that the scatter of one
-# overlaps the READ of the next.
+# Where the bounce ring copies, a staged run is answered in this many pieces (whole regions
+# each: the ring's fills follow region order).
 CHUNKS = 4
+
+
+@dataclass(frozen=True)
+class PoolRoute:
+    """How a peer's requests go through the pools: ours, the peer's (its registered region, of
+    its memory kind) and the engine name its results carry ("host_staged", or "nixl" for a
+    coalesced transfer of a direct peer)."""
+
+    pool: StagingPool
+    remote: tuple[int, int, int]  # the peer's pool: (address, bytes, device id)
+    remote_mem: str
+    remote_units: int
+    engine: str
 
 
 @dataclass
 class _Chunk:
-    regions: tuple[int, int]
-    xfer: object  # PostedTransfer
-    event: object = None  # its scatter's, on the pool's stream
+    rows: tuple[int, int]  # rows of the run (staging.py: row r * n + b)
+    xfer: object  # PostedTransfer, or the same-node engine's read
+    event: object = None  # its scatter's (a device event, a host scatter's future)
     scattered: bool = False
 
 
 class StagedPull(CopyJob):
-    """Decode side of one staged request, polled like a PostedTransfer (see module doc)."""
-
-    engine = "host_staged"
+    """Decode side of one request through the pools, polled like a PostedTransfer (see module
+    doc): the prefill gathers the run chunk by chunk and answers each ("staged" with its
+    rows); each chunk is READ as its answer comes and scattered as it lands, so the gather
+    of one, the READ of the next and the scatter of the one before run side by side."""
 
     def release(self, peer, request_id: str) -> None:
         """Nothing to say: the request's "unstage" frees the prefill's pool blocks."""
@@ -361,22 +507,28 @@ class StagedPull(CopyJob):
     def give_back(self, peer, request_id: str) -> None:
         """Nothing to say: a failed request's cleanup sends its "unstage" too."""
 
-    def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float):
+    def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float,
+                 route: PoolRoute):
         super().__init__("READ", plan)
         self.peer = peer
+        self.route = route
+        self.engine = route.engine
         tp = peer.head_slice  # which of the prefill's heads, to which of ours
         self._src_heads = tp.src if tp else None
         self._dst_heads = tp.dst if tp else None
-        self._units = plan.num_blocks * (tp.count if tp else
-                                         peer.client.cache.layout.num_kv_heads)
+        self._hs = tp.count if tp else peer.client.cache.layout.num_kv_heads
+        self._units = plan.num_blocks * self._hs
+        self._rows = 2 * peer.client.cache.layout.num_layers * plan.num_blocks
         self.request_id = request_id
         # what it waits for, for the deadline's error: the prefill's run, then our pool blocks
         self.waiting = "the prefill had not staged it (its pool busy, or it stalled or died)"
         self._remote: tuple[int, int] | None = None
         self._local: int | None = None
+        self._ready: list[tuple[int, int]] = []  # row ranges the prefill has gathered
         self._chunks: list[_Chunk] = []
         self._unstaged = False
         src, self._dst = plan.block_ids()
+        self._dst = route.pool.ids(self._dst)  # once for all the chunks' scatters
         self._message = {"type": "stage", "request": request_id, "src": frames.pack_ids(src),
                          "deadline": deadline_wall}
         if self._src_heads is not None:
@@ -393,28 +545,40 @@ class StagedPull(CopyJob):
         self.peer._send(self._message)
 
     def on_reply(self, message: dict) -> None:
-        if message.get("type") == "staged":
-            start, count = message.get("start"), message.get("count")
-            if (isinstance(start, int) and isinstance(count, int)
-                    and count == self._units and start >= 0):
-                self._remote = (start, count)
-                return
-            self._fail("the prefill answered with a malformed staged run")
-        else:
+        if self.state != "PROC":
+            return
+        if message.get("type") != "staged":
             self._fail(f"the prefill could not stage it: {message.get('error')}")
+            return
+        start, count, rows = message.get("start"), message.get("count"), message.get("rows")
+        at = self._ready[-1][1] if self._ready else 0
+        if not (isinstance(start, int) and isinstance(count, int) and count == self._units
+                and start >= 0 and start + count <= self.route.remote_units
+                and self._remote in (None, (start, count))
+                and isinstance(rows, list) and len(rows) == 2
+                and all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+                and rows[0] == at and at < rows[1] <= self._rows):
+            self._fail(f"the prefill answered with a malformed staged run ({count!r} units at "
+                       f"{start!r}, rows {str(rows)[:40]}; {self._units} units, rows from {at} "
+                       f"of {self._rows} expected)")
+            return
+        self._remote = (start, count)
+        self._ready.append((rows[0], rows[1]))
 
     def poll(self) -> str:
         if self.state != "PROC":
             return self.state
-        pool = self.peer.client.staging
-        if self._remote is not None and not self._chunks:
+        pool = self.route.pool
+        if self._remote is not None and self._local is None:
             self._local = pool.try_acquire(self._remote[1])
             if self._local is None:
                 self.waiting = f"the decode's staging pool is exhausted: {pool.numbers(self._units)}"
                 return self.state  # waits for pool blocks until the handle's deadline
             self.waiting = "its READ of the staged run had not ended (peer dead or stalled)"
+        if self._local is not None and len(self._chunks) < len(self._ready):
             try:
-                self._post_chunks(pool)
+                for rows in self._ready[len(self._chunks):]:
+                    self._chunks.append(_Chunk(rows, self._post(pool, rows)))
             except KVRuntimeError as exc:
                 self._fail(str(exc))
                 return self.state
@@ -422,54 +586,67 @@ class StagedPull(CopyJob):
             if chunk.scattered:
                 continue
             st = chunk.xfer.poll()
-            if st == "DONE":  # its regions land while the next chunks are still read
+            if st == "DONE":  # its rows land while the next chunks are still read
                 chunk.xfer.finish()
                 chunk.event = pool.scatter_async(self._local, self._dst, self._dst_heads,
-                                                 chunk.regions)
+                                                 chunk.rows)
                 chunk.scattered = True
             elif st == "ERR":
                 chunk.xfer.finish()
                 self._fail(f"the READ of the staged blocks failed (prefill gone?): "
                            f"{getattr(chunk.xfer, 'error', None) or 'NIXL state ERR'}")
                 return self.state
-        if self._chunks and all(c.scattered and done(c.event) for c in self._chunks):
+        if (self._chunks and self._chunks[-1].rows[1] == self._rows
+                and all(c.scattered and done(c.event) for c in self._chunks)):
+            for chunk in self._chunks:
+                try:
+                    wait(chunk.event)  # a host scatter's error is raised here
+                except Exception as exc:
+                    self._fail(f"scattering the staged blocks failed: {exc}")
+                    return self.state
             self._done("DONE")
         return self.state
 
-    def _post_chunks(self, pool) -> None:
-        """READ the prefill's run into ours as CHUNKS pieces of whole regions (a run is
-        region-major, so each is one descriptor), all posted at once: the scatter of a piece
-        that has landed overlaps the READs of the next ones."""
+    def block(self, seconds: float) -> None:
+        """Sleep until something this request waits for may have happened, at most
+        ``seconds`` (``TransferHandle.wait`` calls it instead of spinning: on a host of few
+        cores a spinning waiter takes the core the prefill's gather or our scatter needs).
+        A READ in flight is polled (its completion is NIXL's to report); otherwise the next
+        frame of the prefill, or the first scatter still running, ends the sleep."""
+        if any(not c.scattered for c in self._chunks):
+            os.sched_yield()  # polled again at once, the core offered to the others first
+            return
+        running = [c.event for c in self._chunks if c.event is not None and not done(c.event)]
+        if running and hasattr(running[0], "result") and len(self._ready) and \
+                self._ready[-1][1] == self._rows:  # every chunk is here: the scatters are left
+            from concurrent.futures import wait as wait_futures
+
+            wait_futures(running[:1], timeout=seconds)
+            return
+        self.peer._await_frame(seconds)
+
+    def _post(self, pool, rows: tuple[int, int]):
+        """READ rows ``rows`` of the prefill's run into the same rows of ours: one range (the
+        run is region-major, rows are contiguous), one descriptor."""
         import numpy as np
 
         from .transfer import PostedTransfer, Rows
 
-        regions = 2 * pool.device_layout.num_layers
-        unit, units = pool.layout.block_bytes, self._remote[1]
-        per_region = units * unit // regions
+        unit, row = pool.layout.block_bytes, pool.row_bytes(self._hs)
+        off, length = rows[0] * row, (rows[1] - rows[0]) * row
         local = pool.cache.regions[0]
-        remote = self.peer.info.regions[0]
-        local_base = local.address + self._local * unit
-        remote_base = remote[0] + self._remote[0] * unit
-        plan = pool_plan(self.peer.info.layout, self._remote[0], pool.layout, self._local, units)
-        k = min(CHUNKS, regions)
-        self._dst = pool.ids(self._dst)  # once for all the chunks' scatters
-        bounds = [i * regions // k for i in range(k + 1)]
+        local_at = local.address + self._local * unit + off
+        remote_at = self.route.remote[0] + self._remote[0] * unit + off
         engine = self.peer._pool_engine  # same host: our reader threads instead of NIXL
-        for a, b in zip(bounds, bounds[1:]):
-            off, length = a * per_region, (b - a) * per_region
-            if engine is not None:
-                xfer = engine.read("READ", plan, np.array([local_base + off], dtype=np.uint64),
-                                   np.array([remote_base + off], dtype=np.uint64),
-                                   np.array([length], dtype=np.uint64))
-                self._chunks.append(_Chunk((a, b), xfer))
-                continue
-            rows = Rows(np.array([[local_base + off, length, local.device_id]], dtype=np.uint64),
-                        np.array([[remote_base + off, length, remote[2]]], dtype=np.uint64),
-                        self.peer.agent, local.mem_type, self.peer.info.mem_type)
-            xfer = PostedTransfer(self.peer.client.agent, "READ", plan, None, None, True, b"", 1,
-                                  rows)
-            self._chunks.append(_Chunk((a, b), xfer))
+        if engine is not None:
+            return engine.read("READ", self.plan, np.array([local_at], dtype=np.uint64),
+                               np.array([remote_at], dtype=np.uint64),
+                               np.array([length], dtype=np.uint64))
+        rows_ = Rows(np.array([[local_at, length, local.device_id]], dtype=np.uint64),
+                     np.array([[remote_at, length, self.route.remote[2]]], dtype=np.uint64),
+                     self.peer.agent, local.mem_type, self.route.remote_mem)
+        return PostedTransfer(self.peer.client.agent, "READ", self.plan, None, None, True, b"",
+                              1, rows_)
 
     def _fail(self, why: str) -> None:
         self.error = why
@@ -484,13 +661,20 @@ class StagedPull(CopyJob):
         """Stop what has ended, then free our pool blocks and tell the prefill to free its
         own. A READ still in flight (a posted READ cannot be stopped, transfer.py) keeps our
         pool blocks taken until it ends (the client drains it): it may still write into them.
-        The cache's blocks are ours alone to write (the scatter)."""
+        The cache's blocks are ours alone to write (the scatter): one not started yet never
+        starts, one running is waited for here, before the request is reported."""
         reading = [c.xfer for c in self._chunks if not c.scattered and not c.xfer.released]
         running = [xfer for xfer in reading if not xfer.abort()]
         for chunk in self._chunks:
-            wait(chunk.event)  # a scatter still reading our blocks (the pool's stream only)
+            event = chunk.event
+            if event is not None and hasattr(event, "cancel"):
+                event.cancel()  # queued, not started: it never runs
+            try:
+                wait(event)  # a scatter still running (the pool's stream or thread only)
+            except Exception:  # cancelled, or failed: either way it writes nothing more
+                pass
         if self._local is not None:
-            local, units, pool = self._local, self._remote[1], self.peer.client.staging
+            local, units, pool = self._local, self._remote[1], self.route.pool
             self._local = None
             if not running:
                 pool.release(local, units)
@@ -523,6 +707,6 @@ class StagedPull(CopyJob):
     def result(self):
         from .transfer import TransferResult
 
-        nbytes = self._units * self.peer.client.staging.layout.block_bytes  # our heads only
+        nbytes = self._units * self.route.pool.layout.block_bytes  # our heads only
         return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,
                               len(self._chunks), None, engine=self.engine)
