@@ -135,14 +135,54 @@ class Model:
         return {k: round(v, 3) for k, v in vars(self).items()}
 
 
+def _read(peer, local_rows, remote_rows, remote_mem: str) -> float:
+    """Seconds of one READ of ``remote_rows`` of the peer into ``local_rows`` of our pool."""
+    from .transfer import PostedTransfer, Rows
+
+    client = peer.client
+    local_mem = client.pool.cache.mem_type
+    rows = Rows(local_rows, remote_rows, peer.agent, local_mem, remote_mem)
+    t = time.perf_counter()
+    xfer = PostedTransfer(client.agent, "READ", None, None, None, True, b"", 1, rows)
+    until = time.monotonic() + client.timeout
+    while xfer.poll() == "PROC":
+        if time.monotonic() > until:
+            client._draining.add(xfer, lambda: None, peer.agent)
+            raise KVRuntimeError("a connect-time READ of the peer did not end in time")
+    seconds = time.perf_counter() - t
+    xfer.finish()
+    if xfer.state != "DONE":
+        raise KVRuntimeError("a connect-time READ of the peer failed")
+    return seconds
+
+
+def warm(peer, route: PoolRoute) -> bool:
+    """READ one unit of the peer's pool into ours at connect, so that what a first READ of it
+    pays (UCX's rkey unpacked, CUDA IPC's handle opened) is paid now, not by the first
+    request. False when our pool is busy (skipped: the first request pays it)."""
+    import numpy as np
+
+    pool = route.pool
+    start = pool.try_acquire(1)
+    if start is None:
+        return False
+    try:
+        local = pool.cache.regions[0]
+        n = pool.layout.block_bytes
+        _read(peer, np.array([[local.address + start * n, n, local.device_id]], dtype=np.uint64),
+              np.array([[route.remote[0], n, route.remote[2]]], dtype=np.uint64),
+              route.remote_mem)
+        return True
+    finally:
+        pool.release(start, 1)
+
+
 def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
     """Measure this pair at connect: a READ of ``PROBE_BLOCKS`` scattered pieces of the peer's
     cache into our pool against a READ of the same bytes in one piece (best of three each),
     and our gather of as many blocks into the pool. None when our pool is busy (another
     peer's requests hold it) or the peer's cache is too small to scatter the pieces."""
     import numpy as np
-
-    from .transfer import PostedTransfer, Rows
 
     pool, client = route.pool, peer.client
     theirs = peer.info.layout  # what NIXL sees of the peer: its cache's layout
@@ -166,19 +206,7 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
                         dtype=np.uint64)
 
         def read(local_rows, remote_rows) -> float:
-            rows = Rows(local_rows, remote_rows, peer.agent, local.mem_type, peer.info.mem_type)
-            t = time.perf_counter()
-            xfer = PostedTransfer(client.agent, "READ", None, None, None, True, b"", 1, rows)
-            until = time.monotonic() + client.timeout
-            while xfer.poll() == "PROC":
-                if time.monotonic() > until:
-                    client._draining.add(xfer, lambda: None, peer.agent)
-                    raise KVRuntimeError("the coalescing probe's READ did not end in time")
-            seconds = time.perf_counter() - t
-            xfer.finish()
-            if xfer.state != "DONE":
-                raise KVRuntimeError("the coalescing probe's READ failed")
-            return seconds
+            return _read(peer, local_rows, remote_rows, peer.info.mem_type)
 
         one = np.array([[at, k * piece, local.device_id]], dtype=np.uint64)
         whole = np.array([[address, k * piece, device]], dtype=np.uint64)

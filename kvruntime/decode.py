@@ -884,6 +884,10 @@ class DecodeClient:
             peer.coalesce_reason = f"direct: {exc}"
             log.info("%s: %s", peer.name, peer.coalesce_reason)
             return
+        try:
+            coalescing.warm(peer, peer.route)
+        except KVRuntimeError as exc:
+            log.info("%s: warming the READ of its pool: %s", peer.name, exc)
         if self.coalesce != "auto":
             peer.coalesce_reason = f"coalesce={self.coalesce!r}"
             return

@@ -98,9 +98,12 @@ def _byte_regions(cache) -> list:
 
 
 POOL_MEMORY = ("host", "device")
-# A run is answered (and READ) in pieces of about this many bytes: the gather of one piece
-# overlaps the READ of the one before it, and its scatter the READ of the next.
-CHUNK_BYTES = 4 << 20
+# A run is answered (and READ) in pieces, at least this many bytes each (host, device pool) and
+# at most MAX_CHUNKS of them: the gather of one overlaps the READ of the one before it, and its
+# scatter the READ of the next; each costs a frame and a NIXL post (tens of µs), which a device
+# moves 16 MiB in.
+CHUNK_BYTES = {"host": 4 << 20, "device": 16 << 20}
+MAX_CHUNKS = 16
 
 
 class StagingPool:
@@ -237,16 +240,18 @@ class StagingPool:
         lay = self.device_layout
         return lay.tokens_per_block * hs * lay.head_dim * lay.element_bytes
 
-    def chunks(self, n: int, hs: int, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    def chunks(self, n: int, hs: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
         """The row ranges a run of ``n`` blocks and ``hs`` heads is gathered, answered, READ
-        and scattered in: about ``chunk_bytes`` each; whole regions where the bounce ring
-        copies (its pieces follow region order)."""
+        and scattered in: at least ``chunk_bytes`` each (CHUNK_BYTES of the pool's memory),
+        at most MAX_CHUNKS; whole regions where the bounce ring copies (its pieces follow
+        region order)."""
         regions = 2 * self.device_layout.num_layers
         total = regions * n
         if self._ring is not None:
             k = min(CHUNKS, regions)
             return [(i * regions // k * n, (i + 1) * regions // k * n) for i in range(k)]
-        per = max(1, chunk_bytes // self.row_bytes(hs))
+        least = CHUNK_BYTES[self.memory] if chunk_bytes is None else chunk_bytes
+        per = max(1, least // self.row_bytes(hs), -(-total // MAX_CHUNKS))
         return [(lo, min(total, lo + per)) for lo in range(0, total, per)]
 
     def _run(self, start: int, n: int, hs: int):

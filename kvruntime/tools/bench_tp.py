@@ -22,7 +22,9 @@ from ..layout import CROSS_LAYER
 from .references import DeviceReference, HostReference
 from .workload import bench_layout, pick_blocks
 
-MODES = ("direct", "host_staged")
+# direct: one NIXL descriptor a token row of each head slice (or the same-node engine where it
+# moves head slices); coalesced: NIXL forced, through both sides' staging pools (coalesce.py)
+MODES = ("direct", "coalesced", "host_staged")
 
 
 def tp_layout(cfg, tp: int, max_mib: int):
@@ -46,7 +48,7 @@ def run_tp(cfg, pairs, binding) -> list[dict]:
             options = {"nixl_module": cfg.nixl_module, "huge": cfg.huge_pages,
                        "device": cfg.device, "tp_ranks": list(range(p)),
                        "kv_buffer": mode if staged else "device",
-                       "staging_blocks": count + 1 if staged else 0}
+                       "staging_blocks": count + 1}
             pre = tp_layout(cfg, p, size)
             ctx = mp.get_context("spawn")
             ready_q, control = ctx.Queue(), ctx.Queue()
@@ -65,7 +67,9 @@ def run_tp(cfg, pairs, binding) -> list[dict]:
                                        {**options, "device_id": cfg.device_ids[1]})
                 client = DecodeClient(cache, binding=binding, device_kind=cfg.device,
                                       kv_buffer=options["kv_buffer"],
-                                      staging_blocks=options["staging_blocks"], tp_rank=0)
+                                      staging_blocks=options["staging_blocks"], tp_rank=0,
+                                      **({"engine": "nixl", "coalesce": "always"}
+                                         if mode == "coalesced" else {"coalesce": "never"}))
                 slices = head_slices(pre, cache.layout, 0)
                 peers = [client.connect("127.0.0.1", ready["ports"][s.prefill_rank])
                          for s in slices]
@@ -89,6 +93,7 @@ def run_tp(cfg, pairs, binding) -> list[dict]:
                            descriptors=descriptors, gbps=round(gbps, 3),
                            ref_gbps=round(ref, 3), ref=reference.label,
                            ratio=round(gbps / ref, 3), engine=peers[0].engine,
+                           coalesced=results[0].coalesced,
                            transports=client.agent.transports())
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"
@@ -101,9 +106,9 @@ def run_tp(cfg, pairs, binding) -> list[dict]:
                     reference.close()
                 reap(proc, control)
             rows.append(row)
-    for pair in pairs:  # staged's cost over direct, same pair, same run
+    for pair in pairs:  # staged's and coalesced's against direct, same pair, same run
         got = {r["kv_buffer"]: r for r in rows if r["tp"] == list(pair) and "gbps" in r}
-        if len(got) == 2:
-            got["host_staged"]["vs_direct"] = round(got["host_staged"]["gbps"]
-                                                    / got["direct"]["gbps"], 3)
+        for mode in ("coalesced", "host_staged"):
+            if mode in got and "direct" in got:
+                got[mode]["vs_direct"] = round(got[mode]["gbps"] / got["direct"]["gbps"], 3)
     return rows
