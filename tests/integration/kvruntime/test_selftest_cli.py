@@ -64,7 +64,7 @@ def test_bad_tp_pairs_are_one_line(bad):
     assert "PxD" in r.stderr or "1x2,2x1" in r.stderr
 
 
-def test_bench_tp_pairs_rows_direct_and_staged():
+def test_bench_tp_pairs_rows_direct_coalesced_and_staged():
     r = subprocess.run([sys.executable, "-m", "kvruntime", "bench", "--json", "--compact",
                         "--sizes", "4", "--layouts", "cross_layer", "--ops", "pull",
                         "--patterns", "contiguous", "--engines", "nixl", "--inflight", "0", "0",
@@ -72,10 +72,12 @@ def test_bench_tp_pairs_rows_direct_and_staged():
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = {row["kv_buffer"]: row for row in json.loads(r.stdout)["tp"]}
-    assert set(rows) == {"direct", "host_staged"}
+    assert set(rows) == {"direct", "coalesced", "host_staged"}
     for row in rows.values():
         assert "error" not in row, row
         assert row["prefill_ranks"] == [0, 1] and row["gbps"] > 0 and row["ref_gbps"] > 0
-    # one descriptor per token row of each block's head slice, against one run per rank
-    assert rows["direct"]["descriptors"] > 100 * rows["host_staged"]["descriptors"]
-    assert "vs_direct" in rows["host_staged"]
+    # one descriptor per token row of each block's head slice, against one run (a chunk) per rank
+    for mode in ("coalesced", "host_staged"):
+        assert rows["direct"]["descriptors"] > 100 * rows[mode]["descriptors"]
+        assert "vs_direct" in rows[mode]
+    assert rows["coalesced"]["coalesced"] and not rows["direct"]["coalesced"]
