@@ -622,11 +622,14 @@ class StagedPull(CopyJob):
             os.sched_yield()  # polled again at once, the core offered to the others first
             return
         running = [c.event for c in self._chunks if c.event is not None and not done(c.event)]
-        if running and hasattr(running[0], "result") and len(self._ready) and \
-                self._ready[-1][1] == self._rows:  # every chunk is here: the scatters are left
-            from concurrent.futures import wait as wait_futures
+        if running and self._ready and self._ready[-1][1] == self._rows:
+            # every chunk is here: only the scatters are left
+            if hasattr(running[0], "result"):  # a host scatter's thread: woken as it ends
+                from concurrent.futures import wait as wait_futures
 
-            wait_futures(running[:1], timeout=seconds)
+                wait_futures(running[:1], timeout=seconds)
+            else:  # a device's: polled (a nap would outlast a device scatter's ~0.1 ms)
+                os.sched_yield()
             return
         self.peer._await_frame(seconds)
 

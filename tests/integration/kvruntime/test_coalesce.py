@@ -29,7 +29,7 @@ def random_layout(rnd, kind, blocks):
                     rnd.choice(["float16", "bfloat16", "float32"]))
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+@pytest.mark.parametrize("seed", [1, 2])
 @pytest.mark.parametrize("op", ["pull", "push"])
 def test_coalesced_requests_are_bit_exact_and_touch_nothing_else(prefill, seed, op):
     """Random layout (kind, layers, tokens, heads, head size, dtype), random block lists,
