@@ -754,25 +754,30 @@ class PrefillServer:
         ("staged" with its rows) as soon as it is in the pool: the decode READs one chunk while
         the next is gathered."""
         pool, ids = self.pool, plan.block_ids()[0]
-        # freed by unstage; or, if the decode never says, well after its deadline (its READ
-        # has been aborted by then)
-        self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
         chunks = pool.chunks(len(ids), heads[1] - heads[0])
         for i, rows in enumerate(chunks):
+            last = i == len(chunks) - 1
             try:
                 pool.gather(ids, start, heads, rows)
             except Exception as exc:
-                if self._staged.pop((peer.agent, request), None) is not None:
-                    pool.release(start, n)
+                pool.release(start, n)  # READs of its answered chunks fail the request there
                 reply = {"type": "stage_failed", "request": request,
                          "error": f"gather failed: {exc}"}
             else:
                 reply = {"type": "staged", "request": request, "start": start, "count": n,
-                         "rows": list(rows), "last": i == len(chunks) - 1}
+                         "rows": list(rows), "last": last}
+                if last:
+                    # freed by unstage; or, if the decode never says, well after its deadline
+                    # (its READs have been aborted by then). Kept only now: an unstage read by
+                    # the connection thread while the progress loop gathers must not free the
+                    # run under the gather (it is then freed at that expiry).
+                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
             try:
                 peer.send(reply, self.timeout)
             except KVRuntimeError as exc:
                 log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
+                if reply["type"] == "staged":  # its READs may run on: freed at the expiry
+                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
                 return
             if reply["type"] == "stage_failed":
                 return
