@@ -753,7 +753,8 @@ class PrefillServer:
         """Gather a request's run chunk by chunk (staging.StagingPool.chunks), answering each
         ("staged" with its rows) as soon as it is in the pool: the decode READs one chunk while
         the next is gathered."""
-        pool, ids = self.pool, plan.block_ids()[0]
+        pool = self.pool
+        ids = pool.ids(plan.block_ids()[0])  # a device pool's: uploaded once for every chunk
         chunks = pool.chunks(len(ids), heads[1] - heads[0])
         for i, rows in enumerate(chunks):
             last = i == len(chunks) - 1

@@ -302,13 +302,20 @@ class StagingPool:
                 return flat.view(dtype)
         return flat
 
-    @staticmethod
-    def ids(blocks):
+    def ids(self, blocks):
         """Block ids (a list or a numpy array; the roles pass the plan's validated arrays) as
-        int64 numpy: the ring uploads them itself, once per call, on its compute stream."""
+        int64 numpy: the ring uploads them itself, once per call, on its compute stream. A
+        device pool's are uploaded here, once for all the chunks of a request (16 uploads of
+        a 4096-block request cost ~0.3 ms, a fifth of its GiB's READ on an H100)."""
         import numpy as np
 
-        return np.asarray(blocks, dtype=np.int64)
+        if self._streams is not None and hasattr(blocks, "device"):
+            return blocks  # already on the device
+        ids = np.asarray(blocks, dtype=np.int64)
+        if self._streams is None:
+            return ids
+        with self._streams.compute_after_caller():
+            return self._streams.upload(ids)
 
     def _pieces(self, ids, heads: tuple[int, int], rows: tuple[int, int]):
         """A host cache's addresses of rows ``rows`` of a run of blocks ``ids``, heads
@@ -353,7 +360,7 @@ class StagingPool:
         views, run = self._regions(heads), self._run(start, n, hs)
         st = self._streams
         with st.compute_after_caller():
-            dev_ids = st.upload(ids)
+            dev_ids = ids  # uploaded on this stream (ids())
             for r, b0, b1 in spans(rows, n):
                 if gather:
                     torch.index_select(views[r], 0, dev_ids[b0:b1], out=run[r, b0:b1])
