@@ -18,7 +18,7 @@ from .errors import NixlError, TransportError
 from . import ucxlog
 from .transports import apply_ucx_settings, forced_by_user
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 
 def unique_name(role: str) -> str:

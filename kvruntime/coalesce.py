@@ -26,9 +26,10 @@ import time
 from dataclasses import dataclass
 
 from .errors import KVRuntimeError
-from .staging import PoolRoute, StagingPool
+from .staging import PoolRoute, StagingExhausted, StagingPool
+from .tp import rows_per_chunk
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 MODES = ("auto", "always", "never")
 # A direct side's pool when the caller sizes none: this many bytes of blocks (at most the
@@ -147,7 +148,7 @@ def _read(peer, local_rows, remote_rows, remote_mem: str) -> float:
     until = time.monotonic() + client.timeout
     while xfer.poll() == "PROC":
         if time.monotonic() > until:
-            client._draining.add(xfer, lambda: None, peer.agent)
+            client.draining.add(xfer, lambda: None, peer.agent)
             raise KVRuntimeError("a connect-time READ of the peer did not end in time")
     seconds = time.perf_counter() - t
     xfer.finish()
@@ -226,3 +227,80 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
                      nbytes / min(gathers) / 1e9, round_trip * 1e6)
     finally:
         pool.release(start, max(units, gather_blocks * ours.num_kv_heads))
+
+
+def open_route(peer) -> None:
+    """At connect, once the engine is chosen: a host-staged peer's route (the prefill's pool is
+    what it registered); a direct NIXL peer's, asked of the prefill ("pool") and, for auto,
+    measured (``probe``). A prefill without a pool, or a bad offer, leaves requests direct,
+    and the reason is kept (``peer.coalesce_reason``)."""
+    client, info = peer.client, peer.info
+    if client.staging is not None:
+        peer.route = PoolRoute(client.staging, tuple(info.regions[0]), info.mem_type,
+                               info.layout.num_blocks, "host_staged")
+        return
+    if peer.engine != "nixl":
+        return
+    if client.pool is None:
+        peer.coalesce_reason = "coalesce='never'"
+        return
+    try:
+        round_trip = None
+        for _ in range(3 if client.coalesce == "auto" else 1):  # auto's: the best of three
+            t = time.perf_counter()
+            reply = peer.channel.call({"type": "pool"}, "pool", client.timeout)
+            seconds = time.perf_counter() - t
+            round_trip = seconds if round_trip is None else min(round_trip, seconds)
+        peer.route = route_from(reply, client.pool)
+    except KVRuntimeError as exc:
+        if peer.broken:
+            raise
+        peer.coalesce_reason = f"direct: {exc}"
+        log.info("%s: %s", peer.name, peer.coalesce_reason)
+        return
+    try:
+        warm(peer, peer.route)
+    except KVRuntimeError as exc:
+        log.info("%s: warming the READ of its pool: %s", peer.name, exc)
+    if client.coalesce != "auto":
+        peer.coalesce_reason = f"coalesce={client.coalesce!r}"
+        return
+    try:
+        peer.coalesce_model = probe(peer, peer.route, round_trip)
+    except KVRuntimeError as exc:
+        log.info("%s: coalescing probe: %s", peer.name, exc)
+    peer.coalesce_reason = ("auto: by the connect-time probe" if peer.coalesce_model else
+                            "direct: the connect-time probe could not run (our pool busy, or "
+                            "the peer's cache too small)")
+
+
+def choose(peer, handle) -> bool:
+    """Whether a direct NIXL request goes through the pools; the choice and its reason go
+    into its result (``handle.coalesce``). A request that can never fit the pools is refused
+    at once under "always" (StagingExhausted, with the numbers), goes direct under "auto"."""
+    mode, route = peer.client.coalesce, peer.route
+    if route is None or mode == "never":
+        handle.coalesce = (False, peer.coalesce_reason)
+        return False
+    plan, lay = handle.plan, peer.client.cache.layout
+    units = plan.num_blocks * (peer.head_slice.count if peer.head_slice else lay.num_kv_heads)
+    fits = min(route.pool.units, route.remote_units)
+    if units > fits:
+        if mode == "always":
+            raise StagingExhausted(
+                f"request {handle.request_id} can never fit the staging pools: {units} units, "
+                f"the decode's pool {route.pool.units}, the prefill's {route.remote_units}; "
+                f"size the pools (staging_blocks) for the largest request, or coalesce='auto'")
+        handle.coalesce = (False, f"{units} units do not fit the pools ({fits} units)")
+        return False
+    if mode == "always":
+        handle.coalesce = (True, "coalesce='always'")
+        return True
+    if peer.coalesce_model is None:
+        handle.coalesce = (False, peer.coalesce_reason)
+        return False
+    # mixed TP, direct: a descriptor a token row of each block's head slice
+    descriptors = (plan.num_blocks * lay.num_regions * rows_per_chunk(lay)
+                   if peer.head_slice is not None else plan.descriptor_count)
+    handle.coalesce = peer.coalesce_model.choose(descriptors, handle.nbytes)
+    return handle.coalesce[0]

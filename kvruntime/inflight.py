@@ -25,7 +25,8 @@ import time
 
 from .errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
 from .plan import TransferPlan
-from .transfer import PostedTransfer, TransferResult
+from .jobs import Job
+from .transfer import TransferResult
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 # wait(): poll without sleeping, yielding the core and the GIL between polls, for as long as the
@@ -84,8 +85,8 @@ class TransferHandle:
         self.settled = True
         self._result: TransferResult | None = None
         self._error: KVRuntimeError | None = None
-        self._lock = threading.Lock()
-        self._xfer: PostedTransfer | None = None  # pull: our READ
+        self.lock = threading.Lock()
+        self._xfer: Job | None = None  # the copy that moves it (jobs.py); None: a push's WRITE
         self._reply: dict | None = None  # push: the prefill's "pushed" frame
         # whether progress needs the side channel (a push, a staged copy); a READ or a
         # same-node copy moves by polling its own transfer alone
@@ -106,12 +107,12 @@ class TransferHandle:
     def poll(self) -> str:
         if self.state == PENDING:
             if self.uses_peer:
-                self.peer._pump()
-            self._advance()
+                self.peer.pump()
+            self.advance()
             if self.state == FAILED and not self.uses_peer:
-                self.peer._pump()  # a failed copy: notice at once if the peer's connection died
+                self.peer.pump()  # a failed copy: notice at once if the peer's connection died
             elif self.state == PENDING:  # our copy runs meanwhile: finished ones are released
-                self.peer.client._releaser.flush()  # now (releases.py), not as a wait returns
+                self.peer.client.releaser.flush()  # now (releases.py), not as a wait returns
         return self.state
 
     def wait(self, timeout: float | None = None) -> TransferResult:
@@ -119,7 +120,7 @@ class TransferHandle:
         ``timeout`` shorter than the request's own, raise ``WaitTimeout`` and leave the request
         running (a ``TransferTimeout`` means the request itself missed its deadline)."""
         if self.poll() != PENDING:  # already ended (a batch's handles after its first)
-            self.peer.client._consumed(self)
+            self.peer.client.consumed(self)
             return self.result()
         until = None if timeout is None else time.monotonic() + timeout
         own_thread = getattr(self._xfer, "block", None)  # a copy that a thread of ours runs
@@ -143,11 +144,11 @@ class TransferHandle:
             if own_thread is not None:
                 own_thread(NAP_MAX)
             elif self.uses_peer:
-                self.peer._await_frame(nap)  # the prefill's answer ends the nap
+                self.peer.await_frame(nap)  # the prefill's answer ends the nap
             else:
                 time.sleep(nap)
             nap = min(nap * 2, NAP_MAX)
-        self.peer.client._consumed(self)
+        self.peer.client.consumed(self)
         return self.result()
 
     def wait_settled(self, timeout: float) -> bool:
@@ -157,7 +158,7 @@ class TransferHandle:
         while self.poll() == PENDING and time.monotonic() < until:
             time.sleep(0.0002)
         while not self.settled and time.monotonic() < until:
-            self.peer.client._progress_settling()
+            self.peer.client.progress_settling()
             if not self.settled:
                 time.sleep(0.0005)
         return self.settled
@@ -182,16 +183,16 @@ class TransferHandle:
         return (f"<TransferHandle {self.op} {self.request_id} {self.state} "
                 f"{self.plan.num_blocks} blocks>")
 
-    def _attach(self, xfer) -> None:
-        """The copy that moves this request (a PostedTransfer or an engine's job), timed from
-        the caller's start_* call: planning and the launch count (the copy may run while the
-        host is still launching it)."""
+    def attach(self, xfer: Job) -> None:
+        """The copy that moves this request (jobs.py), timed from the caller's start_* call:
+        planning and the launch count (the copy may run while the host is still launching
+        it)."""
         xfer.start = self.started
         self._xfer = xfer
 
     # -- progress (called with the peer's I/O already pumped) ----------------------------------
-    def _advance(self) -> None:
-        with self._lock:
+    def advance(self) -> None:
+        with self.lock:
             if self.state != PENDING:
                 return
             if self._xfer is not None:
@@ -200,70 +201,55 @@ class TransferHandle:
                 self._advance_push()
 
     def _advance_local(self) -> None:
-        """A copy this process drives: a NIXL READ, or a same-node engine's gather."""
+        """A copy this process drives: a NIXL READ, a same-node engine's gather, a staged pull."""
         xfer = self._xfer
-        nixl = isinstance(xfer, PostedTransfer)
         state = xfer.poll()
         if state == "DONE":
             xfer.finish()
-            # its clock started at the caller's start (_attach): planning and the launch count
+            # its clock started at the caller's start (attach): planning and the launch count
             self._finish(xfer.result())
-            if nixl:  # a READ carries no notification (decode.py): the prefill is told here
-                self.peer._release_later([self.request_id])
-            else:
-                xfer.release(self.peer, self.request_id)
+            xfer.release(self.peer, self.request_id)
         elif state == "ERR":
             xfer.finish()
-            why = ("the prefill is gone or refused the memory access" if nixl
-                   else getattr(xfer, "error", None))
-            self._fail(TransferError(
-                f"{xfer.engine if not nixl else 'NIXL READ'} of {self.nbytes} bytes for "
-                f"request {self.request_id} failed: {why}"))
-            self._give_back(xfer, nixl)
+            self.fail(TransferError(f"{xfer.engine} of {self.nbytes} bytes for request "
+                                    f"{self.request_id} failed: {xfer.error}"))
+            xfer.give_back(self.peer, self.request_id)
         elif time.monotonic() > self.deadline:
             stopped = xfer.abort()
             why = ("its copy had ended: nothing more lands" if stopped else
                    "its copy is still in flight and may still write into the destination "
                    "blocks: reuse them only once handle.settled is True")
-            waiting = getattr(xfer, "waiting", None) or "peer dead or stalled"
-            self._fail(TransferTimeout(f"{self.op} of {self.nbytes} bytes for request "
+            waiting = xfer.waiting or "peer dead or stalled"
+            self.fail(TransferTimeout(f"{self.op} of {self.nbytes} bytes for request "
                                        f"{self.request_id} missed its {self.timeout:.3f}s "
                                        f"deadline ({waiting}); {why}"), settled=stopped)
-            self._stopped_or_drained(xfer, nixl, stopped)
+            self._stopped_or_drained(xfer, stopped)
 
-    def _stopped_or_drained(self, xfer, nixl: bool, stopped: bool) -> None:
-        """A failed copy: given back now if it has ended, else once it ends (settled then)."""
+    def _stopped_or_drained(self, xfer: Job, stopped: bool) -> None:
+        """A failed copy: given back now if it has ended, else once it ends (settled then):
+        the prefill may free its blocks then, not at its engine's own timeout."""
         if stopped:
-            self._give_back(xfer, nixl)
+            xfer.give_back(self.peer, self.request_id)
             return
 
         def ended():
             self.settled = True
-            self._give_back(xfer, nixl)
-            self.peer.client._settled_late(self)
-
-        self.peer.client._draining.add(xfer, ended, self.peer.agent)
-
-    def _give_back(self, xfer, nixl: bool) -> None:
-        """A failed copy that nothing reads any more (it has ended): the prefill may free its
-        blocks now, not at its engine's own timeout. One still in flight gets here once it
-        ends (drained)."""
-        if nixl:
-            self.peer._release_later([self.request_id])
-        else:
             xfer.give_back(self.peer, self.request_id)
+            self.peer.client.settled_late(self)
 
-    def _done_elsewhere(self) -> None:
+        self.peer.client.draining.add(xfer, ended, self.peer.agent)
+
+    def done_elsewhere(self) -> None:
         """Another handle saw the copy that also moves this request end well (a batch's
         gather): finish now, unless this handle's own poll is at it (it then finishes itself;
         no lock order between handles, so none waits here)."""
-        if not self._lock.acquire(blocking=False):
+        if not self.lock.acquire(blocking=False):
             return
         try:
             if self.state == PENDING:
                 self._finish(self._xfer.result())
         finally:
-            self._lock.release()
+            self.lock.release()
 
     def _advance_push(self) -> None:
         if self._reply is not None:  # sent once NIXL flushed the WRITE: it has landed
@@ -275,42 +261,42 @@ class TransferHandle:
                 "WRITE", self.nbytes, seconds,
                 self.plan.num_runs, int(r.get("descriptors") or self.plan.descriptor_count),
                 _int_or_none(r.get("nixl_descriptors")), _seconds(r.get("seconds"))))
-            self.peer._settled(self)
+            self.peer.settled(self)
         elif time.monotonic() > self.deadline:
             # Ask the prefill to cancel; it also refuses any push read after its deadline, so
             # a stalled prefill that wakes up later never writes. Settled once it answers.
-            self.peer._cancel(self)
+            self.peer.cancel(self)
             why = ("the prefill had not pushed it or its WRITE had not landed" if self.by_prefill
                    else "the prefill had not answered it")
             why += ("; cancel sent: a WRITE the prefill has started cannot be stopped, so the "
                     "destination blocks may still be written: reuse them only once "
                     "handle.settled is True (the prefill's answer)")
-            self._fail(TransferTimeout(
+            self.fail(TransferTimeout(
                 f"push of request {self.request_id} ({self.nbytes} bytes) missed its "
                 f"{self.timeout:.3f}s deadline; {why}"), settled=False)
 
     # -- events from the peer (frames) ----------------------------------------------------------
-    def _on_reply(self, message: dict) -> None:
+    def on_reply(self, message: dict) -> None:
         kind = message.get("type")
         if kind in ("staged", "stage_failed"):  # for the staged job this handle polls
             if kind == "stage_failed" or message.get("last") is True:  # no more chunks come
-                self.peer._settled(self)
+                self.peer.settled(self)
             self._xfer.on_reply(message)
             return
-        with self._lock:
+        with self.lock:
             if kind == "pushed":
                 self._arrived = time.time()
                 self._reply = message
                 if self.state == FAILED:  # it landed after we gave up: the blocks were written
                     self._settle_now()
-                    self.peer.client._log_late(self, "the prefill's WRITE ended after its "
+                    self.peer.client.log_late(self, "the prefill's WRITE ended after its "
                                                      "deadline (the blocks were written)")
             elif kind in ("push_failed", "cancelled"):
                 # the prefill says its WRITE has ended (in error) or never started
                 if self.state == PENDING:
-                    self._fail(TransferError(f"prefill refused push of request "
+                    self.fail(TransferError(f"prefill refused push of request "
                                              f"{self.request_id}: {message.get('error')}"))
-                    self.peer._settled(self)
+                    self.peer.settled(self)
                 else:
                     self._settle_now()
 
@@ -318,26 +304,25 @@ class TransferHandle:
         """A failed push the prefill has now answered: nothing more of it lands."""
         was = self.settled
         self.settled = True
-        self.peer._settled(self)
+        self.peer.settled(self)
         if not was:
-            self.peer.client._settled_late(self)
+            self.peer.client.settled_late(self)
 
-    def _on_peer_lost(self, why: str) -> None:
+    def on_peer_lost(self, why: str) -> None:
         """The side channel broke: pending requests fail. A push the prefill has not answered
         stays unsettled: its WRITE may be running (a stalled prefill resumes and goes on with
         it before it reads that the connection ended)."""
-        with self._lock:
+        with self.lock:
             if self.state == PENDING:
                 if self._xfer is not None:  # our own copy: settled once it has ended
-                    nixl = isinstance(self._xfer, PostedTransfer)
                     stopped = self._xfer.abort()
-                    self._fail(TransferError(f"{self.op} request {self.request_id}: {why}" + (
+                    self.fail(TransferError(f"{self.op} request {self.request_id}: {why}" + (
                         "" if stopped else "; its copy is still in flight and may still write "
                         "into the destination blocks until handle.settled")), settled=stopped)
-                    self._stopped_or_drained(self._xfer, nixl, stopped)
+                    self._stopped_or_drained(self._xfer, stopped)
                     return
                 # a WRITE the prefill may have started: only its word settles it, and it is gone
-                self._fail(TransferError(
+                self.fail(TransferError(
                     f"{self.op} request {self.request_id}: {why}; the prefill never said its "
                     f"WRITE ended, so the destination blocks may still be written: reuse them "
                     f"only once that prefill process has exited"), settled=False)
@@ -351,7 +336,7 @@ class TransferHandle:
         self.state = DONE
         self.peer.pace.seen(self.op, result.nbytes, result.seconds)
 
-    def _fail(self, error: KVRuntimeError, settled: bool = True) -> None:
+    def fail(self, error: KVRuntimeError, settled: bool = True) -> None:
         self._error = error
         self.settled = settled
         self.state = FAILED

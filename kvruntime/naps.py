@@ -23,7 +23,7 @@ import logging
 import os
 import select
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 PR_SET_TIMERSLACK = 29  # <linux/prctl.h>
 SLACK_NS = 1000

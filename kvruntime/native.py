@@ -35,7 +35,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "idscan.c"
 MODULE = "_kvr_idscan"

@@ -29,68 +29,48 @@ import logging
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from . import frames
 from .agent import Agent, unique_name
 from .binding import NixlBinding
+from .channel import Channel
 from .errors import KVRuntimeError, PeerError
 from .handshake import PeerInfo, serve_handshake
 from .layout import KVLayout
 from .memory import KVCache
 from .naps import tighten_timer_slack
 from .plan import Planner, make_plan
+from .pushes import Pushes, Writes
 from .registration import Registration
+from .releases import Released
 from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
 from . import coalesce as coalescing
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
-from .tp import HeadSlice, direct_slice, head_rows
-from .transfer import Draining, PostedTransfer, Rows
+from .tp import HeadSlice, direct_slice
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 
-# Released request ids kept for wait_released/get_released when nobody collects them.
-RELEASED_KEPT = 65536
 
 
 @dataclass
-class _Peer:
+class _Peer:  # one decode's connection
     info: PeerInfo
     agent: str
-    sock: socket.socket
-    send_lock: threading.Lock = field(default_factory=threading.Lock)
+    channel: Channel  # its side channel's socket and session (channel.py)
     head_slice: HeadSlice | None = None  # mixed TP, direct: our heads -> its heads (tp.py)
     lanes_checked: bool = False  # UCX's lanes for its device memory looked at (ucxlog.py)
     opened: bool = False  # it asked for our same-node offer: it may copy our pushes itself
     mailbox: Mailbox | None = None  # what it reads of our readies before their frames
     # request -> where its blocks go, for the pushes we start (start_push); at most MAX_EXPECTED
-    # requests and, together, as many blocks as its cache has (held by _named/_unnamed)
+    # requests and, together, as many blocks as its cache has (kept by pushes.Pushes)
     expected: dict = field(default_factory=dict)
     expected_blocks: int = 0
 
-    def _named(self, request: str, expected: "_Expected") -> None:
-        """Keep ``request``'s blocks (under the server's _writes_lock), within the bounds: a
-        decode names each of its blocks for one push at a time."""
-        n = len(expected.dst)
-        if len(self.expected) >= MAX_EXPECTED:
-            raise KVRuntimeError(f"{MAX_EXPECTED} requests are already expected from this "
-                                 f"decode")
-        if self.expected_blocks + n > self.info.layout.num_blocks:
-            raise KVRuntimeError(f"{self.expected_blocks} blocks are already named for pushes "
-                                 f"not started; {n} more would be more than the decode's "
-                                 f"{self.info.layout.num_blocks}")
-        self.expected[request] = expected
-        self.expected_blocks += n
-
-    def _unnamed(self, request: str) -> "_Expected | None":
-        expected = self.expected.pop(request, None)
-        if expected is not None:
-            self.expected_blocks -= len(expected.dst)
-        return expected
     _planner: Planner | None = None  # its pushes' planner, made at the first one
 
     def planner(self, ours: KVLayout) -> Planner:
@@ -102,42 +82,8 @@ class _Peer:
         return self._planner
 
     def send(self, message: dict, timeout: float) -> None:
-        """Frames to one decode go out whole: the connection thread and the progress loop
-        both answer on this socket."""
-        with self.send_lock:
-            frames.write_frame(self.sock, message, timeout, self.info.session)
-
-
-@dataclass
-class _Write:
-    peer: _Peer
-    request: str
-    xfer: PostedTransfer
-    deadline: float  # monotonic: the decode's deadline, or our own timeout if sooner (a
-    # WRITE past it runs on, as nothing stops a posted WRITE, and is answered when it ends)
-    notified: bool = False  # ours (start_push): its notification tells the decode, not a frame
-
-
-@dataclass
-class _Expected:  # a decode's blocks for a request we will push (its "expect" frame)
-    dst: object  # int64 ids, checked against its layout
-    deadline: float  # monotonic: the decode's deadline
-    copies: bool = False  # a same-node decode: it copies them itself once we say "ready"
-
-
-@dataclass
-class _Offer:  # a push started before any decode expected it: posted when one does
-    agent: str | None  # the decode it is for; None: whichever expects the request first
-    src: object  # int64 ids, checked against our layout
-    deadline: float  # monotonic
-    posted: float  # wall clock of the start_push call (the decode times the push from it)
-
-
-# Requests one decode may have announced (expect) and we not pushed yet.
-MAX_EXPECTED = 65536
-# A named request past its deadline is dropped this much later by the progress loop (the
-# decode's own timer, and its cancel, come first); start_push never writes one past it.
-EXPECTED_GRACE = 0.5
+        """The connection thread and the progress loop both answer on its channel."""
+        self.channel.send(message, timeout)
 
 
 # What a server keeps of refused connections: the newest, and a count of all.
@@ -183,7 +129,6 @@ class PrefillServer:
         kv_buffer = resolve_kv_buffer(kv_buffer, device_kind, offered_transports)
         coalescing.check_mode(coalesce)
         self.cache = cache
-        self._own = Planner(cache.layout)  # our ids alone (pushes' sources), made once
         self.kv_buffer = kv_buffer
         self.staging: StagingPool | None = None
         # the pool staged requests are gathered into: the host-staged one, or a direct
@@ -199,18 +144,9 @@ class PrefillServer:
         self._handshaking: dict[str, int] = {}  # peer address -> connections not yet admitted
         self._handshaking_lock = threading.Lock()
         self.timeout = timeout
-        self.on_release = on_release
         self.stats = ServerStats()
-        self._released: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._released_cv = threading.Condition()
-        self._writes: dict[tuple[str, str], _Write] = {}  # (decode agent, request) -> WRITE
-        self._writes_lock = threading.RLock()  # also guards peers' expected, and _offers
-        self._offers: dict[str, _Offer] = {}  # request -> a push waiting for its decode
+        self.released = Released(on_release)  # what decodes said may be freed (releases.py)
         self._work = threading.Event()
-        # WRITEs of decodes that left, still in flight (transfer.py), and the agents whose
-        # removal waits for them (NIXL's rkeys of a WRITE in flight must outlive it)
-        self._orphans = Draining()
-        self._leaving: dict[str, int] = {}
         self._token = NodeToken()
         self._peers: dict[str, _Peer] = {}
         # Adding and dropping a peer are atomic: a reconnecting decode reuses its agent name,
@@ -235,6 +171,11 @@ class PrefillServer:
             self.registration = Registration(self.agent, self.staging.cache if self.staging
                                              else cache)
             self._listener = socket.create_server((host, port), backlog=64)
+            # our WRITEs and the pushes they serve (pushes.py)
+            self.writes = Writes(self.agent, self.registration, cache, timeout, self._release,
+                                 self._work.set, self._peers_lock)
+            self.pushes = Pushes(self.writes, cache, timeout, self.stats, self._peers,
+                                 self._release, self._work.set, self.staging is not None)
         except Exception:
             if self._pool_reg is not None:
                 self._pool_reg.close()
@@ -321,7 +262,7 @@ class PrefillServer:
             self.stats.handshakes += 1
             while not self._stop.is_set():
                 try:
-                    message = frames.read_frame(sock, None, session=peer.info.session)
+                    message = peer.channel.read(None)
                 except PeerError as exc:
                     log.info("connection from %s:%s ended: %s", addr[0], addr[1], exc)
                     return  # the decode side left
@@ -357,18 +298,15 @@ class PrefillServer:
             old = self._peers.get(info.agent)
             if old is not None:  # the same agent name again: a restarted or reconnected peer
                 self._drop_peer(old)
-            if info.agent in self._leaving:  # its previous connection's WRITEs: wait them out
-                self._orphans.drain(self.timeout)
-                if info.agent in self._leaving:
-                    raise KVRuntimeError(f"WRITEs of this agent's previous connection are still "
-                                         f"in flight after {self.timeout:.1f}s; retry later")
+            self.writes.admit(info.agent)  # its previous connection's WRITEs: waited out
             name = self.agent.add_remote(info.metadata)
             try:
                 self.registration.prepare_peer(name, info.layout, info.regions, info.mem_type)
             except Exception:
                 self.agent.remove_remote(name)
                 raise
-            peer = _Peer(info, name, sock, head_slice=self._head_slice(info))
+            peer = _Peer(info, name, Channel(sock, info.session),
+                         head_slice=self._head_slice(info))
             self._peers[name] = peer
             return peer
 
@@ -390,39 +328,17 @@ class PrefillServer:
             if self._peers.get(peer.agent) is not peer:
                 return
             del self._peers[peer.agent]
-            running = []
-            with self._writes_lock:  # its WRITEs end before its agent and list go
-                for write in [w for w in self._writes.values() if w.peer is peer]:
-                    del self._writes[(peer.agent, write.request)]
-                    if not write.xfer.abort():
-                        running.append(write)
-            if not running:
-                self.registration.forget_peer(peer.agent)
-                return
-            log.warning("%d push(es) to departed %s still in flight; its agent goes once they "
-                        "end", len(running), peer.agent)
-            self._leaving[peer.agent] = len(running)
-            for write in running:
-                self._orphans.add(write.xfer, lambda agent=peer.agent: self._orphan_ended(agent))
-
-    def _orphan_ended(self, agent: str) -> None:
-        with self._peers_lock:
-            left = self._leaving[agent] - 1
-            if left:
-                self._leaving[agent] = left
-                return
-            del self._leaving[agent]
-            self.registration.forget_peer(agent)
+            self.writes.drop(peer)
 
     def _handle(self, peer: _Peer, message: dict) -> None:
         kind = message["type"]
         layout = self.cache.layout
         if kind == "push":
-            self._start_write(peer, message)
+            self.pushes.start_write(peer, message)
         elif kind == "expect":
-            self._expect(peer, message)
+            self.pushes.expect(peer, message)
         elif kind == "cancel":
-            self._cancel_write(peer, frames.field(message, "request", str))
+            self.pushes.cancel(peer, frames.field(message, "request", str))
         elif kind == "samenode":  # a decode asks to open our memory directly (samenode.py)
             # host-staged: what a same-node decode may read is our staging pool
             offer = serve_offer(self.staging.cache if self.staging else self.cache, self._token)
@@ -450,62 +366,7 @@ class PrefillServer:
         else:
             raise KVRuntimeError(f"unknown request type {kind!r}")
 
-    # -- pushes: our WRITEs into a decode's cache ------------------------------------------------
-    def _start_write(self, peer: _Peer, message: dict) -> None:
-        """Post the WRITE a push asks for, unless its deadline has passed: a decode that gave
-        up on the request may already have reused the blocks (a stalled prefill reads the
-        request late). The progress loop finishes it and answers."""
-        request = frames.field(message, "request", str)
-        if "runs" in message:  # a few runs instead of many ids: planned from them, not again
-            runs, src, dst = frames.runs_field(message, "runs"), None, None
-        else:
-            runs, src, dst = None, frames.ids_field(message, "src"), frames.ids_field(message, "dst")
-        timeout = float(frames.field(message, "timeout", (int, float)))
-        deadline = float(frames.field(message, "deadline", (int, float)))
-        split = message.get("split", 1)
-        split = split if isinstance(split, int) and not isinstance(split, bool) and split > 0 else 1
-        left = deadline - time.time()
-        if left <= 0:
-            self.stats.late_pushes += 1
-            log.warning("refusing push %s from %s: its deadline passed %.3fs ago", request,
-                        peer.agent, -left)
-            peer.send({"type": "push_failed", "request": request,
-                       "error": f"its deadline passed {-left:.3f}s before the prefill read it; "
-                                f"nothing was written"}, self.timeout)
-            return
-        try:
-            planner = peer.planner(self.cache.layout)
-            plan = planner.plan(src, dst) if runs is None else planner.plan_runs(*runs)
-            self._post_write(peer, request, plan, time.monotonic() + min(left, timeout), split)
-        except KVRuntimeError as exc:
-            peer.send({"type": "push_failed", "request": request, "error": str(exc)},
-                      self.timeout)
-
-    def _post_write(self, peer: _Peer, request: str, plan, deadline: float, split: int = 1,
-                    notif: bytes = b"") -> None:
-        """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight; ``notif``:
-        the notification that is a push of our own's only answer."""
-        s, rows = peer.head_slice, None
-        if s is not None:  # mixed TP, direct: the decode rank's heads of each token row
-            src_ids, dst_ids = plan.block_ids()
-            rows = Rows(head_rows(self.cache.layout, self.registration.region_triples(),
-                                  src_ids, s.src),
-                        head_rows(peer.info.layout, peer.info.regions, dst_ids, s.dst),
-                        peer.agent, self.cache.mem_type, peer.info.mem_type)
-        with self._writes_lock:
-            if (peer.agent, request) in self._writes:
-                raise KVRuntimeError(f"request {request!r} is already in flight")
-            xfer = PostedTransfer(self.agent, "WRITE", plan, self.registration.local_dlist,
-                                  self.registration.peer_dlist(peer.agent), False,
-                                  notif, split, rows)
-            self._writes[(peer.agent, request)] = _Write(peer, request, xfer, deadline,
-                                                         bool(notif))
-        # a WRITE done as it was posted (host memory by cma, copied in the call) is answered
-        # from here: waking the progress loop to see it cost ~50 µs a push on the 2-core host
-        if self._progress_writes():
-            self._work.set()
-
-    # -- pushes we start: the decode said where the blocks go (expect), we say when ---------------
+    # -- pushes we start (pushes.py) -------------------------------------------------------------
     def start_push(self, request: str, src_blocks, peer: str | None = None,
                    timeout: float = 30.0) -> None:
         """Push our ``src_blocks`` into the blocks a decode named for ``request``
@@ -526,165 +387,12 @@ class PrefillServer:
         ``KVRuntimeError`` for bad ids or a count other than the decode named (its request
         stays expected: push again), or a WRITE NIXL refuses (the decode is told); then
         nothing is released, the blocks are the caller's."""
-        posted = time.time()
-        if not isinstance(request, str) or not 0 < len(request) <= 256:
-            raise KVRuntimeError("request must be a non-empty string of at most 256 chars")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        if self.staging is not None:
-            raise KVRuntimeError("a host-staged prefill pushes nothing directly: its decodes "
-                                 "pull from the staging pool")
-        with self._writes_lock:
-            target = self._expected_by(request, peer)
-            if target is not None and time.monotonic() > target[1].deadline:
-                target[0]._unnamed(request)  # the decode gave up: its blocks are not ours
-                self._push_failed(target[0], request, "the prefill had not pushed it by its "
-                                  "deadline", release=False)
-                target = None
-            if target is None:
-                if peer is not None and peer not in self._peers:
-                    raise KVRuntimeError(f"no decode agent {peer!r} is connected")
-                if request in self._offers:
-                    raise KVRuntimeError(f"request {request!r} is already waiting for its "
-                                         f"decode")
-                src = self._own.plan(src_blocks).block_ids()[0]  # checked now
-                self._offers[request] = _Offer(peer, src, time.monotonic() + timeout, posted)
-                self._work.set()  # the progress loop expires it
-                return
-            dst_peer, expected = target
-            # our ids' range and duplicates, and as many as the decode named
-            plan = self._push_plan(dst_peer, src_blocks, expected)
-            dst_peer._unnamed(request)
-        deadline = min(expected.deadline, time.monotonic() + timeout)
-        try:
-            self._push_now(dst_peer, request, plan, deadline, posted, expected.copies)
-        except KVRuntimeError as exc:  # raised: our blocks are the caller's, not released
-            self._push_failed(dst_peer, request, str(exc), release=False)
-            raise
+        self.pushes.start_push(request, src_blocks, peer, timeout)
 
     def expects(self, request: str, peer: str | None = None) -> bool:
         """Whether a decode (agent ``peer``, or any) has named the blocks for ``request``: a
         ``start_push`` of it now is posted at once."""
-        with self._writes_lock:
-            try:
-                return self._expected_by(request, peer) is not None
-            except KVRuntimeError:  # several decodes named it
-                return True
-
-    def _expected_by(self, request: str, agent: str | None):
-        """(peer, _Expected) of the decode that named ``request``; under _writes_lock."""
-        if agent is not None:
-            peer = self._peers.get(agent)
-            found = peer is not None and request in peer.expected
-            return (peer, peer.expected[request]) if found else None
-        named = [p for p in list(self._peers.values()) if request in p.expected]
-        if len(named) > 1:
-            raise KVRuntimeError(f"request {request!r} is named by {len(named)} decodes "
-                                 f"({', '.join(p.agent for p in named[:3])}...): pass peer=")
-        return (named[0], named[0].expected[request]) if named else None
-
-    def _push_plan(self, peer: _Peer, src_blocks, expected: "_Expected"):
-        """Our ``src_blocks`` for the blocks a decode named: the plan of a WRITE into them, or,
-        to a decode that copies them itself (and checks both sides again), our ids alone,
-        checked against our cache and counted against its (the pair's plan took 65-119 µs of
-        a 4096-block push's 160-230 on an H100 host, its destinations read the general way)."""
-        if not expected.copies:
-            return peer.planner(self.cache.layout).plan(src_blocks, expected.dst)
-        plan = self._own.plan(src_blocks)
-        if plan.num_blocks != len(expected.dst):
-            raise KVRuntimeError(f"{plan.num_blocks} source blocks but the decode named "
-                                 f"{len(expected.dst)}")
-        return plan
-
-    def _push_now(self, peer: _Peer, request: str, plan, deadline: float, posted: float,
-                  copies: bool) -> None:
-        """Our blocks for ``request`` go to ``peer`` now: a same-node decode that asked to copy
-        them (``copies``) gets their ids, as spans (first id, count) where those are fewer,
-        and copies them itself, as a pull, releasing them once done; any other gets a WRITE
-        whose notification tells it they landed."""
-        if copies:
-            message = {"type": "ready", "request": request, "posted": posted}
-            if 2 * plan.num_runs < plan.num_blocks:
-                message["src_spans"] = frames.pack_spans(plan.run_src, plan.run_count)
-            else:
-                message["src"] = frames.pack_ids(plan.block_ids()[0])
-            if peer.mailbox is not None:  # it may read it there before the frame comes
-                message["ring"] = peer.mailbox.post(frames.encode_payload(message))
-            peer.send(message, self.timeout)
-            return
-        notif = frames.encode_notif({"type": "pushed", "request": request, "posted": posted,
-                                     "descriptors": plan.descriptor_count}, peer.info.session)
-        self._post_write(peer, request, plan, deadline, 1, notif)
-
-    def _push_failed(self, peer: _Peer, request: str, error: str, release: bool) -> None:
-        """A push of ours that will not be written: the decode hears why; ``release``: blocks
-        of ours were given to it (start_push returned), and are free now."""
-        if release:
-            self._release(peer.agent, request)
-        try:
-            peer.send({"type": "push_failed", "request": request, "error": error}, self.timeout)
-        except KVRuntimeError as exc:
-            log.warning("telling %s that push %s failed: %s", peer.agent, request, exc)
-
-    def _expect(self, peer: _Peer, message: dict) -> None:
-        """A decode names the blocks a request of ours goes into; posted at once when we have
-        already started that push, else kept until ``start_push`` or its deadline."""
-        request = frames.field(message, "request", str)
-        dst = frames.ids_field(message, "dst")
-        timeout = float(frames.field(message, "timeout", (int, float)))
-        left = float(frames.field(message, "deadline", (int, float))) - time.time()
-        copies = message.get("copy") is True
-        taken = None  # a push of ours that waited for this decode: its blocks are ours to free
-        try:
-            if self.staging is not None:
-                raise KVRuntimeError("this prefill is host-staged: it pushes nothing directly")
-            if copies and not peer.opened:
-                raise KVRuntimeError("it asks to copy the push itself but has not opened this "
-                                     "prefill's memory (same-node engine)")
-            if left <= 0:
-                self.stats.late_pushes += 1
-                raise KVRuntimeError(f"its deadline passed {-left:.3f}s before the prefill read "
-                                     f"it; nothing was written")
-            make_plan(peer.info.layout, dst)  # its range and duplicates, before we keep it
-            deadline = time.monotonic() + min(left, timeout)
-            with self._writes_lock:
-                if request in peer.expected or (peer.agent, request) in self._writes:
-                    raise KVRuntimeError(f"request {request!r} is already in flight")
-                offer = self._offers.get(request)
-                if offer is None or offer.agent not in (None, peer.agent):
-                    peer._named(request, _Expected(dst, deadline, copies))
-                    self._work.set()  # the progress loop expires it
-                    return
-                taken = self._offers.pop(request)
-            if len(taken.src) != len(dst):
-                raise KVRuntimeError(f"{len(dst)} blocks named, but the prefill pushes "
-                                     f"{len(taken.src)}")
-            plan = self._push_plan(peer, taken.src, _Expected(dst, deadline, copies))
-            self._push_now(peer, request, plan, min(deadline, taken.deadline), taken.posted,
-                           copies)
-        except KVRuntimeError as exc:
-            self._push_failed(peer, request, str(exc), release=taken is not None)
-
-    def _expire_pushes(self) -> None:
-        """Drop expectations and offers past their deadlines: the decode hears it (none of our
-        blocks were promised to it yet); a push no decode named is released with agent ""
-        (its blocks are ours again)."""
-        now = time.monotonic()
-        late = []
-        with self._writes_lock:
-            for peer in list(self._peers.values()):
-                for request in [r for r, e in peer.expected.items()
-                                if now > e.deadline + EXPECTED_GRACE]:
-                    peer._unnamed(request)
-                    late.append((peer, request))
-            for request in [r for r, o in self._offers.items() if now > o.deadline]:
-                offer = self._offers.pop(request)
-                log.warning("push %s: no decode%s named its blocks before its deadline; "
-                            "dropped", request, f" {offer.agent}" if offer.agent else "")
-                self._release(offer.agent or "", request)
-        for peer, request in late:
-            self._push_failed(peer, request, "the prefill had not pushed it by its deadline",
-                              release=False)
+        return self.pushes.expects(request, peer)
 
     # -- host-staged requests (staging.py) -------------------------------------------------------
     def _stage(self, peer: _Peer, message: dict) -> None:
@@ -798,76 +506,6 @@ class PrefillServer:
                             "freed", key[1], key[0])
                 self.pool.release(start, n)
 
-    def _cancel_write(self, peer: _Peer, request: str) -> None:
-        with self._writes_lock:
-            write = self._writes.get((peer.agent, request))
-            if write is not None:  # posted: it cannot be stopped, only answered once it ends
-                state = write.xfer.poll()
-                if state != "PROC":
-                    write.xfer.finish()
-                    self._end_write(write, None if state == "DONE" else
-                                    "the WRITE failed in NIXL (decode gone?)")
-                return
-            if peer._unnamed(request) is not None:  # named, not pushed yet
-                peer.send({"type": "cancelled", "request": request, "state": "not pushed"},
-                          self.timeout)
-                return
-        # Not in flight: it was refused, or finished and answered before this cancel (frames
-        # of one connection are answered in order), so the decode already knows which.
-        peer.send({"type": "cancelled", "request": request, "state": "not in flight"},
-                  self.timeout)
-
-    def _progress_writes(self) -> bool:
-        """One pass over the WRITEs in flight; True while any remain. One past its deadline
-        runs on (nothing stops a posted WRITE) and is answered as it ends: the decode, which
-        failed it at its deadline, counts its blocks as written until that answer."""
-        if len(self._orphans):
-            self._orphans.poll()
-        with self._writes_lock:
-            for write in list(self._writes.values()):
-                state = write.xfer.poll()
-                if state == "DONE":
-                    write.xfer.finish()
-                    self._check_lanes(write.peer)
-                    self._end_write(write, None)
-                elif state == "ERR":
-                    write.xfer.finish()
-                    self._end_write(write, "the WRITE failed in NIXL (decode gone?)")
-            return bool(self._writes) or bool(len(self._orphans))
-
-    def _check_lanes(self, peer: _Peer) -> None:
-        """After a peer's first WRITE of device memory: a lane on TCP is logged as an error
-        (the decode's connect-time probe covers its READs; ucxlog.py)."""
-        if peer.lanes_checked or "VRAM" not in (self.cache.mem_type, peer.info.mem_type):
-            return
-        peer.lanes_checked = True
-        try:
-            self.agent.check_device_lanes(f"push to {peer.agent}", self.cache.mem_type == "VRAM",
-                                          peer.info.mem_type == "VRAM")
-        except KVRuntimeError as exc:
-            log.error("%s", exc)
-
-    def _end_write(self, write: "_Write", error: str | None) -> None:
-        """Answer a WRITE that ended well (error None) or in error; called under _writes_lock."""
-        del self._writes[(write.peer.agent, write.request)]
-        if error is None and write.notified:  # the decode has its notification
-            self._release(write.peer.agent, write.request)
-            return
-        if error is None:
-            result = write.xfer.result()
-            self._release(write.peer.agent, write.request)  # the blocks may be freed
-            reply = {"type": "pushed", "request": write.request, "nbytes": result.nbytes,
-                     "seconds": result.seconds, "descriptors": result.descriptors,
-                     "nixl_descriptors": result.nixl_descriptors}
-        else:  # it ended in error (UCX completed it): nothing more of it lands
-            reply = {"type": "push_failed", "request": write.request, "error": error}
-            if write.notified:  # ours: nothing reads the caller's blocks now
-                self._release(write.peer.agent, write.request)
-        try:
-            write.peer.send(reply, self.timeout)
-        except KVRuntimeError as exc:
-            log.warning("answering push %s of %s: %s", write.request, write.peer.agent, exc)
-
     # -- completion --------------------------------------------------------------------------
     def _progress_loop(self) -> None:
         """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls tightly
@@ -884,8 +522,8 @@ class PrefillServer:
             try:
                 if self._staged:
                     self._expire_staged()
-                if self._offers or any(p.expected for p in list(self._peers.values())):
-                    self._expire_pushes()
+                if self.pushes.waiting:
+                    self.pushes.expire()
                 if self._stage_queue:
                     self._serve_stages()
                 # our UCX worker's progress (WRITEs in flight, peers' requests); nothing of
@@ -899,36 +537,19 @@ class PrefillServer:
                 log.warning("ignoring %d NIXL notification(s) from %s: kvruntime peers release "
                             "blocks by frame", len(messages), agent)
             try:
-                busy = self._progress_writes()
+                busy = self.writes.progress()
             except Exception:
                 if not self._stop.is_set():
                     log.exception("progressing WRITEs")
                 busy = False
 
     def _release(self, agent: str, request: str) -> None:
-        with self._released_cv:
-            self._released[(agent, request)] = None
-            while len(self._released) > RELEASED_KEPT:  # nobody collects them: keep the newest
-                self._released.popitem(last=False)
-            self._released_cv.notify_all()
-        if self.on_release is not None:
-            try:
-                self.on_release(request)
-            except Exception:
-                log.exception("on_release callback failed for %s", request)
+        self.released.add(agent, request)
 
     def wait_released(self, request: str, timeout: float, peer: str | None = None) -> bool:
         """True once a decode said ``request``'s blocks may be freed (from the decode agent
         ``peer``, or any). Consumes the release, so a request id may be used again."""
-        def take():
-            for key in self._released:
-                if key[1] == request and (peer is None or key[0] == peer):
-                    del self._released[key]
-                    return True
-            return False
-
-        with self._released_cv:
-            return self._released_cv.wait_for(take, timeout)
+        return self.released.wait(request, timeout, peer)
 
     def get_released(self) -> list[tuple[str, str]]:
         """Every (decode agent, request id) released since the last call: the blocks an
@@ -936,10 +557,7 @@ class PrefillServer:
         decode releases a request once nothing of it reads them: when its copy is done, and
         also when it failed but ended or was aborted (not when a READ it could not abort may
         still be reading)."""
-        with self._released_cv:
-            out = list(self._released)
-            self._released.clear()
-        return out
+        return self.released.take_all()
 
     @property
     def peers(self) -> list[str]:
@@ -967,8 +585,7 @@ class PrefillServer:
             t.join(max(0.0, deadline - time.monotonic()))
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
-        if self._orphans.drain(self.timeout):  # the agent goes now: its worker's end stops them
-            log.error("closing with WRITEs still in flight after %.1fs", self.timeout)
+        self.writes.close()
         self.registration.close()
         if self._pool_reg is not None:
             self._pool_reg.close()

@@ -14,7 +14,7 @@ from .errors import NixlError
 from .layout import KVLayout
 from .memory import KVCache
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 
 def block_descriptors(layout: KVLayout, regions, device_id_of=None):

@@ -43,7 +43,7 @@ from .peercred import owner_uid, prove_peer
 from .plan import TransferPlan
 from .transfer import TransferResult
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
 IOV_MAX = 1024
@@ -215,10 +215,11 @@ def prove_same_node(offer: dict) -> tuple[int, None] | tuple[None, str]:
 
 # -- jobs: what a TransferHandle polls ------------------------------------------------------------
 class CopyJob:
-    """A copy this process drives, with PostedTransfer's polling surface (state, seconds,
-    finish, abort, result); the same-node jobs and staging's StagedPull build on it."""
+    """A copy this process drives (a ``jobs.Job``, as a NIXL READ is); the same-node jobs and
+    staging's StagedPull build on it."""
 
     engine = "samenode"
+    waiting: str | None = None  # past its deadline it waited for the peer
 
     def __init__(self, op: str, plan: TransferPlan):
         self.op = op
@@ -237,12 +238,11 @@ class CopyJob:
         self.released = True
 
     def release(self, peer, request_id: str) -> None:
-        """The copy of ``request_id`` is done: tell the prefill it may free the blocks."""
-        peer._release_later([request_id])
+        """The copy of ``request_id`` is done, or failed and reads nothing any more
+        (``give_back``): tell the prefill it may free the blocks."""
+        peer.release_later([request_id])
 
-    def give_back(self, peer, request_id: str) -> None:
-        """The copy of ``request_id`` failed and reads nothing any more: the same."""
-        peer._release_later([request_id])
+    give_back = release
 
     def abort(self) -> bool:
         """A local copy cannot be stopped; True once it has ended (then nothing writes)."""
@@ -341,14 +341,16 @@ class Batch:
         with self._lock:
             handles, self.handles = self.handles, []
         for handle in handles:
-            handle._done_elsewhere()
+            handle.done_elsewhere()
         if handles:
-            peer._release_later([h.request_id for h in handles])
+            peer.release_later([h.request_id for h in handles])
 
 
 class SharedJob:
-    """One request's view of a gather that moves a whole batch: polled and aborted through
-    the batch's job; its result counts its own bytes."""
+    """One request's view of a gather that moves a whole batch (a ``jobs.Job``): polled and
+    aborted through the batch's job; its result counts its own bytes."""
+
+    waiting: str | None = None
 
     def __init__(self, batch: Batch, plan: TransferPlan):
         job = batch.job
@@ -356,7 +358,7 @@ class SharedJob:
         self.plan = plan
         self.batch = batch
         self.engine = job.engine
-        self.start = job.start  # each request's own clock (TransferHandle._attach)
+        self.start = job.start  # each request's own clock (TransferHandle.attach)
         self.block = getattr(job, "block", None)
 
     @property
@@ -374,7 +376,7 @@ class SharedJob:
 
     def give_back(self, peer, request_id: str) -> None:
         """The batch's gather failed: each request gives its own blocks back."""
-        peer._release_later([request_id])
+        peer.release_later([request_id])
 
     def abort(self) -> bool:
         return self.job.abort()

@@ -554,7 +554,7 @@ class StagedPull(CopyJob):
     def send(self) -> None:
         """Ask the prefill to stage (once the handle holds this job: another thread's poll may
         hand it the answer at once)."""
-        self.peer._send(self._message)
+        self.peer.send(self._message)
 
     def on_reply(self, message: dict) -> None:
         if self.state != "PROC":
@@ -638,7 +638,7 @@ class StagedPull(CopyJob):
             else:  # a device's: polled (a nap would outlast a device scatter's ~0.1 ms)
                 os.sched_yield()
             return
-        self.peer._await_frame(seconds)
+        self.peer.await_frame(seconds)
 
     def _post(self, pool, rows: tuple[int, int]):
         """READ rows ``rows`` of the prefill's run into the same rows of ours: one range (the
@@ -652,7 +652,7 @@ class StagedPull(CopyJob):
         local = pool.cache.regions[0]
         local_at = local.address + self._local * unit + off
         remote_at = self.route.remote[0] + self._remote[0] * unit + off
-        engine = self.peer._pool_engine  # same host: our reader threads instead of NIXL
+        engine = self.peer.pool_engine  # same host: our reader threads instead of NIXL
         if engine is not None:
             return engine.read("READ", self.plan, np.array([local_at], dtype=np.uint64),
                                np.array([remote_at], dtype=np.uint64),
@@ -702,11 +702,11 @@ class StagedPull(CopyJob):
                         pool.release(local, units)
 
                 for xfer in running:
-                    self.peer.client._draining.add(xfer, ended, self.peer.agent)
-        if not self._unstaged and not self.peer._broken:  # gone: the prefill frees ours
+                    self.peer.client.draining.add(xfer, ended, self.peer.agent)
+        if not self._unstaged and not self.peer.broken:  # gone: the prefill frees ours
             self._unstaged = True
             try:
-                self.peer._send({"type": "unstage", "request": self.request_id})
+                self.peer.send({"type": "unstage", "request": self.request_id})
             except KVRuntimeError:
                 pass  # the connection is gone: the prefill frees everything of ours
 

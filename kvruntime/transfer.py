@@ -28,7 +28,7 @@ from .agent import Agent
 from .errors import NixlError, TransferError
 from .plan import TransferPlan
 
-log = logging.getLogger("kvruntime")
+log = logging.getLogger(__name__)
 
 class TransferResult(NamedTuple):
     """What one request moved, and how fast. A named tuple, immutable as a frozen dataclass
@@ -70,7 +70,10 @@ class Rows:
 class PostedTransfer:
     """READ (remote is the source) or WRITE (remote is the destination) of ``plan``, posted at
     construction. ``poll`` returns "PROC", "DONE" or "ERR"; the NIXL handle is released exactly
-    once, by ``finish`` (after DONE/ERR) or ``abort`` (before)."""
+    once, by ``finish`` (after DONE/ERR) or ``abort`` (before). A decode's READ is a
+    ``jobs.Job``."""
+
+    waiting: str | None = None  # past its deadline it waited for the peer (jobs.Job)
 
     def __init__(self, agent: Agent, op: str, plan: TransferPlan, local_dlist, remote_dlist,
                  remote_is_src: bool, notif: bytes, split: int = 1, rows: "Rows | None" = None):
@@ -121,6 +124,23 @@ class PostedTransfer:
     @property
     def seconds(self) -> float:
         return (self.end or time.perf_counter()) - self.start
+
+    @property
+    def engine(self) -> str:
+        return f"NIXL {self.op}"
+
+    @property
+    def error(self) -> str:
+        """Why a transfer that ended in error failed, as far as this side can tell."""
+        side = "prefill" if self.op == "READ" else "decode"
+        return f"the {side} is gone or refused the memory access"
+
+    def release(self, peer, request_id: str) -> None:
+        """A READ carries no NIXL notification (decode.py): the prefill hears of it by frame,
+        whether it ended well or, failed, reads nothing any more (``give_back``)."""
+        peer.release_later([request_id])
+
+    give_back = release
 
     def finish(self) -> None:
         """Release the handle of a finished transfer (after taking its telemetry)."""

@@ -324,7 +324,7 @@ def _bare_copy(peer, src, dst) -> float:
     made beforehand, the engine's start (the gather, or the runtime's copies of runs, and its
     completion event), then its job polled until done; no handle, no release, no clock of
     kvruntime's around it."""
-    engine = peer._engine
+    engine = peer.samenode
     plan = make_plan(peer.info.layout, src, peer.client.cache.layout, dst)
     t = time.perf_counter()
     job = engine.start("READ", plan, peer.head_slice)

@@ -92,7 +92,7 @@ def test_push_to_a_stalled_prefill_fails_at_its_deadline_and_never_lands(prefill
             # The prefill wakes up, reads the push and the cancel, refuses both.
             deadline = time.monotonic() + 10
             while not handle.settled and time.monotonic() < deadline:
-                handle.peer._pump()
+                handle.peer.pump()
                 time.sleep(0.01)
             assert handle.settled
             time.sleep(0.5)
@@ -155,9 +155,9 @@ def test_wait_shorter_than_the_request_leaves_it_running(prefill, stall):
 
 
 def test_a_peer_whose_cancel_goes_unanswered_is_not_trusted(prefill, monkeypatch, stall):
-    import kvruntime.decode as decode
+    import kvruntime.channel as channel
 
-    monkeypatch.setattr(decode, "SETTLE_SECONDS", 0.5)
+    monkeypatch.setattr(channel, "SETTLE_SECONDS", 0.5)
     layout = small()
     with prefill([layout], seed=2) as (proc, ports):
         cache = KVCache.allocate_host(layout)
@@ -318,7 +318,7 @@ def test_a_send_that_fails_closes_the_peer_without_hanging(pair):
     server, client, peer, src_cache, dst = pair
     handle = peer.start_push([1], [2], request_id="waits", timeout=30)
     handle.wait(10)
-    peer.sock.shutdown(socket.SHUT_WR)
+    peer.channel.sock.shutdown(socket.SHUT_WR)
     outcome = []
 
     def digests():

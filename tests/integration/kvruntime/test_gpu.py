@@ -83,9 +83,9 @@ def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
             if engine == "samenode":
                 # the many runs went through one kernel, not torch's two-step fallback (across
                 # GPUs the kernel runs on the prefill's GPU: there the IPC-opened memory is mapped)
-                assert peer._engine.gather.use_triton == _has_triton()
+                assert peer.samenode.gather.use_triton == _has_triton()
                 if _has_triton():  # the kernel compiled once, later launches skip Triton's JIT
-                    assert peer._engine.gather._kernels.direct > 0
+                    assert peer.samenode.gather._kernels.direct > 0
         zero.close()
         cache.close()
 
@@ -396,7 +396,7 @@ def test_the_peers_gpu_is_found_by_uuid_when_it_numbers_gpus_otherwise(prefill, 
                 DecodeClient(cache, secret=b"k", device_kind="cuda", engine="samenode"))
             peer = client.connect("127.0.0.1", ports[0])
             assert peer.engine == "samenode:cuda-ipc"
-            assert {t.device.index for t in peer._engine.remote} == {1}
+            assert {t.device.index for t in peer.samenode.remote} == {1}
             for op in ("pull", "push"):
                 src, dst = list(range(0, 40, 2)), list(range(50, 70))  # 20 runs: the kernel
                 cache.fill_value(0)

@@ -51,7 +51,7 @@ def test_a_decode_with_fds_above_1024(prefill, many_fds, engine):
         cache.fill_value(0)
         with DecodeClient(cache, engine=engine) as client:
             peer = client.connect("127.0.0.1", ports[0])
-            assert peer.sock.fileno() >= 1024 and not peer.closed
+            assert peer.channel.sock.fileno() >= 1024 and not peer.closed
             assert peer.engine == ("nixl" if engine == "nixl" else "samenode:process_vm_readv")
             peer.pull([1, 2, 3], [10, 11, 12], timeout=20)
             peer.push([4, 5], [20, 21], timeout=20)

@@ -48,7 +48,7 @@ def test_named_first_then_pushed_lands_bit_exact(kind, engine, op, moved_by):
         assert not handle.done()  # named, not pushed: nothing has moved
         server.start_push("r1", [3, 4, 5, 90])
         if engine == "samenode":
-            assert not server._writes  # nothing posted to NIXL
+            assert not server.writes.in_flight  # nothing posted to NIXL
         result = handle.wait(10)
         assert result.op == op and result.engine == moved_by
         assert result.nbytes == 4 * layout.block_bytes
@@ -56,7 +56,7 @@ def test_named_first_then_pushed_lands_bit_exact(kind, engine, op, moved_by):
         assert 0 < result.seconds < 10  # from the prefill's start to the arrival
         assert dst.block_digests([10, 11, 12, 40]) == src.block_digests([3, 4, 5, 90])
         assert server.wait_released("r1", 5, peer=client.agent.name)  # our blocks are free
-        assert handle.settled and peer.in_flight == 0 and not peer._pending
+        assert handle.settled and peer.in_flight == 0 and not peer.channel.pending
     src.close(), dst.close()
 
 
@@ -105,7 +105,7 @@ def test_a_request_never_pushed_fails_at_its_deadline_and_is_dropped(either_pair
         handle.wait(10)
     until = time.monotonic() + 5  # the cancel's answer settles it
     while not handle.settled and time.monotonic() < until:
-        peer._pump()
+        peer.pump()
         time.sleep(0.01)
     assert handle.settled and not server.expects("never")
     server.start_push("never", [9], timeout=0.3)
@@ -328,15 +328,15 @@ def test_a_ready_for_a_push_the_decode_gave_up_is_given_back(samenode_pair, capl
     _wait_expected(server, "gone")
     server.start_push("gone", [3])  # the ready frame is on its way
     handle.deadline = time.monotonic() - 1
-    handle._advance()  # its deadline seen before the frame is read: failed, cancel sent
+    handle.advance()  # its deadline seen before the frame is read: failed, cancel sent
     with pytest.raises(TransferTimeout):
         handle.result()
     with caplog.at_level(logging.INFO, logger="kvruntime"):
         until = time.monotonic() + 5
         while not handle.settled and time.monotonic() < until:
-            peer._pump()
+            peer.pump()
             time.sleep(0.01)
-    assert handle.settled and not peer._pending
+    assert handle.settled and not peer.channel.pending
     assert "given back" in caplog.text
     assert server.wait_released("gone", 5, peer=client.agent.name)
     assert dst.block_digest(20) == before
@@ -351,11 +351,11 @@ def test_only_a_decode_that_opened_the_prefills_memory_may_copy_its_pushes(pair)
     server.start_push("sly", [4])
     handle.wait(10)  # a NIXL decode's push: a WRITE
     assert handle.result().engine == "nixl"
-    peer._pending["sly2"] = handle2 = peer._handle("push", "sly2", handle.plan, 20,
+    peer.channel.pending["sly2"] = handle2 = peer.make_handle("push", "sly2", handle.plan, 20,
                                                    time.perf_counter())
     handle2.by_prefill = True
-    client._track(handle2)
-    peer._send({"type": "expect", "request": "sly2", "dst": frames.pack_ids([31]),
+    client.track(handle2)
+    peer.send({"type": "expect", "request": "sly2", "dst": frames.pack_ids([31]),
                 "timeout": 20, "deadline": time.time() + 20, "copy": True})
     with pytest.raises(TransferError, match="has not opened this prefill's memory"):
         handle2.wait(10)
@@ -385,13 +385,13 @@ def test_a_ready_the_decode_cannot_copy_fails_its_request_alone(samenode_pair, c
     for name, spans in (("spans3", ([1], [3])),
                         ("wraps", ([0, 9, 20, 30], [2**62, 2**62, 2**62, 2**62 + 2]))):
         h = peer.expect_push([50, 51], request_id=name, timeout=20)
-        peer._dispatch(ready(name, spans=spans))
+        peer.channel.dispatch(ready(name, spans=spans))
         with pytest.raises(TransferError, match="its spans name"):
             h.wait(5)
         assert server.wait_released(name, 5, peer=client.agent.name)
-    peer._dispatch(ready("bad", [1, 2, 3]))  # three ids for two blocks
+    peer.channel.dispatch(ready("bad", [1, 2, 3]))  # three ids for two blocks
     with caplog.at_level(logging.WARNING, logger="kvruntime"):
-        peer._dispatch(ready("nobody", [1]))
+        peer.channel.dispatch(ready("nobody", [1]))
     assert "unexpected 'ready' frame" in caplog.text
     with pytest.raises(TransferError, match="could not be copied"):
         bad.wait(5)
@@ -408,7 +408,7 @@ def test_a_same_node_decode_takes_readies_from_the_prefills_ring(samenode_pair, 
     Here the ring is lapped on purpose: records for nobody written into it while the decode
     does not poll."""
     server, client, peer, src, dst = samenode_pair
-    assert peer._ring is not None
+    assert peer.channel.ring is not None
     with caplog.at_level(logging.WARNING, logger="kvruntime"):
         for i, (s, d) in enumerate([([1, 2, 3], [60, 61, 62]), ([9, 4], [63, 64])]):
             handle = peer.expect_push(d, request_id=f"ring{i}", timeout=20)
@@ -416,8 +416,8 @@ def test_a_same_node_decode_takes_readies_from_the_prefills_ring(samenode_pair, 
             server.start_push(f"ring{i}", s)
             handle.wait(10)
             assert dst.block_digests(d) == src.block_digests(s)
-        assert peer._ring is not None and peer._ring.tail > 0  # they came by the ring
-        assert not peer._from_ring  # and each frame after it was dropped, unseen
+        assert peer.channel.ring is not None and peer.channel.ring.tail > 0  # they came by the ring
+        assert not peer.channel.from_ring  # and each frame after it was dropped, unseen
         assert not caplog.records  # nothing unexpected: no ready handled twice
         box = next(iter(server._peers.values())).mailbox
         junk = frames.encode_payload({"type": "ready", "request": "nobody", "posted": 0.0,
@@ -429,7 +429,7 @@ def test_a_same_node_decode_takes_readies_from_the_prefills_ring(samenode_pair, 
         server.start_push("after", [5])
         handle.wait(10)
     assert dst.block_digest(70) == src.block_digest(5)
-    assert peer._ring is None
+    assert peer.channel.ring is None
     assert "its ring of readies is given up" in caplog.text
 
 
@@ -446,8 +446,8 @@ def test_a_ready_whose_frame_comes_before_the_ring_is_read_is_copied_once(sameno
                "src": frames.pack_ids([6, 7])}
     assert box.post(frames.encode_payload(message))
     with caplog.at_level(logging.WARNING, logger="kvruntime"):
-        with peer._recv_lock:  # as _pump holds it
-            peer._dispatch(frames.decode_frame(frames.encode_frame({**message, "ring": True})))
+        with peer.channel._recv_lock:  # as pump holds it
+            peer.channel.dispatch(frames.decode_frame(frames.encode_frame({**message, "ring": True})))
         handle.wait(10)
     assert dst.block_digests([80, 81]) == src.block_digests([6, 7])
-    assert not peer._from_ring and not caplog.records
+    assert not peer.channel.from_ring and not caplog.records

@@ -96,7 +96,7 @@ def test_forced_samenode_moves_scattered_blocks_in_one_request(prefill, kind, st
             peer = client.connect("127.0.0.1", ports[0])
             assert peer.engine == "samenode:process_vm_readv"
             if streams:
-                assert peer._engine.streams == streams
+                assert peer.samenode.streams == streams
             assert "proved" in peer.engine_reason
             src = [3, 9, 10, 11, 40, 2, 63]
             dst = [0, 5, 6, 7, 8, 60, 1]
@@ -125,13 +125,13 @@ def test_samenode_pull_releases_the_blocks_on_the_prefill():
         # a batch is one copy: its requests are released together, once, whichever handle
         # sees it done first
         sent = []
-        send = peer._send
+        send = peer.send
 
         def spy(message):
             sent.append(message)
             send(message)
 
-        peer._send = spy
+        peer.send = spy
         handles = peer.start_pulls([([7], [8], "b1"), ([9, 10], [11, 12], "b2"), ([3], None, "b3")])
         handles[2].wait(10)
         # ... and finished together: the handle that saw the copy end finished the others,
@@ -160,8 +160,8 @@ def test_a_dead_peer_fails_the_request_and_nothing_stays_open(prefill):
             proc.join(10)
             with pytest.raises(KVRuntimeError):  # refused at start, or failed by its deadline
                 peer.start_pull([2, 3], timeout=5).wait()
-            assert peer.closed and peer._engine is None  # the opened peer is let go
-            assert all(h.state != "pending" for h in client._inflight_handles())
+            assert peer.closed and peer.samenode is None  # the opened peer is let go
+            assert all(h.state != "pending" for h in client.inflight_handles())
         cache.close()
 
 
@@ -211,7 +211,7 @@ def test_a_prefill_naming_another_process_is_not_trusted(prefill, monkeypatch):
         cache = KVCache.allocate_host(layout)
         with DecodeClient(cache, secret=b"s", engine="nixl") as spy:
             peer = spy.connect("127.0.0.1", ports[0])
-            stolen = peer._call({"type": "samenode"}, "samenode", 10)
+            stolen = peer.channel.call({"type": "samenode"}, "samenode", 10)
         assert stolen["pid"] == victim.pid and stolen["pid"] != os.getpid()
         monkeypatch.setattr(prefill_mod, "serve_offer", lambda *_a: dict(stolen))
         liar_cache = KVCache.allocate_host(layout)

@@ -1,0 +1,120 @@
+"""Pushes into this decode that the prefill starts: the decode names the blocks ahead of time
+(``PrefillPeer.expect_push``: an "expect" frame), the prefill pushes once it has them
+(``PrefillServer.start_push``).
+
+Over NIXL the prefill WRITEs them with a notification, which finishes the handle here
+(``on_notif``, its MAC checked). To a same-node decode it sends their ids instead (a "ready"
+frame, or a record in its ring read first) and the decode copies them out of its memory itself,
+as a pull (``copy_ready``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from . import frames
+from .errors import KVRuntimeError, TransferError
+from .inflight import PENDING, TransferHandle
+from .plan import Planner, TransferPlan, make_plan, spans_ids
+
+log = logging.getLogger(__name__)
+
+
+def expect(peer, dst_blocks, request_id: str | None, timeout: float,
+           t0: float) -> TransferHandle:
+    """``PrefillPeer.expect_push``: name our blocks for ``request_id`` (an "expect" frame);
+    the handle waits for the prefill's push. ``t0``: when the caller called."""
+    peer.check_request(timeout)
+    if peer.client.staging is not None:
+        raise KVRuntimeError(f"{peer.name}: a host-staged decode cannot be pushed into "
+                             f"(NIXL holds its staging pool, not its cache); pull instead")
+    if peer.info.kv_buffer == "host_staged":
+        raise KVRuntimeError(f"{peer.name} is host-staged: it pushes nothing directly; pull "
+                             f"instead")
+    # our ids, checked here (range, duplicates): the prefill pairs them with its own
+    plan = make_plan(peer.client.cache.layout, dst_blocks)
+    request_id = peer.name_request(request_id)
+    peer.channel.check_new(request_id)
+    handle = peer.make_handle("push", request_id, plan, timeout, t0)
+    handle.by_prefill = True
+    peer.channel.expect(handle)
+    peer.client.track(handle)
+    message = {"type": "expect", "request": request_id,
+               "dst": frames.pack_ids(plan.block_ids()[0]),
+               "timeout": timeout, "deadline": time.time() + timeout}
+    if peer.samenode is not None:  # same node: "send the ids when ready, we copy"
+        message["copy"] = True
+    peer.send(message)
+    return handle
+
+
+def copy_ready(peer, handle: TransferHandle, message: dict) -> None:
+    """The prefill has the blocks of a request we named with "copy" (a "ready" frame):
+    copy them out of its memory into the named ones, as a pull would, and release them
+    when done. A ready for a request that already failed (its deadline, its cancel) or
+    that cannot be planned gives the blocks straight back (a release): nothing reads
+    them."""
+    request = handle.request_id
+    copied = gave_up = False
+    with handle.lock:
+        try:
+            if handle.state != PENDING:
+                gave_up = True  # failed here first: the answer to its cancel settles it
+                raise KVRuntimeError("it had already failed here")
+            if peer.samenode is None:
+                raise KVRuntimeError("no same-node engine serves this peer here")
+            plan = ready_plan(peer.planner(), handle.plan, message)
+            posted = message.get("posted")
+            if isinstance(posted, (int, float)) and not isinstance(posted, bool):
+                # its start on our clock: one host's wall clock, read on both sides
+                handle.started = time.perf_counter() - max(0.0, time.time() - posted)
+            handle.plan = plan  # from here it is our copy's, as a pull's
+            peer.start_local(handle)
+            copied = True
+        except Exception as exc:  # bad ids, or a launch that failed: this request fails,
+            # whoever polled (an engine's get_finished) goes on with the others
+            peer.release_later([request])
+            if gave_up:
+                log.info("%s: ready for request %s given back: %s", peer.name, request, exc)
+            else:
+                handle.fail(TransferError(f"push of request {request}: the prefill's "
+                                          f"ready could not be copied: {exc}"))
+    if not copied:  # its blocks go back now (no poll of it may come again), outside its
+        peer.releases.flush()  # lock: a send that fails fails the peer's handles
+    if not gave_up:
+        peer.channel.settled(handle)  # the prefill has nothing more to say of it
+
+
+def ready_plan(planner: Planner, named: TransferPlan, message: dict) -> TransferPlan:
+    """The plan of a ready's source blocks (its ``src`` ids, or ``src_spans``) into the
+    ones we ``named``, checked against both caches as a pull's. Spans are bounded before
+    any id is made from them: as many blocks as we named, each span at least one. One
+    span into one run of ours is planned from the three numbers alone."""
+    if "src" in message:
+        return planner.plan(frames.ids_field(message, "src"), named.block_ids()[0])
+    starts, counts = frames.spans_field(message, "src_spans")
+    n = named.num_blocks
+    if len(counts) == 1 and counts[0] == n:  # one span, bounded by this one comparison
+        if named.num_runs == 1:
+            return planner.plan_runs(starts, named.run_dst, counts)
+    elif not len(counts) or counts.min() < 1 or counts.max() > n or counts.sum() != n:
+        raise KVRuntimeError(f"its spans name {int(counts.sum()) if len(counts) else 0} "
+                             f"blocks (each at least one), we named {n}")
+    return planner.plan(spans_ids(starts, counts), named.block_ids()[0])
+
+
+def on_notif(peer, raw) -> str | None:
+    """A NIXL notification from this peer's agent: a push of its own that has landed.
+    Returns why it was ignored, if it was."""
+    try:
+        message = frames.parse_notif(raw, peer.channel.session)
+    except KVRuntimeError as exc:
+        return str(exc)
+    request = message.get("request")
+    handle = peer.channel.pending.get(request) if isinstance(request, str) else None
+    if message.get("type") != "pushed" or handle is None or not handle.by_prefill:
+        return (f"an unexpected {str(message.get('type'))[:40]!r} notification (request "
+                f"{str(request)[:80]!r})")
+    handle.on_reply(message)
+    return None
