@@ -26,7 +26,8 @@ import time
 from dataclasses import dataclass
 
 from .errors import KVRuntimeError
-from .staging import PoolRoute, StagingExhausted, StagingPool
+from .staged import PoolRoute
+from .staging import StagingExhausted, StagingPool
 from .tp import rows_per_chunk
 
 log = logging.getLogger(__name__)

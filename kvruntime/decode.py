@@ -43,7 +43,8 @@ from .plan import Planner, TransferPlan
 from .registration import Registration
 from .releases import Pending, ReleaseSender
 from .samenode import ENGINES, Batch, SharedJob, host_copy_streams
-from .staging import StagedPull, StagingExhausted, StagingPool, resolve_kv_buffer
+from .staged import StagedPull
+from .staging import StagingExhausted, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import head_rows
 from .transfer import Draining, PostedTransfer, Rows, TransferResult

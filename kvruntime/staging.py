@@ -1,29 +1,33 @@
-"""Host-staged copies: for device memory NIXL cannot register (TPU-style hosts; Intel GPUs
-without a ze-capable UCX), or when the operator wants KV to cross hosts through DRAM.
+"""Staging pools: the one design requests go through when they do not move directly — host-staged
+peers (device memory NIXL cannot register: TPU-style hosts, Intel GPUs without a ze-capable UCX;
+or KV that should cross hosts through DRAM) and coalesced NIXL transfers of direct peers
+(coalesce.py: many runs moved as one descriptor a chunk).
 
-Each side keeps its KV cache where the engine has it (device tensors, or plain process memory
-on a CPU host, *not* registered with NIXL) and a staging pool of host blocks registered once as
-DRAM. A pull of blocks ``src`` into ``dst``:
+A pool is a KVCache of its own, registered with NIXL: host DRAM (host caches; host-staged device
+caches, pinned for CUDA) or VRAM on the cache's device (coalesced device caches). Its unit is one
+KV head of one block, the same on every side whatever its TP size, so a decode rank's head slice
+is one contiguous run. A pull of blocks ``src`` into ``dst`` (the decode's side: staged.py):
 
-    decode  -> prefill  stage    {request, src, deadline}
-    prefill             takes len(src) consecutive pool blocks (waits for free ones, never past
-                        the deadline), gathers ``src`` into them (region-major: each region's blocks
-                        in order, so a range of regions is one range of the run), answers
-    prefill -> decode   staged   {request, start, count}       or stage_failed {request, error}
-    decode              takes its own pool blocks, READs the prefill's run into them with NIXL
-                        (proved on the same host: process_vm_readv over the same-node engine's
-                        threads) in CHUNKS pieces of whole regions posted at once, scatters each
-                        piece into ``dst`` as it lands (overlapping the READs still running), frees
-                        its blocks when the last scatter has passed
-    decode  -> prefill  unstage  {request}     the prefill frees its pool blocks and the request
+    decode  -> prefill  stage    {request, src, deadline[, heads]}
+    prefill             takes len(src) x heads consecutive pool units (waits for free ones,
+                        never past the deadline), gathers ``src`` into them chunk by chunk (the
+                        run is region-major: a range of its (region, block) rows is one range
+                        of memory) and answers each chunk as it is in the pool
+    prefill -> decode   staged   {request, start, count, rows, last}   or stage_failed
+    decode              takes its own pool units at the first answer, READs each chunk into
+                        them as its answer comes (NIXL, one descriptor; or, host-staged on the
+                        same host, the same-node engine's reader threads), scatters each into
+                        ``dst`` as it lands, frees its units when the last scatter has passed
+    decode  -> prefill  unstage  {request}     the prefill frees its pool units and the request
 
-Gather and scatter are torch index ops (cuda, xpu and cpu tensors alike). On a device they run
-through a ring of device bounce slots (bounce.py): the index op fills a slot at device speed
-while the copy engine moves the previous one across PCIe, on streams of the pool's own after
-the caller's stream, followed by events: nothing waits for the whole device, and the decode's
-poll never blocks on a copy. A CUDA pool is pinned (cudaHostRegister)
-so the copies to and from it run at PCIe speed. Pools never block forever:
-a request waits for pool blocks only until its deadline, then fails with the numbers.
+Gather and scatter: between host memory, one C call per chunk (native.py; its copies without
+the GIL, a decode's scatters on a thread of the pool's); between a device cache and a host pool,
+through a ring of device bounce slots (bounce.py: the index op fills a slot at device speed
+while the copy engine moves the previous one across PCIe); between a device cache and a device
+pool, torch index ops on the pool's stream. Streams of the pool's own run after the caller's
+stream and end in events: nothing waits for the whole device, and the decode's poll never
+blocks on a copy. Pools never block forever: a request waits for pool units only until its
+deadline, then fails with the numbers.
 """
 
 from __future__ import annotations
@@ -34,14 +38,11 @@ import math
 import os
 import threading
 import time
-from dataclasses import dataclass
 
-from . import frames, native
+from . import native
 from .bounce import SLOT_BYTES, BounceRing, _TorchStreams, pieces
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
-from .plan import TransferPlan, make_plan
-from .samenode import CopyJob
 
 log = logging.getLogger("kvruntime")
 
@@ -474,254 +475,6 @@ def _region_bases(cache):
     return (np.array(bases, dtype=np.uint64), np.full(regions, stride, dtype=np.uint64))
 
 
-def pool_plan(src_layout: KVLayout, src_start: int, dst_layout: KVLayout, dst_start: int,
-              n: int) -> TransferPlan:
-    """The one-run plan moving pool blocks ``src_start..`` to ``dst_start..``."""
-    return make_plan(src_layout, list(range(src_start, src_start + n)), dst_layout,
-                     list(range(dst_start, dst_start + n)))
-
-
 # Where the bounce ring copies, a staged run is answered in this many pieces (whole regions
 # each: the ring's fills follow region order).
 CHUNKS = 4
-
-
-@dataclass(frozen=True)
-class PoolRoute:
-    """How a peer's requests go through the pools: ours, the peer's (its registered region, of
-    its memory kind) and the engine name its results carry ("host_staged", or "nixl" for a
-    coalesced transfer of a direct peer)."""
-
-    pool: StagingPool
-    remote: tuple[int, int, int]  # the peer's pool: (address, bytes, device id)
-    remote_mem: str
-    remote_units: int
-    engine: str
-
-
-@dataclass
-class _Chunk:
-    rows: tuple[int, int]  # rows of the run (staging.py: row r * n + b)
-    xfer: object  # PostedTransfer, or the same-node engine's read
-    event: object = None  # its scatter's (a device event, a host scatter's future)
-    scattered: bool = False
-
-
-class StagedPull(CopyJob):
-    """Decode side of one request through the pools, polled like a PostedTransfer (see module
-    doc): the prefill gathers the run chunk by chunk and answers each ("staged" with its
-    rows); each chunk is READ as its answer comes and scattered as it lands, so the gather
-    of one, the READ of the next and the scatter of the one before run side by side."""
-
-    def release(self, peer, request_id: str) -> None:
-        """Nothing to say: the request's "unstage" frees the prefill's pool blocks."""
-
-    def give_back(self, peer, request_id: str) -> None:
-        """Nothing to say: a failed request's cleanup sends its "unstage" too."""
-
-    def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float,
-                 route: PoolRoute):
-        super().__init__("READ", plan)
-        self.peer = peer
-        self.route = route
-        self.engine = route.engine
-        tp = peer.head_slice  # which of the prefill's heads, to which of ours
-        self._src_heads = tp.src if tp else None
-        self._dst_heads = tp.dst if tp else None
-        self._hs = tp.count if tp else peer.client.cache.layout.num_kv_heads
-        self._units = plan.num_blocks * self._hs
-        self._rows = 2 * peer.client.cache.layout.num_layers * plan.num_blocks
-        self.request_id = request_id
-        # what it waits for, for the deadline's error: the prefill's run, then our pool blocks
-        self.waiting = "the prefill had not staged it (its pool busy, or it stalled or died)"
-        self._remote: tuple[int, int] | None = None
-        self._local: int | None = None
-        self._ready: list[tuple[int, int]] = []  # row ranges the prefill has gathered
-        self._chunks: list[_Chunk] = []
-        self._unstaged = False
-        src, self._dst = plan.block_ids()
-        self._dst = route.pool.ids(self._dst)  # once for all the chunks' scatters
-        self._message = {"type": "stage", "request": request_id, "src": frames.pack_ids(src),
-                         "deadline": deadline_wall}
-        if self._src_heads is not None:
-            self._message["heads"] = list(self._src_heads)
-
-    @property
-    def units(self) -> int:
-        """Pool units the request takes (a block's heads of ours, each one unit)."""
-        return self._units
-
-    def send(self) -> None:
-        """Ask the prefill to stage (once the handle holds this job: another thread's poll may
-        hand it the answer at once)."""
-        self.peer.send(self._message)
-
-    def on_reply(self, message: dict) -> None:
-        if self.state != "PROC":
-            return
-        if message.get("type") != "staged":
-            self._fail(f"the prefill could not stage it: {message.get('error')}")
-            return
-        start, count, rows = message.get("start"), message.get("count"), message.get("rows")
-        at = self._ready[-1][1] if self._ready else 0
-        if not (isinstance(start, int) and isinstance(count, int) and count == self._units
-                and start >= 0 and start + count <= self.route.remote_units
-                and self._remote in (None, (start, count))
-                and isinstance(rows, list) and len(rows) == 2
-                and all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
-                and rows[0] == at and at < rows[1] <= self._rows):
-            self._fail(f"the prefill answered with a malformed staged run ({count!r} units at "
-                       f"{start!r}, rows {str(rows)[:40]}; {self._units} units, rows from {at} "
-                       f"of {self._rows} expected)")
-            return
-        self._remote = (start, count)
-        self._ready.append((rows[0], rows[1]))
-
-    def poll(self) -> str:
-        if self.state != "PROC":
-            return self.state
-        pool = self.route.pool
-        if self._remote is not None and self._local is None:
-            self._local = pool.try_acquire(self._remote[1])
-            if self._local is None:
-                self.waiting = f"the decode's staging pool is exhausted: {pool.numbers(self._units)}"
-                return self.state  # waits for pool blocks until the handle's deadline
-            self.waiting = "its READ of the staged run had not ended (peer dead or stalled)"
-        if self._local is not None and len(self._chunks) < len(self._ready):
-            try:
-                for rows in self._ready[len(self._chunks):]:
-                    self._chunks.append(_Chunk(rows, self._post(pool, rows)))
-            except KVRuntimeError as exc:
-                self._fail(str(exc))
-                return self.state
-        for chunk in self._chunks:
-            if chunk.scattered:
-                continue
-            st = chunk.xfer.poll()
-            if st == "DONE":  # its rows land while the next chunks are still read
-                chunk.xfer.finish()
-                chunk.event = pool.scatter_async(self._local, self._dst, self._dst_heads,
-                                                 chunk.rows)
-                chunk.scattered = True
-            elif st == "ERR":
-                chunk.xfer.finish()
-                self._fail(f"the READ of the staged blocks failed (prefill gone?): "
-                           f"{getattr(chunk.xfer, 'error', None) or 'NIXL state ERR'}")
-                return self.state
-        if (self._chunks and self._chunks[-1].rows[1] == self._rows
-                and all(c.scattered and done(c.event) for c in self._chunks)):
-            for chunk in self._chunks:
-                try:
-                    wait(chunk.event)  # a host scatter's error is raised here
-                except Exception as exc:
-                    self._fail(f"scattering the staged blocks failed: {exc}")
-                    return self.state
-            self._done("DONE")
-        return self.state
-
-    def block(self, seconds: float) -> None:
-        """Sleep until something this request waits for may have happened, at most
-        ``seconds`` (``TransferHandle.wait`` calls it instead of spinning: on a host of few
-        cores a spinning waiter takes the core the prefill's gather or our scatter needs).
-        A READ in flight is polled (its completion is NIXL's to report); otherwise the next
-        frame of the prefill, or the first scatter still running, ends the sleep."""
-        if any(not c.scattered for c in self._chunks):
-            os.sched_yield()  # polled again at once, the core offered to the others first
-            return
-        running = [c.event for c in self._chunks if c.event is not None and not done(c.event)]
-        if running and self._ready and self._ready[-1][1] == self._rows:
-            # every chunk is here: only the scatters are left
-            if hasattr(running[0], "result"):  # a host scatter's thread: woken as it ends
-                from concurrent.futures import wait as wait_futures
-
-                wait_futures(running[:1], timeout=seconds)
-            else:  # a device's: polled (a nap would outlast a device scatter's ~0.1 ms)
-                os.sched_yield()
-            return
-        self.peer.await_frame(seconds)
-
-    def _post(self, pool, rows: tuple[int, int]):
-        """READ rows ``rows`` of the prefill's run into the same rows of ours: one range (the
-        run is region-major, rows are contiguous), one descriptor."""
-        import numpy as np
-
-        from .transfer import PostedTransfer, Rows
-
-        unit, row = pool.layout.block_bytes, pool.row_bytes(self._hs)
-        off, length = rows[0] * row, (rows[1] - rows[0]) * row
-        local = pool.cache.regions[0]
-        local_at = local.address + self._local * unit + off
-        remote_at = self.route.remote[0] + self._remote[0] * unit + off
-        engine = self.peer.pool_engine  # same host: our reader threads instead of NIXL
-        if engine is not None:
-            return engine.read("READ", self.plan, np.array([local_at], dtype=np.uint64),
-                               np.array([remote_at], dtype=np.uint64),
-                               np.array([length], dtype=np.uint64))
-        rows_ = Rows(np.array([[local_at, length, local.device_id]], dtype=np.uint64),
-                     np.array([[remote_at, length, self.route.remote[2]]], dtype=np.uint64),
-                     self.peer.agent, local.mem_type, self.route.remote_mem)
-        return PostedTransfer(self.peer.client.agent, "READ", self.plan, None, None, True, b"",
-                              1, rows_)
-
-    def _fail(self, why: str) -> None:
-        self.error = why
-        self._done("ERR")
-
-    def _done(self, state: str) -> None:
-        self.state = state
-        self.end = time.perf_counter()
-        self._cleanup()
-
-    def _cleanup(self) -> None:
-        """Stop what has ended, then free our pool blocks and tell the prefill to free its
-        own. A READ still in flight (a posted READ cannot be stopped, transfer.py) keeps our
-        pool blocks taken until it ends (the client drains it): it may still write into them.
-        The cache's blocks are ours alone to write (the scatter): one not started yet never
-        starts, one running is waited for here, before the request is reported."""
-        reading = [c.xfer for c in self._chunks if not c.scattered and not c.xfer.released]
-        running = [xfer for xfer in reading if not xfer.abort()]
-        for chunk in self._chunks:
-            event = chunk.event
-            if event is not None and hasattr(event, "cancel"):
-                event.cancel()  # queued, not started: it never runs
-            try:
-                wait(event)  # a scatter still running (the pool's stream or thread only)
-            except Exception:  # cancelled, or failed: either way it writes nothing more
-                pass
-        if self._local is not None:
-            local, units, pool = self._local, self._remote[1], self.route.pool
-            self._local = None
-            if not running:
-                pool.release(local, units)
-            else:
-                left = [len(running)]
-
-                def ended():  # the last READ into them has ended: the units are free again
-                    left[0] -= 1
-                    if not left[0]:
-                        pool.release(local, units)
-
-                for xfer in running:
-                    self.peer.client.draining.add(xfer, ended, self.peer.agent)
-        if not self._unstaged and not self.peer.broken:  # gone: the prefill frees ours
-            self._unstaged = True
-            try:
-                self.peer.send({"type": "unstage", "request": self.request_id})
-            except KVRuntimeError:
-                pass  # the connection is gone: the prefill frees everything of ours
-
-    def abort(self) -> bool:
-        """True: the cache's blocks are written only by our scatter, which stops here (a READ
-        still running lands in our pool blocks, kept taken until it ends)."""
-        if self.state != "PROC":
-            return True
-        self.state = "ERR"
-        self._cleanup()
-        return True
-
-    def result(self):
-        from .transfer import TransferResult
-
-        nbytes = self._units * self.route.pool.layout.block_bytes  # our heads only
-        return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,
-                              len(self._chunks), None, engine=self.engine)
