@@ -50,9 +50,11 @@ for k, e in (r.get("engines") or {}).items():
 for k, h in (r.get("handshake_ms") or {}).items():
     print(k, "handshake ms: first", h["first"], "median later", h["median_later"])
 for t in r.get("tp", []):
-    print("tp", t["tp"], t["kv_buffer"], t.get("error") or
-          f'{t["gbps"]:.2f} GB/s ratio {t["ratio"]:.3f} descs {t["descriptors"]} '
-          f'vs direct {t.get("vs_direct")}')
+    rank = (t.get("ranks") or [{}])[0]
+    print("tp", t.get("group"), t.get("engine"), t.get("op"), t.get("error") or t.get("skipped") or
+          f'rank 0: {rank.get("gbps")} GB/s ratio {rank.get("ratio")} descs '
+          f'{rank.get("descriptors")}; total {t.get("total", {}).get("gbps")} GB/s '
+          f'bit_exact {t.get("bit_exact")}')
 PY
 }
 
@@ -77,14 +79,13 @@ fi
 # gather compiled at connect now), and the connect's own time (handshake ms)
 bench first-request --engines nixl samenode --coalesce never --ops pull --layouts cross_layer \
   --patterns random --block-kib 256 --sizes 16 --iters 9 --handshakes 3 --inflight 0 0 --device-ids 0 0
-# mixed TP through NIXL: direct (a descriptor a token row), coalesced (the pools), host-staged
-bench tp-one-gpu --engines nixl --ops pull --layouts cross_layer --patterns contiguous --sizes 256 \
-  --block-kib 256 --iters 3 --handshakes 1 --inflight 0 0 --coalesce never --tp-pairs 2x1,1x2,4x2 \
-  --device-ids 0 0
+# mixed TP through NIXL: direct (a descriptor a token row), coalesced (the pools), host-staged;
+# every rank a process of its own on its GPU (tp_group.py), each rank's heads checked bit-exact
+bench tp-one-gpu --tp-only --tp-pairs 2x1,1x2,4x2 --tp-engines nixl coalesced staged --tp-ops pull \
+  --sizes 256 --block-kib 256 --iters 3 --device-ids 0 0
 if ((gpus >= 2)); then
-  bench tp-two-gpus --engines nixl --ops pull --layouts cross_layer --patterns contiguous --sizes 256 \
-    --block-kib 256 --iters 3 --handshakes 1 --inflight 0 0 --coalesce never --tp-pairs 2x1,1x2,4x2 \
-    --device-ids 0 1
+  bench tp-two-gpus --tp-only --tp-pairs 2x1,1x2,4x2 --tp-engines nixl coalesced staged \
+    --tp-ops pull --sizes 256 --block-kib 256 --iters 3 --device-ids 0 1
 fi
 echo "done in ${SECONDS}s, reports in $out"
 exit "$rc"

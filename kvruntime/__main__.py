@@ -136,26 +136,28 @@ def _seconds(text: str) -> float:
 
 
 def _tp_pairs(heads: int):
-    """An argparse type for ``--tp-pairs``: '1x2,2x1' -> ((1, 2), (2, 1)); 'none' -> (). Each
-    TP size must split the model's ``heads`` KV heads evenly."""
+    """An argparse type for ``--tp-pairs``: '1x2,2x1x2' -> (Group(1, 2), Group(2, 1, 2));
+    'none' -> () (placement.parse_group: each TP size must split the model's ``heads`` KV
+    heads evenly)."""
+    from .tools.placement import parse_group
+
     def parse(text: str):
         if text == "none":
             return ()
         try:
-            pairs = tuple(tuple(int(n) for n in item.split("x")) for item in text.split(","))
-        except ValueError:
-            pairs = ((),)
-        if any(len(pair) != 2 or min(pair) < 1 for pair in pairs):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a list like 1x2,2x1 (prefill TP "
-                                             f"x decode TP) or none")
-        bad = next((n for pair in pairs for n in pair if heads % n), None)
-        if bad is not None:
-            sizes = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0)
-            raise argparse.ArgumentTypeError(
-                f"TP size {bad} in {text!r} does not split the model's {heads} KV heads "
-                f"(TP sizes here: {sizes})")
-        return pairs
+            return tuple(parse_group(item, heads) for item in text.split(","))
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{exc} (a list like 1x2,2x1x2, or none)") from None
     return parse
+
+
+def _placement(text: str) -> tuple[int, ...]:
+    from .tools.placement import parse_ids
+
+    try:
+        return parse_ids(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _bench(args, out) -> int:
@@ -169,15 +171,18 @@ def _bench(args, out) -> int:
         iters=args.iters, block_kib=args.block_kib, nixl_module=args.nixl_module,
         handshakes=args.handshakes, device=args.device, device_ids=args.device_ids,
         engines=args.engines, bare=not args.no_bare, inflight=args.inflight or [],
-        kv_buffer=args.kv_buffer, tp_pairs=[list(pair) for pair in args.tp_pairs],
+        kv_buffer=args.kv_buffer, tp_pairs=[g.label for g in args.tp_pairs],
+        tp_engines=args.tp_engines, tp_ops=args.tp_ops,
+        tp_placements=[list(p) for p in args.placement or []], tp_only=args.tp_only,
         coalesce=args.coalesce)
     report = run_bench(cfg)
     if args.json:
         say(json.dumps(report, indent=None if args.compact else 2))
     else:
-        say(f"{'layout':12} {'engine':26} {'op':5} {'pattern':10} {'split':>5} {'size MiB':>9} "
-              f"{'descs':>6} {'avg lat us':>11} {'GB/s':>7} {'ref':>7} {'ratio':>6} "
-              f"{'overhead us':>11}")
+        if report.get("results"):
+            say(f"{'layout':12} {'engine':26} {'op':5} {'pattern':10} {'split':>5} "
+                f"{'size MiB':>9} {'descs':>6} {'avg lat us':>11} {'GB/s':>7} {'ref':>7} "
+                f"{'ratio':>6} {'overhead us':>11}")
         for r in report.get("results", []):
             ovh = r.get("overhead_us")
             engine = r["engine"] + (f" ({r['staged_copy']})" if r.get("staged_copy") else
@@ -203,14 +208,8 @@ def _bench(args, out) -> int:
                 f"({c['gather_ratio']:.2f}); scatter {c['scatter_gbps']:.1f} vs pinned H2D "
                 f"{c['h2d_pinned_gbps']:.1f} ({c['scatter_ratio']:.2f})")
         for t in report.get("tp", []):
-            p, d = t["tp"]
-            if "error" in t:
-                say(f"tp {p}->{d} {t['kv_buffer']}: {t['error']}")
-                continue
-            staged = f", {t['vs_direct']:.2f} of direct" if "vs_direct" in t else ""
-            say(f"tp {p}->{d} {t['kv_buffer']:11} rank 0 from prefill ranks {t['prefill_ranks']}: "
-                f"{t['bytes'] / 2**20:.0f} MiB {t['gbps']:.2f} GB/s, ref {t['ref_gbps']:.2f} "
-                f"({t['ratio']:.2f}), {t['descriptors']} descriptors{staged}")
+            for line in _tp_lines(t):
+                say(line)
         for s in report.get("skipped", []):
             say(f"skipped {s['layout']}/{s['engine']}: {s['reason']}")
         for kind, hs in (report.get("handshake_ms") or {}).items():
@@ -219,10 +218,9 @@ def _bench(args, out) -> int:
                 + (f", median later {later:.1f}" if later is not None else ""))
         if report.get("id_reader"):
             say(f"block-id lists: {report['id_reader']}")
-        for kind, lines in report.get("ucx_policy", {}).items():  # the transport choice, and why
-            for line in lines:
-                if line.startswith(("UCX_TLS", "refused")):
-                    say(f"UCX for {kind} memory: {line}")
+        for line in report.get("ucx_policy", []):  # bench's one memory kind: a list of lines
+            if line.startswith(("UCX_TLS", "refused")):
+                say(f"UCX for {args.device} memory: {line}")
         if report.get("device"):
             say(f"device: {report['device']}; reference: "
                 f"{(report.get('results') or [{}])[0].get('ref')}")
@@ -231,9 +229,34 @@ def _bench(args, out) -> int:
     return 0 if report.get("ok") else 2
 
 
+def _tp_lines(t: dict) -> list[str]:
+    """A mixed-TP row as text: the group, engine and op; then its total and each rank."""
+    head = f"tp {t['group']} {t.get('engine', t['kv_buffer'])} {t.get('op', '')}".rstrip()
+    if "error" in t or "skipped" in t:
+        return [f"{head}: {'skipped: ' + t['skipped'] if 'skipped' in t else t['error']}"]
+    tot = t["total"]
+    lines = [f"{head} ({t['engine_used']}): all {len(t['ranks'])} decode ranks at once "
+             f"{tot['gbps']:.2f} GB/s, their copies at once {tot['ref_gbps']:.2f} "
+             f"({tot['ratio']:.2f}); {'bit-exact' if t['bit_exact'] else 'NOT BIT-EXACT'}"
+             + ("; DEVICE MEMORY OVER TCP" if t["tcp_for_device_memory"] else "")]
+    for r in t["ranks"]:
+        lanes = r["transports"]
+        where = (f" on {r['device_id']}", f" on {r['prefill_device_ids']}") if "device_id" in r \
+            else ("", "")
+        lines.append(
+            f"  decode {r['instance']} rank {r['rank']}{where[0]} from prefill ranks "
+            f"{r['prefill_ranks']}{where[1]}: {r['bytes'] / 2**20:.0f} MiB "
+            f"{r['gbps']:.2f} GB/s alone, copy {r['ref_gbps']:.2f} ({r['ratio']:.2f}), "
+            f"{r['together_gbps']:.2f} at once, {r['descriptors']} descriptors"
+            + (f" [rma {','.join(lanes['rma']) or '-'}]" if lanes else ""))
+    return lines
+
+
 def main(argv=None) -> int:
     from .tools.workload import BENCH_HEADS  # the model's KV heads the TP pairs split, in each command
     from .tools.selftest import TP_HEADS
+    from .tools.placement import SCENARIOS, place
+    from .tools.tp_group import ENGINES as TP_ENGINES
 
     parser = _Parser(prog="python -m kvruntime")
     parser.add_argument("--nixl-module", help="NIXL module to import (default: search "
@@ -245,23 +268,27 @@ def main(argv=None) -> int:
     st.add_argument("--json", action="store_true")
     st.add_argument("--compact", action="store_true", help="one-line JSON")
     st.add_argument("--timeout", type=_seconds, default=120.0)
-    ids_help = ("device ids of the prefill and decode sides for device memory (default: 0 0; "
-                "two ids put the caches on two GPUs)")
-    st.add_argument("--device-ids", type=_at_least(0), nargs=2, default=[0, 0], metavar=("P", "D"),
-                    help=ids_help)
+    ids_help = ("device ids for device memory: the prefill's and the decode's (default: 0 0; "
+                "two ids put the caches on two GPUs); a mixed-TP group's ranks are laid on "
+                "all of them, one a rank, prefill ranks first, round robin (0 1 2 3: four GPUs)")
+    st.add_argument("--device-ids", type=_at_least(0), nargs="+", default=None,
+                    metavar="ID", help=ids_help)
     st.add_argument("--secret", help="shared secret for the handshake (env KVRUNTIME_SECRET; "
                     "default: a random one)")
     st.add_argument("--tp-pairs", type=_tp_pairs(TP_HEADS), default="1x2,2x1,2x4,4x2",
-                    metavar="PxD,...",
-                    help="mixed tensor-parallel pairs to prove on host memory, direct and staged "
-                         "(default: 1x2,2x1,2x4,4x2; none: skip)")
+                    metavar="PxD[xN],...",
+                    help="mixed tensor-parallel groups to prove, every rank a process of its "
+                         "own, on host memory and each device's, direct and staged: prefill "
+                         "TP x decode TP [x decode instances reading at once] (default: "
+                         "1x2,2x1,2x4,4x2; none: skip)")
     st.add_argument("--pairs-at-once", type=_positive_int, default=None, metavar="N",
                     help="process pairs run side by side (host, host staged, TP, each device's "
                          "direct and staged; default: one per four CPUs)")
     b = sub.add_parser("bench", help="GB/s and descriptors per request vs memcpy")
     b.add_argument("--json", action="store_true")
     b.add_argument("--compact", action="store_true")
-    b.add_argument("--sizes", type=_positive_int, nargs="+", default=[64, 256, 1024],
+    b.add_argument("--sizes", type=_positive_int, nargs="+", default=None,
+                   help="MiB a request moves (default: 64 256 1024; a --scenario's own)",
                    metavar="MIB")
     b.add_argument("--patterns", nargs="+", default=["contiguous", "random"],
                    choices=["contiguous", "random"])
@@ -282,14 +309,15 @@ def main(argv=None) -> int:
                    help="same-node engine's reader threads for host memory (default: 4 on "
                         "hosts of 8 cores or more, else 1)")
     b.add_argument("--no-huge", action="store_true", help="4 KiB pages instead of MADV_HUGEPAGE")
-    b.add_argument("--iters", type=_positive_int, default=5)
+    b.add_argument("--iters", type=_positive_int, default=None,
+                   help="requests a row measures (default: 5; a --scenario's own)")
     b.add_argument("--block-kib", type=_even_kib, default=256,
                    help="KiB of one block, all layers (even)")
     b.add_argument("--handshakes", type=_positive_int, default=10)
     b.add_argument("--device", default="cpu", choices=["cpu", "cuda", "xpu"],
                    help="where both sides keep their KV caches: host DRAM or device VRAM "
                    "(reference: memmove, or a device-to-device copy)")
-    b.add_argument("--device-ids", type=_at_least(0), nargs=2, default=[0, 0], metavar=("P", "D"),
+    b.add_argument("--device-ids", type=_at_least(0), nargs="+", default=None, metavar="ID",
                    help=ids_help)
     b.add_argument("--engines", nargs="+", default=["nixl", "samenode"],
                    choices=["nixl", "samenode", "auto"],
@@ -302,14 +330,52 @@ def main(argv=None) -> int:
     b.add_argument("--no-bare", action="store_true",
                    help="skip timing a bare transfer beside each request (a NIXL READ of the same "
                    "descriptors, or the same-node engine's copy of the same plan)")
-    b.add_argument("--tp-pairs", type=_tp_pairs(BENCH_HEADS), default="none", metavar="PxD,...",
-                   help="also pull as decode rank 0 of TP D from P prefill ranks, direct and "
-                        "host-staged (e.g. 1x2,2x1,2x4,4x2; default: none)")
+    b.add_argument("--tp-pairs", type=_tp_pairs(BENCH_HEADS), default="none",
+                   metavar="PxD[xN],...",
+                   help="also mixed-TP rows: prefill TP P read by N decode instances of TP D at "
+                        "once (N default 1), every rank a process on its device id (e.g. "
+                        "2x2,2x1x2,1x2,2x4,4x2; default: none)")
+    b.add_argument("--tp-engines", nargs="+", default=list(TP_ENGINES), choices=list(TP_ENGINES),
+                   help="what moves the TP rows' bytes (default: all)")
+    b.add_argument("--tp-ops", nargs="+", default=["pull", "prefill_push"],
+                   choices=["pull", "push", "prefill_push"],
+                   help="the TP rows' ops (default: pull prefill_push; staged rows skip "
+                        "prefill_push)")
+    b.add_argument("--placement", type=_placement, nargs="+", default=None, metavar="IDS",
+                   help="per TP group, a device id a rank (prefill ranks, then each decode "
+                        "instance's), e.g. 0,1,2,3 for 2x2; default: --device-ids round robin")
+    b.add_argument("--tp-only", action="store_true", help="the TP rows alone")
+    b.add_argument("--scenario", choices=list(SCENARIOS), default=None,
+                   help="a named preset of TP groups, run alone: "
+                        + "; ".join(f"{n}: {v['about']}" for n, v in SCENARIOS.items())
+                        + " (its device ids, sizes and iterations unless --device-ids, --sizes, --iters)")
     b.add_argument("--inflight", type=_at_least(0), nargs=2, metavar=("PEERS", "REQUESTS"),
                    default=[4, 32], help="decode peers and requests kept in flight on one "
                    "prefill, beside one request of the same bytes: the peers as clients of "
                    "this process, and as decode processes of their own (0 0: skip)")
     args = parser.parse_args(argv)
+    if args.command == "bench" and args.scenario:
+        preset = SCENARIOS[args.scenario]
+        args.tp_pairs = _tp_pairs(BENCH_HEADS)(",".join(preset["groups"]))
+        args.device_ids = args.device_ids or preset["device_ids"]
+        args.sizes, args.iters = args.sizes or preset["sizes_mib"], args.iters or preset["iters"]
+        args.tp_only = True
+    if args.command == "bench":
+        args.sizes, args.iters = args.sizes or [64, 256, 1024], args.iters or 5
+    args.device_ids = args.device_ids or [0, 0]
+    if len(args.device_ids) < 2:
+        (st if args.command == "selftest" else b).error(
+            f"argument --device-ids: {args.device_ids[0]}: give at least two ids (the "
+            f"prefill's and the decode's; 0 0 for one GPU)")
+    if args.command == "bench" and args.placement:
+        if len(args.placement) != len(args.tp_pairs):
+            b.error(f"argument --placement: {len(args.placement)} placement(s) for "
+                    f"{len(args.tp_pairs)} TP group(s): give one per group of --tp-pairs")
+        for group, ids in zip(args.tp_pairs, args.placement):
+            try:
+                place(group, args.device_ids, ids)
+            except ValueError as exc:
+                b.error(f"argument --placement: {exc}")
     if args.command == "bench" and args.inflight == [0, 0]:
         args.inflight = None
     elif args.command == "bench" and 0 in args.inflight:

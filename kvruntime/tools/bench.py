@@ -47,7 +47,12 @@ class BenchConfig:
     bare: bool = True  # also time a bare transfer of the same bytes (kvruntime's overhead)
     inflight: list = field(default_factory=lambda: [4, 32])  # decode peers, requests; [] off
     kv_buffer: str = "device"  # "host_staged": both sides through their staging pools
-    tp_pairs: list = field(default_factory=list)  # [[p, d], ...]: mixed TP rows (bench_tp.py)
+    # mixed TP rows (bench_tp.py): groups "PxD" or "PxDxN", every rank a process on its device
+    tp_pairs: list = field(default_factory=list)
+    tp_engines: list = field(default_factory=lambda: ["samenode", "nixl", "staged"])
+    tp_ops: list = field(default_factory=lambda: ["pull", "prefill_push"])
+    tp_placements: list = field(default_factory=list)  # per group: a device id a rank, or []
+    tp_only: bool = False  # the TP rows alone (a --scenario)
     # NIXL clients' coalesce modes (coalesce.py), a row set each; the pools are sized for the
     # largest request on both sides
     coalesce: list = field(default_factory=lambda: ["auto"])
@@ -87,6 +92,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         report["device"] = _device_name(cfg.device, cfg.device_ids)
     binding = load_nixl(cfg.nixl_module)
     report["nixl_module"] = binding.module_name
+    if cfg.tp_only:
+        return _with_tp(report, cfg)
     max_mib = max(cfg.sizes_mib)
     layouts = [bench_layout(k, cfg.block_kib, max_mib) for k in cfg.layouts]
     ctx = mp.get_context("spawn")
@@ -159,12 +166,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
                     report.setdefault("inflight", []).append(run_inflight(
                         cfg, binding, layout, port, decode_options, engine, rnd))
-        if cfg.tp_pairs:
-            from .bench_tp import run_tp
-
-            report["tp"] = run_tp(cfg, cfg.tp_pairs, binding)
-        report["ok"] = True
-        return report
+        return _with_tp(report, cfg)
     except Exception as exc:
         report["error"] = f"{type(exc).__name__}: {exc}"
         if not proc.is_alive():
@@ -178,6 +180,26 @@ def run_bench(cfg: BenchConfig) -> dict:
         if reference is not None:
             reference.close()
         reap(proc, control)
+
+
+def _with_tp(report: dict, cfg: BenchConfig) -> dict:
+    """The report, with the mixed-TP rows where asked for; failed where a row failed (an
+    error, a rank's heads not bit-exact, device memory over TCP); an engine a group's ranks
+    refused (``skipped``, with the reason) is no failure."""
+    if cfg.tp_pairs:
+        from .bench_tp import run_tp
+
+        report["tp"] = run_tp(cfg)
+        bad = [f"tp {r['group']} {r.get('engine', r['kv_buffer'])} {r.get('op', '')}: "
+               + (r.get("error") or ("device memory over TCP" if r.get("tcp_for_device_memory")
+                                     else "a rank's heads differ from the prefill's"))
+               for r in report["tp"] if "error" in r or r.get("bit_exact") is False
+               or r.get("tcp_for_device_memory")]
+        if bad:
+            report["error"] = "; ".join(bad)
+            return report
+    report["ok"] = True
+    return report
 
 
 def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,

@@ -1,30 +1,35 @@
-"""``python -m kvruntime bench --tp-pairs PxD,...``: mixed tensor-parallel pulls, direct and
-host-staged, beside a same-run reference.
+"""``python -m kvruntime bench --tp-pairs PxD[xN],...`` (or ``--scenario``): mixed tensor-parallel
+transfers with every rank a process of its own on its device, beside the copies that bound them.
 
-For each pair, one process serves the p prefill ranks (a cache each, ``bench_layout``'s shape
-with the model's 8 KV heads split over them); this process is decode rank 0 of TP d, with its
-own cache of 8/d heads. One request pulls random blocks: from every prefill rank that holds
-some of rank 0's heads at once (``start_pull`` on each, then ``wait_all``). Direct moves one
-NIXL descriptor per token row of each block's head slice; staged gathers head-major into the
-prefill's pool, moves one run, and scatters. The reference copies the same bytes as one
-contiguous copy (host memmove, or a device copy), timed beside every request.
+A group (placement.Group) is prefill TP p read by N decode instances of TP d at once, each rank
+on a device of ``--device-ids`` (placement.place: prefill ranks first, round robin), with
+``bench_layout``'s shape and the model's 8 KV heads split over the ranks. Every decode rank
+requests the same random blocks; it receives its own heads of them from every prefill rank that
+holds some (tp_group.py). For each engine (tp_group.ENGINES) and op (pull; a push the prefill
+ranks start), one row:
+
+- ``ranks``: each decode rank alone (the others idle), the median GB/s of ``iters`` requests,
+  beside its ``RankReference`` — a torch copy of the same bytes between the same devices (a
+  peer copy across GPUs), or a host memmove — timed just before each request; and its GB/s
+  while every rank moves at once (``together_gbps``);
+- ``total``: every rank of every decode instance started at one moment; all their bytes over
+  the span from the first start to the last end, beside all their reference copies started
+  at one moment the same way;
+- descriptors per request, UCX's lanes, device memory over TCP flagged, and each rank's heads
+  checked bit-exact against the prefill ranks they came from (the first, warm-up request).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
+import itertools
 import random
 import statistics
-import time
 
 from ..layout import CROSS_LAYER
-from .references import DeviceReference, HostReference
-from .workload import bench_layout, pick_blocks
-
-# direct: one NIXL descriptor a token row of each head slice (or the same-node engine where it
-# moves head slices); coalesced: NIXL forced, through both sides' staging pools (coalesce.py)
-MODES = ("direct", "coalesced", "host_staged")
+from .placement import parse_group, place
+from .tp_group import ENGINES, STAGED_OPS, RankError, RankGroup, kv_buffer_sets
+from .workload import BENCH_HEADS, bench_layout, pick_blocks
 
 
 def tp_layout(cfg, tp: int, max_mib: int):
@@ -32,83 +37,120 @@ def tp_layout(cfg, tp: int, max_mib: int):
     return dataclasses.replace(full, num_kv_heads=full.num_kv_heads // tp, tp_size=tp)
 
 
-def run_tp(cfg, pairs, binding) -> list[dict]:
-    from ..decode import DecodeClient
-    from .roles import allocate_cache, prefill_main, reap
-    from ..tp import head_slices
-
+def run_tp(cfg) -> list[dict]:
+    """The rows of every group of ``cfg.tp_pairs``, each engine of ``cfg.tp_engines`` and op
+    of ``cfg.tp_ops``."""
     rows = []
     size = max(cfg.sizes_mib)
     rnd = random.Random(cfg.seed)
     full = bench_layout(CROSS_LAYER, cfg.block_kib, size)
     count = max(1, (size << 20) // full.block_bytes)
-    for p, d in pairs:
-        for mode in MODES:
-            staged = mode == "host_staged"
+    for n, text in enumerate(cfg.tp_pairs):
+        group = parse_group(text, BENCH_HEADS)
+        placement = place(group, cfg.device_ids,
+                          cfg.tp_placements[n] if cfg.tp_placements else None)
+        blocks = pick_blocks("random", count, full.num_blocks, rnd)
+        layouts = (tp_layout(cfg, group.p, size), tp_layout(cfg, group.d, size))
+        for kv_buffers in kv_buffer_sets(cfg.device):
+            engines = [e for e in cfg.tp_engines if ENGINES[e]["kv_buffer"] in kv_buffers]
+            if not engines:
+                continue
             options = {"nixl_module": cfg.nixl_module, "huge": cfg.huge_pages,
-                       "device": cfg.device, "tp_ranks": list(range(p)),
-                       "kv_buffer": mode if staged else "device",
-                       "staging_blocks": count + 1}
-            pre = tp_layout(cfg, p, size)
-            ctx = mp.get_context("spawn")
-            ready_q, control = ctx.Queue(), ctx.Queue()
-            proc = ctx.Process(target=prefill_main, name="prefill", daemon=True,
-                               args=(ready_q, control, [pre.to_dict()] * p, cfg.seed,
-                                     {**options, "device_id": cfg.device_ids[0]}))
-            cache = client = reference = None
-            row = {"tp": [p, d], "kv_buffer": mode, "decode_rank": 0, "memory": "DRAM"
-                   if cfg.device == "cpu" else "VRAM", "blocks": count}
+                       "device": cfg.device, "timeout": 120.0, "staging_blocks": count + 1}
+            base = {"group": group.label, "tp": [group.p, group.d],
+                    "decode_instances": group.instances,
+                    "memory": "DRAM" if cfg.device == "cpu" else "VRAM", "blocks": count}
+            if cfg.device != "cpu":  # host memory has no place: every rank shares it
+                base["placement"] = placement.as_dict()
             try:
-                proc.start()
-                ready = ready_q.get(timeout=300)
-                if not ready.get("ok"):
-                    raise RuntimeError(ready.get("error"))
-                cache = allocate_cache(tp_layout(cfg, d, size),
-                                       {**options, "device_id": cfg.device_ids[1]})
-                client = DecodeClient(cache, binding=binding, device_kind=cfg.device,
-                                      kv_buffer=options["kv_buffer"],
-                                      staging_blocks=options["staging_blocks"], tp_rank=0,
-                                      **({"engine": "nixl", "coalesce": "always"}
-                                         if mode == "coalesced" else {"coalesce": "never"}))
-                slices = head_slices(pre, cache.layout, 0)
-                peers = [client.connect("127.0.0.1", ready["ports"][s.prefill_rank])
-                         for s in slices]
-                src, dst = pick_blocks("random", count, pre.num_blocks, rnd)
-                nbytes = count * cache.layout.block_bytes  # this rank's heads of each block
-                reference = (HostReference(nbytes, cfg.huge_pages) if cfg.device == "cpu"
-                             else DeviceReference(nbytes, cfg.device, cfg.device_ids))
-                rates, refs, descriptors = [], [], 0
-                for i in range(cfg.iters + 1):
-                    ref = reference.gbps(nbytes)
-                    t = time.perf_counter()
-                    results = client.wait_all([peer.start_pull(src, dst, timeout=120)
-                                               for peer in peers])
-                    seconds = time.perf_counter() - t
-                    if i:  # the first: warm-up
-                        refs.append(ref)
-                        rates.append(sum(r.nbytes for r in results) / seconds / 1e9)
-                    descriptors = sum(r.descriptors for r in results)
-                gbps, ref = statistics.median(rates), statistics.median(refs)
-                row.update(prefill_ranks=[s.prefill_rank for s in slices], bytes=nbytes,
-                           descriptors=descriptors, gbps=round(gbps, 3),
-                           ref_gbps=round(ref, 3), ref=reference.label,
-                           ratio=round(gbps / ref, 3), engine=peers[0].engine,
-                           coalesced=results[0].coalesced,
-                           transports=client.agent.transports())
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {exc}"
-            finally:
-                if client is not None:
-                    client.close()
-                if cache is not None:
-                    cache.close()
-                if reference is not None:
-                    reference.close()
-                reap(proc, control)
-            rows.append(row)
-    for pair in pairs:  # staged's and coalesced's against direct, same pair, same run
-        got = {r["kv_buffer"]: r for r in rows if r["tp"] == list(pair) and "gbps" in r}
-        for mode in ("coalesced", "host_staged"):
-            if mode in got and "direct" in got:
-                got[mode]["vs_direct"] = round(got[mode]["gbps"] / got["direct"]["gbps"], 3)
+                with RankGroup(group, placement, layouts, kv_buffers, options,
+                               cfg.seed + 100 * n, blocks, references=True) as ranks:
+                    for engine in engines:
+                        kv_buffer = ENGINES[engine]["kv_buffer"]
+                        ops = [op for op in cfg.tp_ops
+                               if op in STAGED_OPS or kv_buffer != "host_staged"]
+                        connected = ranks.connect(engine)
+                        refused = next((c.get("skipped") or c.get("error")
+                                        for c in connected.values()
+                                        if "skipped" in c or "error" in c), None)
+                        for op in ops:
+                            row = {**base, "kv_buffer": kv_buffer, "engine": engine, "op": op}
+                            if refused is not None:
+                                key = "skipped" if any("skipped" in c for c in
+                                                       connected.values()) else "error"
+                                rows.append({**row, key: refused})
+                                continue
+                            first = connected[ranks.ranks[0]]
+                            row.update(engine_used=first["engine"], reason=first["reason"],
+                                       staged_copy=first["staged_copy"])
+                            rows.append(_measure(ranks, cfg.iters, row, op))
+            except RankError as exc:
+                rows.append({**base, "kv_buffer": "+".join(kv_buffers), "error": str(exc)})
     return rows
+
+
+def _rate(t: dict) -> float:
+    return t["bytes"] / (t["t1"] - t["t0"]) / 1e9
+
+
+def _span_rate(answers: dict) -> float:
+    """All ranks' bytes over the span from the first start to the last end."""
+    span = max(a["t1"] for a in answers.values()) - min(a["t0"] for a in answers.values())
+    return sum(a["bytes"] for a in answers.values()) / span / 1e9
+
+
+def _measure(ranks, iters: int, row: dict, op: str) -> dict:
+    requests = itertools.count()
+
+    def move(who, check=False) -> dict:
+        answers = ranks.at_once(who, {"move": op, "check": check,
+                                      "request": f"bench-{op}-{next(requests)}"})
+        failed = [f"decode {k} rank {j}: {a['error']}" for (k, j), a in answers.items()
+                  if "error" in a]
+        if failed:
+            raise RankError("; ".join(failed))
+        return answers
+
+    def copy(who) -> dict:
+        return ranks.at_once(who, {"copy": True})
+
+    try:
+        first = move(ranks.ranks, check=True)  # warm-up of every rank, and its heads checked
+        alone = {r: ([], []) for r in ranks.ranks}
+        for r in ranks.ranks:
+            for _ in range(iters):
+                alone[r][1].append(_rate(copy([r])[r]))
+                alone[r][0].append(_rate(move([r])[r]))
+        together, totals, total_refs = {r: [] for r in ranks.ranks}, [], []
+        for _ in range(iters):
+            refs = copy(ranks.ranks)
+            total_refs.append(_span_rate(refs))
+            moved = move(ranks.ranks)
+            totals.append(_span_rate(moved))
+            for r in ranks.ranks:
+                together[r].append(_rate(moved[r]))
+    except RankError as exc:
+        return {**row, "error": str(exc)}
+    out = []
+    for r in ranks.ranks:
+        (k, j), got = r, first[r]
+        gbps, ref = statistics.median(alone[r][0]), statistics.median(alone[r][1])
+        where = {} if "placement" not in row else {
+            "device_id": ranks.placement.decode[k][j],
+            "prefill_device_ids": [ranks.placement.prefill[s.prefill_rank]
+                                   for s in ranks.slices[r]]}
+        out.append({"instance": k, "rank": j, **where,
+                    "prefill_ranks": [s.prefill_rank for s in ranks.slices[r]],
+                    "bytes": got["bytes"], "descriptors": got["descriptors"],
+                    "gbps": round(gbps, 3), "ref_gbps": round(ref, 3),
+                    "ratio": round(gbps / ref, 3),
+                    "together_gbps": round(statistics.median(together[r]), 3),
+                    "bit_exact": got["bit_exact"], "transports": got.get("transports"),
+                    **({"reason": got["reason"]} if "reason" in got else {}),
+                    "tcp_for_device_memory": got.get("tcp_for_device_memory") or []})
+    total, total_ref = statistics.median(totals), statistics.median(total_refs)
+    return {**row, "ref": refs[ranks.ranks[0]]["ref"], "ranks": out,
+            "total": {"bytes": sum(o["bytes"] for o in out), "gbps": round(total, 3),
+                      "ref_gbps": round(total_ref, 3), "ratio": round(total / total_ref, 3)},
+            "bit_exact": all(o["bit_exact"] for o in out),
+            "tcp_for_device_memory": any(o["tcp_for_device_memory"] for o in out)}

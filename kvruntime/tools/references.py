@@ -69,3 +69,56 @@ class DeviceReference:
 
     def close(self) -> None:
         self.src = self.dst = self.local_src = None
+
+
+class RankReference:
+    """What bounds one mixed-TP decode rank: the bytes it receives, copied from where they live
+    to where it keeps them, timed like its transfers (from a synchronized start to a
+    synchronized end) and started at the same moment as the other ranks' so that their sum is
+    measured at once. Device memory: one torch copy per part, from that part's prefill device to
+    the rank's (a peer copy across GPUs, a device copy on a shared one), each on a stream of its
+    own so that parts from two GPUs overlap as the rank's reads from two prefill ranks do. Host
+    memory: one memmove of all of it. ``parts``: (source device id, bytes) per prefill rank."""
+
+    def __init__(self, parts, device: str, device_id: int, huge_pages: bool = True):
+        self.nbytes = sum(n for _src, n in parts)
+        self.host = None
+        if device == "cpu":
+            self.host = HostReference(self.nbytes, huge_pages)
+            self.label = "host memmove of the rank's bytes, same run"
+            return
+        import torch
+
+        self.module = getattr(torch, device)
+        self.device = torch.device(device, device_id)
+        self.sources = [torch.full((n,), 0x5A, dtype=torch.uint8, device=torch.device(device, s))
+                        for s, n in parts]
+        self.dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        self.streams = [self.module.Stream(self.device) for _ in parts]
+        self.devices = sorted({self.device.index, *(s for s, _n in parts)})
+        self.label = "torch copy_ of the rank's bytes " + ", ".join(
+            f"{device}:{s} -> {device}:{device_id}" for s, _n in parts) + ", same run"
+
+    def _sync(self) -> None:
+        for d in self.devices:
+            self.module.synchronize(d)
+
+    def copy(self) -> tuple[float, float]:
+        """(start, end) on the host's monotonic clock (shared by the processes)."""
+        if self.host is not None:
+            t = time.monotonic()
+            ctypes.memmove(self.host.dst.address, self.host.src.address, self.nbytes)
+            return t, time.monotonic()
+        self._sync()
+        t, at = time.monotonic(), 0
+        for src, stream in zip(self.sources, self.streams):
+            with self.module.stream(stream):
+                self.dst[at:at + src.numel()].copy_(src, non_blocking=True)
+            at += src.numel()
+        self._sync()
+        return t, time.monotonic()
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()
+        self.sources = self.dst = self.streams = None

@@ -6,6 +6,7 @@ inherited NIXL or UCX state), report through a queue, and never print.
 
 from __future__ import annotations
 
+import queue as queue_mod
 import time
 import traceback
 
@@ -39,7 +40,8 @@ def allocate_cache(layout: KVLayout, options: dict):
 
 
 def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) -> None:
-    """Serve one PrefillServer per layout until ``control`` says stop."""
+    """Serve one PrefillServer per layout until ``control`` says stop (``kv_buffers``: each
+    server's KV buffer, where they differ; else ``kv_buffer`` for all)."""
     servers, caches = [], []
     try:
         _log_from_env()
@@ -58,7 +60,8 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
                                    ucx_threads=options.get("ucx_threads", 0),
                                    device_kind=device_of(options),
                                    port=fixed[i] if i < len(fixed) else 0,
-                                   kv_buffer=options.get("kv_buffer"),
+                                   kv_buffer=(options.get("kv_buffers")
+                                              or [options.get("kv_buffer")] * len(layouts))[i],
                                    staging_blocks=options.get("staging_blocks", 0),
                                    tp_rank=(options.get("tp_ranks") or [0] * len(layouts))[i],
                                    coalesce=options.get("coalesce", "auto"))
@@ -66,7 +69,10 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
             ports.append(server.address[1])
         queue.put({"ok": True, "ports": ports, "module": binding.module_name,
                    "module_file": getattr(binding.api, "__file__", None)})
-        while _serve_command(control.get(), servers, queue):  # until the parent's stop
+        # a command's answer goes to ``queue``, or to the reply queue it names (``replies``:
+        # one per decode process that commands this prefill, so concurrent answers don't mix)
+        replies = [queue, *options.get("replies", [])]
+        while _serve_command(control.get(), servers, replies):  # until the parent's stop
             pass
     except BaseException as exc:  # report, don't print
         queue.put({"ok": False, "error": f"{type(exc).__name__}: {exc}",
@@ -93,24 +99,62 @@ def prefill_push(peer, control, replies, index: int, request: str, src, dst,
     ``peer`` (``expect_push``), the prefill told to push, the result once the notification is
     in. The handle is waited on before the prefill's report is read, so the notification is
     seen as it comes and the push's time is its own."""
+    return prefill_pushes([(peer, control, replies, index, 0)], request, src, dst, timeout)[0]
+
+
+def prefill_pushes(pushers, request: str, src, dst, timeout: float = 30.0) -> list:
+    """The pushes of one request by several prefill processes at once (a decode rank fed by
+    several prefill ranks): each ``(peer, control, replies, index, reply_to)`` — the peer, that
+    process's command queue, the queue its answers to this decode come on (``reply_to``: that
+    queue's place in its replies, 0 its own report queue), its server's index. Every block list
+    is named first, then every prefill told, then the handles waited on; the results in order."""
     from ..errors import KVRuntimeError
 
-    handle = peer.expect_push(dst, request_id=request, timeout=timeout)
-    _send_push(control, index, request, src, peer.client.agent.name, timeout)
-    try:
-        result = handle.wait()
-    except KVRuntimeError as exc:
-        raise KVRuntimeError(f"{exc} (the prefill's start_push: "
-                             f"{_push_reply(replies, request, timeout) or 'posted'})") from exc
-    error = _push_reply(replies, request, timeout)
-    if error:
-        raise KVRuntimeError(f"the prefill's start_push of {request}: {error}")
-    return result
+    handles = [peer.expect_push(dst, request_id=request, timeout=timeout)
+               for peer, *_ in pushers]
+    for (peer, control, _replies, index, reply_to) in pushers:
+        _send_push(control, index, request, src, peer.client.agent.name, timeout, reply_to)
+    results = []
+    for handle, (_peer, _control, replies, _index, _to) in zip(handles, pushers):
+        try:
+            results.append(handle.wait())
+        except KVRuntimeError as exc:
+            raise KVRuntimeError(f"{exc} (the prefill's start_push: "
+                                 f"{_push_reply(replies, request, timeout) or 'posted'})") from exc
+    for _peer, _control, replies, _index, _to in pushers:
+        error = _push_reply(replies, request, timeout)
+        if error:
+            raise KVRuntimeError(f"the prefill's start_push of {request}: {error}")
+    return results
 
 
-def _send_push(control, index, request, src, peer, timeout) -> None:
+def head_digest(cache, blocks, heads) -> str:
+    """blake2b of heads ``heads`` (local [first, end)) of ``blocks``, in block order: what a
+    mixed-TP decode rank compares with the prefill rank it read them from, whatever the memory."""
+    import hashlib
+
+    import numpy as np
+
+    view = cache.head_view()[np.asarray(blocks, dtype=np.int64)][:, :, :, heads[0]:heads[1]]
+    return hashlib.blake2b(np.ascontiguousarray(view).tobytes(), digest_size=16).hexdigest()
+
+
+def digest_command(control, replies, index: int, blocks, heads, reply_to: int,
+                   timeout: float = 60.0) -> str:
+    """Ask server ``index`` of a ``prefill_main`` process for ``head_digest`` of its cache."""
+    from ..errors import KVRuntimeError
+
+    control.put({"digest": index, "blocks": [int(b) for b in blocks], "heads": list(heads),
+                 "reply": reply_to})
+    reply = replies.get(timeout=timeout)
+    if "digest" not in reply:
+        raise KVRuntimeError(f"the prefill process answered a digest with {reply}")
+    return reply["digest"]
+
+
+def _send_push(control, index, request, src, peer, timeout, reply_to: int = 0) -> None:
     control.put({"push": index, "request": request, "src": [int(b) for b in src],
-                 "peer": peer, "timeout": timeout})
+                 "peer": peer, "timeout": timeout, "reply": reply_to})
 
 
 def _push_reply(replies, request: str, timeout: float) -> str | None:
@@ -122,14 +166,25 @@ def _push_reply(replies, request: str, timeout: float) -> str | None:
     return reply["error"]
 
 
-def _serve_command(command, servers, queue) -> bool:
-    """One command from the parent; False for "stop". ``{"push": i, "request": r, "src": ids,
-    "peer": agent, "timeout": s}`` (``push_command``): server ``i`` pushes ``r`` as an engine
-    would once its KV is computed, i.e. after the decode named its blocks (waited for here, at
-    most 10 s, so that the push is timed from its start, not from the decode's frame); the
-    outcome goes back on ``queue``."""
+def _serve_command(command, servers, replies) -> bool:
+    """One command from the parent (or a decode process); False for "stop". The answer goes on
+    ``replies[command["reply"]]`` (default 0: the process's report queue).
+
+    ``{"push": i, "request": r, "src": ids, "peer": agent, "timeout": s}`` (``push_command``):
+    server ``i`` pushes ``r`` as an engine would once its KV is computed, i.e. after the decode
+    named its blocks (waited for here, at most 10 s, so that the push is timed from its start,
+    not from the decode's frame). ``{"digest": i, "blocks": ids, "heads": [a, b]}``:
+    ``head_digest`` of server ``i``'s cache (what a decode rank's bytes must equal)."""
     if not isinstance(command, dict):
         return False
+    queue = replies[command.get("reply", 0)]
+    if "digest" in command:
+        try:
+            queue.put({"digest": head_digest(servers[command["digest"]].cache,
+                                             command["blocks"], command["heads"])})
+        except Exception as exc:  # the decode raises it
+            queue.put({"error": f"{type(exc).__name__}: {exc}"})
+        return True
     server, request = servers[command["push"]], command["request"]
     reply = {"pushed": request, "error": None}
     try:
@@ -153,6 +208,21 @@ def _log_from_env() -> None:
     if level:
         logging.basicConfig(level=level.upper(), format="%(processName)s %(levelname)s "
                             "%(name)s: %(message)s")
+
+
+def answer(q, timeout: float, what: str, procs) -> dict:
+    """The next report on ``q``; a failed report naming ``what`` when one of ``procs`` has
+    exited or ``timeout`` passed first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return q.get(timeout=0.2)
+        except queue_mod.Empty:
+            dead = [p for p in procs if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                why = (f"{dead[0].name} exited with code {dead[0].exitcode}" if dead
+                       else f"no answer within {timeout:.0f}s")
+                return {"ok": False, "error": f"{what}: {why}"}
 
 
 def reap(proc, control=None, grace: float = 10.0) -> None:

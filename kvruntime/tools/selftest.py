@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue as queue_mod
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -19,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from .. import native
 from ..layout import CROSS_LAYER, PER_LAYER, KVLayout
 from ..memory import device_unavailable
-from .roles import (allocate_cache, device_of, prefill_main, prefill_push, prepare_process,
-                    reap)
+from .placement import Group, place
+from .roles import (allocate_cache, answer, device_of, prefill_main, prefill_push,
+                    prepare_process, reap)
 
 OPS = ("pull", "push")
 # what each engine's client proves: a push the prefill starts is NIXL's WRITE and notification
@@ -163,9 +163,10 @@ def _run_mode(peer, cache, layout, device, op, engine, seed, options, index=0) -
     return entry
 
 
-# Mixed tensor-parallel pairs (prefill TP, decode TP) the selftest proves, on host memory: every
-# rank a cache of its own, served and read as in a deployment (tp.py).
-TP_PAIRS = ((1, 2), (2, 1), (2, 4), (4, 2))
+# Mixed tensor-parallel groups (placement.Group: prefill TP x decode TP [x decode instances]) the
+# selftest proves: every rank a process of its own with a cache of its own (tp_group.py), on host
+# memory always and on each device torch sees, its ranks laid on the device ids.
+TP_GROUPS = (Group(1, 2), Group(2, 1), Group(2, 4), Group(4, 2))
 TP_SHAPE = dict(num_layers=2, num_blocks=64, tokens_per_block=16, head_dim=64, dtype="float16")
 TP_HEADS = 4  # the model's KV heads
 
@@ -174,105 +175,95 @@ def tp_layout(kind: str, tp: int) -> KVLayout:
     return KVLayout(kind=kind, num_kv_heads=TP_HEADS // tp, tp_size=tp, **TP_SHAPE)
 
 
-def tp_servers(pairs) -> tuple[list[dict], list[int], list[int]]:
-    """One prefill process serves every pair's ranks: their layouts, TP ranks, and where each
-    pair's rank 0 is among the servers (the prefill fills server i with seed + i)."""
-    layouts, ranks, offsets = [], [], []
-    for p, _d in pairs:
-        offsets.append(len(layouts))
-        layouts += [tp_layout(CROSS_LAYER, p).to_dict()] * p
-        ranks += list(range(p))
-    return layouts, ranks, offsets
+def tp_jobs(groups, options: dict, device_ids, seed: int, timeout: float) -> list[tuple]:
+    """The mixed-TP jobs of one memory kind, (name, function, args) each: one per set of KV
+    buffers its processes can serve together (tp_group.kv_buffer_sets)."""
+    from .tp_group import kv_buffer_sets
+
+    device = device_of(options)
+    prefix = "" if device == "cpu" else f"{device} "
+    return [(prefix + "tp" + ("" if "device" in kinds else " staged"), run_tp_modes,
+             (list(groups), {**options, "staging_blocks": 32}, list(device_ids), seed, timeout,
+              kinds)) for kinds in kv_buffer_sets(device)]
 
 
-def decode_tp_main(result_queue, ports: list[int], pairs, seed: int, options: dict) -> None:
-    """For each pair, decode ranks 0..d-1 of TP d, one after the other, each pulling and
-    pushing its heads from the prefill ranks that hold them; compared head by head with the
-    prefill ranks' content rebuilt here from their seeds."""
+def run_tp_modes(groups, options: dict, device_ids, seed: int, timeout: float,
+                 kv_buffers) -> dict:
+    """Each group's ranks in processes of their own, every engine of ``kv_buffers``
+    (tp_group.ENGINES), each op once, all decode ranks at once; every rank's heads checked
+    against the prefill ranks they came from. The shape of ``_run_pair``'s result."""
+    from .tp_group import ENGINES, STAGED_OPS, RankError, RankGroup
+
     modes: list = []
-    _report(result_queue, modes, lambda: _decode_tp_pairs(modes, ports, pairs, seed, options))
-
-
-def _decode_tp_pairs(modes, ports, pairs, seed, options) -> str:
-    caches = []
-    try:
-        prepare_process(options)
-        import numpy as np
-
-        from ..binding import load_nixl
-        from ..decode import DecodeClient
-        from ..memory import KVCache
-        from ..tp import head_slices
-
-        staged = options.get("kv_buffer") == "host_staged"
-        binding = load_nixl(options.get("nixl_module"))
-        kind = CROSS_LAYER
-        for (p, d), first in zip(pairs, tp_servers(pairs)[2]):
-            reference = []
-            for i in range(p):
-                c = KVCache.allocate_host(tp_layout(kind, p))
-                c.fill_random(seed + first + i)
-                reference.append(c.head_view())
-                c.close()
-            full = np.concatenate(reference, axis=3)  # [block][2L][token][all heads][bytes]
-            for n, op in enumerate(OPS):
-                src, dst = request_blocks(TP_SHAPE["num_blocks"], seed + n)
-                for j in range(d):
-                    cache = allocate_cache(tp_layout(kind, d), options)
-                    caches.append(cache)
-                    modes.append(_run_tp_rank(cache, binding, options, staged, p, d, j, op, src,
-                                              dst, full, ports[first:first + p],
-                                              DecodeClient, head_slices))
-        return binding.module_name
-    finally:
-        for cache in caches:
-            cache.close()
-
-
-def _run_tp_rank(cache, binding, options, staged, p, d, j, op, src, dst, full, ports,
-                 DecodeClient, head_slices) -> dict:
-    import numpy as np
-
-    cache.fill_value(0)
-    entry = {"mode": f"tp {p}->{d}/rank {j}/{op}/{'staged' if staged else 'direct'}",
-             "op": op, "tp": [p, d], "rank": j, "memory": cache.mem_type}
-    try:
-        with DecodeClient(cache, binding=binding, secret=options.get("secret"),
-                          kv_buffer="host_staged" if staged else "device",
-                          staging_blocks=options.get("staging_blocks", 0),
-                          tp_rank=j, device_kind=device_of(options)) as client:
-            slices = head_slices(tp_layout(CROSS_LAYER, p), cache.layout, j)
-            nbytes = 0
-            for s in slices:
-                peer = client.connect("127.0.0.1", ports[s.prefill_rank])
-                res = getattr(peer, op)(src, dst, timeout=options.get("timeout", 30.0))
-                nbytes += res.nbytes
-                entry.update(engine=peer.engine, descriptors=res.descriptors)
-            entry["transports"] = client.agent.transports()
-        hd = TP_HEADS // d
-        got = cache.head_view()
-        ok = (np.array_equal(got[dst], full[src][:, :, :, j * hd:(j + 1) * hd])
-              and not np.delete(got, dst, axis=0).any())
-        entry.update(status="passed" if ok else "failed", bytes=nbytes,
-                     prefill_ranks=[s.prefill_rank for s in slices], digest_ok=ok)
-        if not ok:
-            entry["reason"] = "heads differ from the prefill ranks' (or spilled)"
-    except Exception as exc:
-        entry.update(status="failed", reason=f"{type(exc).__name__}: {exc}")
-    return entry
-
-
-def _get(q, timeout: float, what: str, procs) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+    device = device_of(options)
+    engines = [e for e, spec in ENGINES.items()
+               if spec["kv_buffer"] in kv_buffers and not spec.get("bench_only")]
+    module = None
+    for n, group in enumerate(groups):
+        placement = place(group, device_ids)
+        blocks = request_blocks(TP_SHAPE["num_blocks"], seed + n)
+        layouts = (tp_layout(CROSS_LAYER, group.p), tp_layout(CROSS_LAYER, group.d))
         try:
-            return q.get(timeout=0.2)
-        except queue_mod.Empty:
-            dead = [p for p in procs if not p.is_alive()]
-            if dead or time.monotonic() > deadline:
-                why = (f"{dead[0].name} exited with code {dead[0].exitcode}" if dead
-                       else f"no answer within {timeout:.0f}s")
-                return {"ok": False, "error": f"{what}: {why}"}
+            with RankGroup(group, placement, layouts, kv_buffers, options, seed + 100 * n,
+                           blocks, start_timeout=timeout) as ranks:
+                module = ranks.module
+                for engine in engines:
+                    connected = ranks.connect(engine, timeout)
+                    staged = ENGINES[engine]["kv_buffer"] == "host_staged"
+                    for op in (STAGED_OPS if staged else OPS):
+                        # a group moves whole or not at all: ranks doubled up on one GPU
+                        # may connect where their neighbours' engine is unavailable
+                        refused = next((c["skipped"] for c in connected.values()
+                                        if "skipped" in c), None)
+                        moved = {} if refused or any("error" in c for c in connected.values()) \
+                            else ranks.at_once(ranks.ranks, {"move": op, "check": True,
+                                                             "request": f"selftest-{op}"})
+                        modes += [_tp_entry(group, placement, r, op, engine, device,
+                                            connected[r], moved.get(r), ranks.slices[r],
+                                            refused)
+                                  for r in ranks.ranks]
+        except RankError as exc:
+            return {"ok": False, "modes": modes, "module": module,
+                    "error": f"tp {group.label}: {exc}"}
+    return {"ok": True, "modes": modes, "module": module}
+
+
+def tp_mode_name(device: str, group, rank, op: str, engine: str) -> str:
+    k, j = rank
+    who = f"rank {j}" + (f" of decode {k}" if group.instances > 1 else "")
+    return (f"{'' if device == 'cpu' else device + '/'}tp {group.p}->{group.d}"
+            f"{'' if group.instances == 1 else f' x{group.instances}'}/{who}/{op}/{engine}")
+
+
+def _tp_entry(group, placement, rank, op, engine, device, connected, moved, slices,
+              refused: str | None = None) -> dict:
+    """One rank's mode. ``refused``: why another rank of the group could not take ``engine``
+    (then the group is skipped whole, this rank too, though its own connect worked)."""
+    k, j = rank
+    entry = {"mode": tp_mode_name(device, group, rank, op, engine), "op": op,
+             "tp": [group.p, group.d], "group": group.label, "instance": k, "rank": j,
+             "memory": "DRAM" if device == "cpu" else "VRAM", "engine": engine,
+             "prefill_ranks": [s.prefill_rank for s in slices]}
+    if device != "cpu":
+        entry.update(device_id=placement.decode[k][j],
+                     prefill_device_ids=[placement.prefill[s.prefill_rank] for s in slices])
+    if "skipped" in connected:
+        return {**entry, "status": "skipped", "reason": connected["skipped"]}
+    if refused and "error" not in connected:
+        return {**entry, "status": "skipped", "reason": f"another rank of the group: {refused}"}
+    failed = connected.get("error") or (moved or {}).get("error")
+    if failed or moved is None:
+        return {**entry, "status": "failed",
+                "reason": failed or "another rank of the group failed to connect"}
+    entry.update(engine=moved["engine"], bytes=moved["bytes"], descriptors=moved["descriptors"],
+                 digest_ok=moved["bit_exact"], transports=moved.get("transports"),
+                 status="passed" if moved["bit_exact"] else "failed")
+    if moved.get("tcp_for_device_memory"):
+        entry.update(status="failed", reason="UCX moved device memory over TCP: "
+                     + "; ".join(moved["tcp_for_device_memory"]))
+    elif not moved["bit_exact"]:
+        entry["reason"] = moved["reason"]
+    return entry
 
 
 def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout: float,
@@ -287,7 +278,7 @@ def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout
     procs = [prefill]
     try:
         prefill.start()
-        ready = _get(pq, timeout, "prefill process", procs)
+        ready = answer(pq, timeout, "prefill process", procs)
         if not ready.get("ok"):
             return ready
         target, args = decode or (decode_main, (layouts, seed))
@@ -298,7 +289,7 @@ def _run_pair(layouts: list[dict], seed: int, options: dict, device_ids, timeout
                                    {**options, "device_id": device_ids[1], **queues}))
         procs.append(decode)
         decode.start()
-        return {**_get(dq, timeout, "decode process", procs[1:]), "module": ready.get("module"),
+        return {**answer(dq, timeout, "decode process", procs[1:]), "module": ready.get("module"),
                 "module_file": ready.get("module_file")}
     finally:
         for p in procs:
@@ -328,12 +319,13 @@ def ucx_policy() -> dict[str, list[str]]:
 
 def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
                  secret: bytes | None = None, seed: int = 1234,
-                 device_ids: tuple[int, int] = (0, 0), tp_pairs=TP_PAIRS,
-                 at_once: int | None = None) -> dict:
+                 device_ids=(0, 0), tp_pairs=TP_GROUPS, at_once: int | None = None) -> dict:
     """Run every mode this host offers, each memory kind in two fresh processes (host DRAM;
-    cuda/xpu VRAM on ``device_ids`` = (prefill's, decode's) where torch sees the device);
-    return the JSON-able report. Device modes that cannot run are skipped with the reason.
-    ``at_once``: process pairs side by side (default: one per four CPUs)."""
+    cuda/xpu VRAM on the first two ``device_ids`` = (prefill's, decode's) where torch sees the
+    device), and the mixed-TP groups ``tp_pairs`` (placement.Group) with every rank a process
+    of its own (host memory; device memory laid on all of ``device_ids``); return the
+    JSON-able report. Device modes that cannot run are skipped with the reason.
+    ``at_once``: process pairs (or TP jobs) side by side (default: one per four CPUs)."""
     start = time.perf_counter()
     layouts = [KVLayout(kind=k, **SELFTEST_SHAPE).to_dict() for k in (CROSS_LAYER, PER_LAYER)]
     # every mode explicitly (KVRUNTIME_KV_BUFFER, a deployment's default, must not mix them)
@@ -342,22 +334,28 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
     # host-staged: the KV caches stay unregistered; NIXL moves staging pool blocks (the TPU
     # case on a CPU host). A pool smaller than a request's worth of blocks x 2 keeps it busy.
     staged = {"kv_buffer": "host_staged", "staging_blocks": 96}
-    jobs: list[tuple[str, tuple]] = [("host", (layouts, seed, options, (0, 0), timeout)),
-                                     ("host staged", (layouts, seed, {**options, **staged}, (0, 0), timeout))]
-    if tp_pairs:  # mixed TP on host memory, direct and staged: one process pair each
-        tp_layouts, ranks, _offsets = tp_servers(tp_pairs)
-        for name, extra in (("tp", {}), ("tp staged", {"kv_buffer": "host_staged", "staging_blocks": 32})):
-            jobs.append((name, (tp_layouts, seed, {**options, **extra, "tp_ranks": ranks}, (0, 0), timeout,
-                                (decode_tp_main, (list(tp_pairs), seed)))))
+    pair = tuple(device_ids[:2])
+    jobs: list[tuple[str, object, tuple]] = [
+        ("host", _run_pair, (layouts, seed, options, (0, 0), timeout)),
+        ("host staged", _run_pair, (layouts, seed, {**options, **staged}, (0, 0), timeout))]
+    if tp_pairs:  # mixed TP on host memory, direct and staged
+        jobs += tp_jobs(tp_pairs, options, [0], seed, timeout)
+    names = [name for name, _f, _a in jobs]
     skipped: dict[str, list[dict]] = {}
     for device in DEVICES:
         reason = device_unavailable(device)
         if reason is not None:
-            skipped[device] = skipped_modes(device, reason)
+            skipped[device] = skipped_modes(device, reason) + [
+                {"mode": f"{device}/tp {g.label}", "tp": [g.p, g.d], "memory": "VRAM",
+                 "status": "skipped", "reason": reason} for g in tp_pairs]
             continue
-        on = {"device": device, "device_ids": list(device_ids)}
-        jobs += [(device, (layouts, seed, {**options, **on}, device_ids, timeout)),
-                 (f"{device} staged", (layouts, seed, {**options, **on, **staged}, device_ids, timeout))]
+        on = {"device": device, "device_ids": list(pair)}
+        jobs += [(device, _run_pair, (layouts, seed, {**options, **on}, pair, timeout)),
+                 (f"{device} staged", _run_pair, (layouts, seed, {**options, **on, **staged},
+                                                  pair, timeout))]
+        if tp_pairs:  # its ranks laid on every device id given
+            jobs += tp_jobs(tp_pairs, {**options, "device": device,
+                                       "device_ids": list(device_ids)}, device_ids, seed, timeout)
     report: dict = {"tool": "kvruntime selftest", "modes": [], "ucx_policy": ucx_policy()}
     try:
         workers = at_once or _pairs_at_once(len(jobs))
@@ -365,7 +363,7 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
         # block-id lists read natively or by array('q'): built here, once, before the pairs load it
         report["id_reader"] = native.status()
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            done = dict(zip([n for n, _ in jobs], pool.map(lambda job: _run_pair(*job[1]), jobs)))
+            done = dict(zip([n for n, _f, _a in jobs], pool.map(lambda job: job[1](*job[2]), jobs)))
         host = done["host"]
         if not host.get("modes") and not host.get("ok"):  # the stack itself is unusable
             report.update(ok=False, error=host.get("error"), trace=host.get("trace"))
@@ -373,10 +371,14 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
         report["nixl_module"] = host.get("module")
         report["nixl_module_file"] = host.get("module_file")  # which build of NIXL moved the bytes
         modes, errors = [], []
-        for name in ["host", "host staged", *(["tp", "tp staged"] if tp_pairs else [])]:
-            modes += done[name].get("modes", [])
+
+        def take(name: str) -> None:  # a job's modes, and its error where it failed
+            modes.extend(done[name].get("modes", []))
             if not done[name].get("ok"):
                 errors.append(done[name])
+
+        for name in names:
+            take(name)
         for device in DEVICES:
             if device in skipped:
                 modes += skipped[device]
@@ -391,6 +393,8 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
                 got += [{**m, "status": "failed", "reason": ran.get("error")}
                         for m in skipped_modes(device, "") if m["mode"] not in have]
             modes += got
+            for name in [n for n, _f, _a in jobs if n.startswith(f"{device} tp")]:
+                take(name)
         report["modes"] = modes
         ran = [m for m in modes if m["status"] != "skipped"]
         report["ok"] = not errors and bool(ran) and all(m["status"] == "passed" for m in ran)

@@ -27,8 +27,13 @@ def test_selftest_reports_tp_pairs_and_transports_and_no_ucx_errors():
     assert ran and all(m["status"] == "passed" for m in ran)
     tp = [m for m in ran if "tp" in m]
     assert {(tuple(m["tp"]), m["mode"].rsplit("/", 1)[1]) for m in tp} == {
-        ((2, 1), "direct"), ((2, 1), "staged"), ((1, 2), "direct"), ((1, 2), "staged")}
+        ((2, 1), "nixl"), ((2, 1), "staged"), ((1, 2), "nixl"), ((1, 2), "staged")}
     assert {tuple(m["prefill_ranks"]) for m in tp if m["tp"] == [2, 1]} == {(0, 1)}
+    assert {(m["rank"], m["op"]) for m in tp if m["tp"] == [1, 2]} == {
+        (0, "pull"), (1, "pull"), (0, "push"), (1, "push")}
+    # host memory's same-node engine copies whole blocks only: said, never passed
+    same = [m for m in report["modes"] if "tp" in m and m["mode"].endswith("/samenode")]
+    assert same and all(m["status"] == "skipped" and "head slices" in m["reason"] for m in same)
     for m in ran:  # host memory between two processes of one host: cma (process_vm_readv)
         if m.get("engine") not in ("nixl", "host_staged"):
             assert m["transports"] is None, m  # the same-node engine's copies take no UCX lane
@@ -64,20 +69,26 @@ def test_bad_tp_pairs_are_one_line(bad):
     assert "PxD" in r.stderr or "1x2,2x1" in r.stderr
 
 
-def test_bench_tp_pairs_rows_direct_coalesced_and_staged():
+def test_bench_tp_rows_per_engine_with_every_rank_checked():
+    """A mixed-TP group in bench: a row per engine and op, each decode rank a process of its own
+    rated against its own reference copy, the total against all ranks' copies at once; NIXL
+    direct (a descriptor a token row) and coalesced (through the pools, a descriptor a chunk)."""
     r = subprocess.run([sys.executable, "-m", "kvruntime", "bench", "--json", "--compact",
-                        "--sizes", "4", "--layouts", "cross_layer", "--ops", "pull",
-                        "--patterns", "contiguous", "--engines", "nixl", "--inflight", "0", "0",
-                        "--iters", "1", "--handshakes", "1", "--no-bare", "--tp-pairs", "2x1"],
-                       capture_output=True, text=True, timeout=600)
+                        "--sizes", "4", "--iters", "1", "--tp-pairs", "2x1", "--tp-only",
+                        "--tp-ops", "pull"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    rows = {row["kv_buffer"]: row for row in json.loads(r.stdout)["tp"]}
-    assert set(rows) == {"direct", "coalesced", "host_staged"}
-    for row in rows.values():
-        assert "error" not in row, row
-        assert row["prefill_ranks"] == [0, 1] and row["gbps"] > 0 and row["ref_gbps"] > 0
+    report = json.loads(r.stdout)
+    assert not report["results"]  # --tp-only: the TP rows alone
+    rows = {row["engine"]: row for row in report["tp"]}
+    assert set(rows) == {"samenode", "nixl", "coalesced", "staged"}
+    assert "head slices" in rows["samenode"]["skipped"]  # host memory: whole blocks only
+    for name in ("nixl", "coalesced", "staged"):
+        row = rows[name]
+        assert "error" not in row and row["bit_exact"] and row["memory"] == "DRAM", row
+        rank = row["ranks"][0]
+        assert rank["prefill_ranks"] == [0, 1] and rank["gbps"] > 0 and rank["ref_gbps"] > 0
+        assert row["total"]["gbps"] > 0 and row["total"]["bytes"] == rank["bytes"]
+        assert "cma" in rank["transports"]["rma"]
     # one descriptor per token row of each block's head slice, against one run (a chunk) per rank
-    for mode in ("coalesced", "host_staged"):
-        assert rows["direct"]["descriptors"] > 100 * rows[mode]["descriptors"]
-        assert "vs_direct" in rows[mode]
-    assert rows["coalesced"]["coalesced"] and not rows["direct"]["coalesced"]
+    for name in ("coalesced", "staged"):
+        assert rows["nixl"]["ranks"][0]["descriptors"] > 100 * rows[name]["ranks"][0]["descriptors"]
