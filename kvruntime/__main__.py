@@ -163,7 +163,8 @@ def _bench(args, out) -> int:
         engines=args.engines, bare=not args.no_bare, inflight=args.inflight or [],
         kv_buffer=args.kv_buffer, tp_pairs=[g.label for g in args.tp_pairs],
         tp_engines=args.tp_engines, tp_ops=args.tp_ops,
-        tp_placements=[list(p) for p in args.placement or []], tp_only=args.tp_only)
+        tp_placements=[list(p) for p in args.placement or []], tp_only=args.tp_only,
+        coalesce=args.coalesce)
     report = run_bench(cfg)
     if args.json:
         say(json.dumps(report, indent=None if args.compact else 2))
@@ -174,7 +175,8 @@ def _bench(args, out) -> int:
                 f"{'ratio':>6} {'overhead us':>11}")
         for r in report.get("results", []):
             ovh = r.get("overhead_us")
-            engine = r["engine"] + (f" ({r['staged_copy']})" if r.get("staged_copy") else "")
+            engine = r["engine"] + (f" ({r['staged_copy']})" if r.get("staged_copy") else
+                                    " (coalesced)" if r.get("coalesced") else "")
             say(f"{r['layout']:12} {engine:26} {r['op']:5} {r['pattern']:10} {r['split']:5} "
                   f"{r['size_bytes'] / 2**20:9.0f} {r['descriptors']:6} {r['avg_lat_us']:11.0f} "
                   f"{r['gbps']:7.2f} {r['ref_gbps']:7.2f} {r['ratio']:6.2f} "
@@ -310,6 +312,9 @@ def main(argv=None) -> int:
     b.add_argument("--engines", nargs="+", default=["nixl", "samenode"],
                    choices=["nixl", "samenode", "auto"],
                    help="what moves the bytes: NIXL, the same-node engine, or auto")
+    b.add_argument("--coalesce", nargs="+", default=["auto"], choices=["auto", "always", "never"],
+                   help="NIXL clients' coalesce modes, a row set each (coalesced: through the "
+                        "staging pools, one descriptor a chunk)")
     b.add_argument("--kv-buffer", default="device", choices=["device", "host_staged"],
                    help="host_staged: caches stay unregistered, NIXL moves staging-pool blocks")
     b.add_argument("--no-bare", action="store_true",

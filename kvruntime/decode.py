@@ -30,6 +30,7 @@ import threading
 import time
 from dataclasses import replace
 
+from . import coalesce as coalescing
 from . import engines, frames, messages, pushed
 from .agent import Agent, unique_name
 from .channel import PeerChannel
@@ -42,7 +43,8 @@ from .plan import Planner, TransferPlan
 from .registration import Registration
 from .releases import Pending, ReleaseSender
 from .samenode import ENGINES, Batch, SharedJob, host_copy_streams
-from .staging import StagedPull, StagingExhausted, StagingPool, resolve_kv_buffer
+from .staged import StagedPull
+from .staging import StagingExhausted, StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import head_rows
 from .transfer import Draining, PostedTransfer, Rows, TransferResult
@@ -75,6 +77,11 @@ class PrefillPeer:
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
         self.lanes = None  # UCX's protocols of our agent after the connect-time probe (ucxlog)
         self.engine_reason = "not asked"  # why the engine in use was chosen
+        # through the pools (staging.py): a host-staged peer's requests, or a direct NIXL
+        # peer's coalesced ones (coalesce.py), and the model auto chooses by
+        self.route = None
+        self.coalesce_model = None
+        self.coalesce_reason = "not a NIXL peer"  # why requests may (not) go coalesced
 
     @property
     def closed(self) -> bool:
@@ -118,16 +125,18 @@ class PrefillPeer:
         handle = self.make_handle("pull", request_id, plan, timeout, t0)
         if self.samenode is not None:
             return self.start_local(handle)
-        if self.client.staging is not None:
+        if self.client.staging is not None or coalescing.choose(self, handle):
             return self._start_staged(handle)
         return self._post_read(handle, split)
 
     def _start_staged(self, handle: TransferHandle) -> TransferHandle:
-        """Host-staged (staging.py): the prefill gathers into its pool, we READ the run into
-        ours and scatter. A push takes the same road (the outcome is the push's)."""
+        """Through the pools (staging.py: host-staged, or coalesced): the prefill gathers into
+        its pool chunk by chunk, we READ each chunk into ours and scatter it. A push takes
+        the same road (the outcome is the push's)."""
         self.channel.check_new(handle.request_id)
-        job = StagedPull(self, handle.plan, handle.request_id, time.time() + handle.timeout)
-        pool = self.client.staging
+        job = StagedPull(self, handle.plan, handle.request_id, time.time() + handle.timeout,
+                         self.route)
+        pool = self.route.pool
         if job.units > pool.units:  # it could never fit: refused now, not at its deadline
             raise StagingExhausted(f"request {handle.request_id} can never fit the decode's "
                                    f"staging pool: {pool.numbers(job.units)}; size the pool "
@@ -178,6 +187,8 @@ class PrefillPeer:
         self.channel.check_new(request_id)
         handle = self.make_handle("push", request_id, plan, timeout, t0)
         if self.client.staging is not None:
+            return self._start_staged(handle)
+        if self.samenode is None and coalescing.choose(self, handle):  # the pull's road
             return self._start_staged(handle)
         if self.samenode is not None:
             # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
@@ -379,6 +390,7 @@ class DecodeClient:
         self.secret = o.secret
         self.timeout = o.timeout
         self.engine = engine
+        self.coalesce = coalescing.check_mode(o.coalesce)
         self._peers: dict[tuple[str, int], PrefillPeer] = {}
         self._closed = False
         self._inflight: dict[int, TransferHandle] = {}
@@ -393,6 +405,10 @@ class DecodeClient:
         # metadata, the rkeys a READ in flight uses, must outlive it)
         self._leaving: set[str] = set()
         self.staging: StagingPool | None = None
+        # the pool requests go through: the host-staged one, or a direct side's for coalesced
+        # NIXL transfers (coalesce.py), registered beside the cache
+        self.pool: StagingPool | None = None
+        self._pool_reg = None
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
         nixl_memory = "cpu" if o.kv_buffer == "host_staged" else o.device_kind
         # the same-node engine's reader threads for host memory (None: by this host's cores)
@@ -404,14 +420,20 @@ class DecodeClient:
             if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
                 self.staging = StagingPool(cache.layout,
                                            o.staging_blocks or cache.layout.num_blocks, cache)
+                self.pool = self.staging
+            elif self.coalesce != "never":
+                self.pool = coalescing.make_pool(cache, o.staging_blocks)
+                self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
             registered = self.staging.cache if self.staging else cache
             self.registration = Registration(self.agent, registered)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                                  self.registration.region_triples(), registered.mem_type,
                                  o.kv_buffer, cache.layout if self.staging else None, o.tp_rank)
         except Exception:
-            if self.staging is not None:
-                self.staging.close()
+            if self._pool_reg is not None:
+                self._pool_reg.close()
+            if self.pool is not None:
+                self.pool.close()
             self.agent.close()
             raise
 
@@ -456,6 +478,7 @@ class DecodeClient:
         self._peers[address] = peer
         try:
             engines.choose(peer, self.engine, self._probe)
+            coalescing.open_route(peer)
         except BaseException:
             peer.close()
             raise
@@ -598,8 +621,10 @@ class DecodeClient:
         self.releaser.close()
         self._probe.close()
         self.registration.close()
-        if self.staging is not None:
-            self.staging.close()
+        if self._pool_reg is not None:
+            self._pool_reg.close()
+        if self.pool is not None:
+            self.pool.close()
         self.agent.close()
 
     def __enter__(self):

@@ -97,6 +97,8 @@ class TransferHandle:
         # from its start (the notification's "posted") to the notification's arrival here
         self.by_prefill = False
         self._arrived: float | None = None  # wall clock, as "posted" is the prefill's
+        # a direct NIXL request: whether it went through the pools, and why (coalesce.py)
+        self.coalesce: tuple[bool, str] | None = None
 
     # -- the caller's side -----------------------------------------------------------------
     def done(self) -> bool:
@@ -278,7 +280,8 @@ class TransferHandle:
     def on_reply(self, message: dict) -> None:
         kind = message.get("type")
         if kind in (messages.STAGED.type, messages.STAGE_FAILED.type):  # the staged job's
-            self.peer.settled(self)
+            if kind == messages.STAGE_FAILED.type or message.get("last") is True:  # no more chunks
+                self.peer.settled(self)
             self._xfer.on_reply(message)
             return
         with self.lock:
@@ -328,6 +331,8 @@ class TransferHandle:
     def _finish(self, result: TransferResult) -> None:
         if result.nbytes != self.nbytes:  # a copy job counts whole blocks; we got a head slice
             result = result._replace(nbytes=self.nbytes)
+        if self.coalesce is not None:
+            result = result._replace(coalesced=self.coalesce[0], coalesce_reason=self.coalesce[1])
         self._result = result
         self.state = DONE
         self.peer.pace.seen(self.op, result.nbytes, result.seconds)

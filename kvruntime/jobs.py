@@ -2,8 +2,8 @@
 
 A ``TransferHandle`` (inflight.py) moves a request by polling one job, whatever moves the bytes:
 a NIXL READ (``transfer.PostedTransfer``), a same-node engine's gather (``samenode.CopyJob``),
-one request's share of a batch's gather (``samenode.SharedJob``), or a host-staged pull
-(``staging.StagedPull``). This is everything the handle calls on it.
+one request's share of a batch's gather (``samenode.SharedJob``), or a pull through the staging
+pools, host-staged or coalesced (``staged.StagedPull``). This is everything the handle calls on it.
 """
 
 from __future__ import annotations

@@ -67,6 +67,10 @@ SAMENODE = Message("samenode", EITHER, ("request",), (), "asks for the same-node
 STAGE = Message("stage", DECODE, ("request", "src", "deadline"), ("heads",),
                 "gather these blocks into your staging pool")
 UNSTAGE = Message("unstage", DECODE, ("request",), (), "free a staged run")
+POOL = Message("pool", EITHER, (), ("request", "region", "mem_type", "units", "unit_bytes",
+                                    "unavailable"),
+               "where is your staging pool (coalesce.py); answered with its region and units, "
+               "or why there is none")
 RELEASE = Message("release", DECODE, ("requests",), (), "these requests' blocks may be freed")
 DIGESTS = Message("digests", EITHER, ("request",), ("blocks", "digests"),
                   "block digests: asked for (blocks), answered (digests)")
@@ -80,15 +84,16 @@ PUSH_FAILED = Message("push_failed", PREFILL, ("request", "error"), (), "a push 
 CANCELLED = Message("cancelled", PREFILL, ("request", "state"), (), "a cancel's answer")
 READY_IDS = Message("ready", PREFILL, ("request", "posted"), ("src", "src_spans", "ring"),
                     "a push we start, to a same-node decode: the ids for it to copy")
-STAGED = Message("staged", PREFILL, ("request", "start", "count"), (), "a staged run")
+STAGED = Message("staged", PREFILL, ("request", "start", "count"), ("rows", "last"),
+                "a chunk of a staged run is in the pool (rows; last: no more come)")
 STAGE_FAILED = Message("stage_failed", PREFILL, ("request", "error"), (), "a stage refused")
 
 CATALOG = (HELLO, CHALLENGE, AUTH, WELCOME, INFO, READY, ERROR, PUSH, EXPECT, CANCEL, SAMENODE,
-           STAGE, UNSTAGE, RELEASE, DIGESTS, BYE, PUSHED, PUSH_FAILED, CANCELLED, READY_IDS,
-           STAGED, STAGE_FAILED)
+           STAGE, UNSTAGE, POOL, RELEASE, DIGESTS, BYE, PUSHED, PUSH_FAILED, CANCELLED,
+           READY_IDS, STAGED, STAGE_FAILED)
 # What a connected decode may ask (the prefill refuses any other type).
-REQUESTS = {m.type: m for m in (PUSH, EXPECT, CANCEL, SAMENODE, STAGE, UNSTAGE, RELEASE,
-                                DIGESTS, BYE)}
+REQUESTS = {m.type: m for m in (PUSH, EXPECT, CANCEL, SAMENODE, STAGE, UNSTAGE, POOL,
+                                RELEASE, DIGESTS, BYE)}
 # Answers that go to the handle of their request (the decode's channel.py).
 HANDLE_REPLIES = frozenset(m.type for m in (PUSHED, PUSH_FAILED, CANCELLED, STAGED,
                                             STAGE_FAILED, READY_IDS))

@@ -1,5 +1,7 @@
 """kvruntime's one native helper, ``csrc/idscan.c``: block-id lists read in one C pass, and a
-request's (or a batch's) ids split into runs with their range and duplicate checks in another.
+request's (or a batch's) ids split into runs with their range and duplicate checks in another;
+and the host staging pools' copies (a request's pieces gathered into a run or scattered out of
+it, with the GIL released: staging.py).
 
 Built on first use with the host's C compiler against this Python's headers, the way Triton
 builds its launchers, and kept in a cache keyed by the source and the Python (version and ABI:
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "idscan.c"
 MODULE = "_kvr_idscan"
 BUILD_SECONDS = 120
-FUNCTIONS = ("scan", "scan_batch", "runs")
+FUNCTIONS = ("scan", "scan_batch", "runs", "copy")
 
 _lock = threading.Lock()
 _state: dict = {}  # FUNCTIONS: each function or None; "how": one line, what happened
@@ -71,6 +73,15 @@ def id_scan_batch():
         return _state["scan_batch"]
     except KeyError:
         return _module()["scan_batch"]
+
+
+def piece_copy():
+    """``copy(dst, src, length)`` of csrc/idscan.c, or None where it cannot be had (as
+    ``id_scan``): staging.py then copies piece by piece through ctypes."""
+    try:
+        return _state["copy"]
+    except KeyError:
+        return _module()["copy"]
 
 
 def _module() -> dict:

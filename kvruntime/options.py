@@ -1,7 +1,7 @@
 """What a PrefillServer and a DecodeClient share: one ``Options``, and every KVRUNTIME_*
 environment variable, read here and nowhere else.
 
-``Options`` holds the nine settings both sides take (the keyword arguments of both constructors
+``Options`` holds the ten settings both sides take (the keyword arguments of both constructors
 fill it, so ``PrefillServer(cache, timeout=2)`` and ``PrefillServer(cache, Options(timeout=2))``
 are the same server). ``Options.from_env()`` starts from the environment (``ENV``), then takes
 what the caller gives. ``environment(name)`` is how any other module reads one of the variables
@@ -45,7 +45,9 @@ class Options:
     "cuda" or "xpu" (which UCX settings apply); ``name``: the NIXL agent's name (None: a
     unique one); ``kv_buffer``: "direct" or "host_staged" (None: by the device kind);
     ``staging_blocks``: host-staged pool size in blocks (0: the cache's); ``tp_rank``: this
-    side's tensor-parallel rank."""
+    side's tensor-parallel rank; ``coalesce``: "auto", "always" or "never", whether a NIXL
+    request of many runs goes through both sides' staging pools (coalesce.py; "never" on a
+    prefill: it keeps no pool)."""
 
     binding: object = None
     secret: bytes | None = None
@@ -56,6 +58,7 @@ class Options:
     kv_buffer: str | None = None
     staging_blocks: int = 0
     tp_rank: int = 0
+    coalesce: str = "auto"
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given) -> "Options":

@@ -48,6 +48,7 @@ from .registration import Registration
 from .releases import Released
 from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
+from . import coalesce as coalescing
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import HeadSlice, direct_slice
@@ -118,9 +119,14 @@ class PrefillServer:
         # the mode asked for, else KVRUNTIME_KV_BUFFER, else by the device (staging.py)
         o = self.options = replace(o, kv_buffer=resolve_kv_buffer(o.kv_buffer, o.device_kind,
                                                                   offered_transports))
+        coalescing.check_mode(o.coalesce)
         self.cache = cache
         self.kv_buffer = o.kv_buffer
         self.staging: StagingPool | None = None
+        # the pool staged requests are gathered into: the host-staged one, or a direct
+        # server's for its decodes' coalesced requests (coalesce.py; none for "never")
+        self.pool: StagingPool | None = None
+        self._pool_reg: coalescing.PoolRegistration | None = None
         self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
         self._stage_queue: deque = deque()  # (peer, request, plan, deadline, queued at)
         self._stage_lock = threading.Lock()
@@ -144,6 +150,10 @@ class PrefillServer:
             if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
                 self.staging = StagingPool(cache.layout,
                                            o.staging_blocks or cache.layout.num_blocks, cache)
+                self.pool = self.staging
+            elif o.coalesce != "never":  # registered before our metadata goes out
+                self.pool = coalescing.make_pool(cache, o.staging_blocks)
+                self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
             self.registration = Registration(self.agent, self.staging.cache if self.staging
                                              else cache)
             # accepting within limits, a thread a connection (listener.py)
@@ -154,8 +164,10 @@ class PrefillServer:
                                  self._work.set, self._peers_lock)
             self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None)
         except Exception:
-            if self.staging is not None:
-                self.staging.close()
+            if self._pool_reg is not None:
+                self._pool_reg.close()
+            if self.pool is not None:
+                self.pool.close()
             self.agent.close()
             raise
         if o.secret is None and not _loopback(host):
@@ -267,6 +279,11 @@ class PrefillServer:
                 offer.update(peer.mailbox.offer())
             peer.send(messages.SAMENODE.build(**{**offer, "request": message.get("request")}),
                       self.timeout)
+        elif kind == messages.POOL.type:  # a direct decode asks where our pool is (coalesce.py)
+            offer = coalescing.offer(self.pool if self.staging is None else None,
+                                     "coalesce='never' on this prefill")
+            peer.send(messages.POOL.build(**offer, request=message.get("request")),
+                      self.timeout)
         elif kind == messages.STAGE.type:
             self._stage(peer, message)
         elif kind == messages.UNSTAGE.type:
@@ -320,22 +337,21 @@ class PrefillServer:
         src = frames.ids_field(message, "src")
         deadline = float(frames.field(message, "deadline", (int, float)))
         try:
-            if self.staging is None:
-                raise KVRuntimeError("this prefill is not host-staged")
+            if self.pool is None:
+                raise KVRuntimeError("this prefill has no staging pool (coalesce='never')")
             plan = make_plan(self.cache.layout, src)
             heads = _heads(message.get("heads"), self.cache.layout.num_kv_heads)
             left = deadline - time.time()
             if left <= 0:
                 raise KVRuntimeError(f"its deadline passed {-left:.3f}s before it was read")
             units = plan.num_blocks * (heads[1] - heads[0])
-            if units > self.staging.units:
+            if units > self.pool.units:
                 raise KVRuntimeError(f"a request of {units} units ({plan.num_blocks} blocks x "
                                      f"{heads[1] - heads[0]} heads) cannot fit a staging pool "
-                                     f"of {self.staging.units} units (the prefill's: "
-                                     f"{self.staging.numbers(units)})")
+                                     f"of {self.pool.units} units (the prefill's: "
+                                     f"{self.pool.numbers(units)})")
         except KVRuntimeError as exc:
-            peer.send({"type": "stage_failed", "request": request, "error": str(exc)},
-                      self.timeout)
+            peer.send(messages.STAGE_FAILED.build(request=request, error=str(exc)), self.timeout)
             return
         with self._stage_lock:
             self._stage_queue.append((peer, request, plan, heads, time.monotonic() + left,
@@ -353,39 +369,64 @@ class PrefillServer:
                 n = plan.num_blocks * (heads[1] - heads[0])
                 if time.monotonic() > deadline:
                     self._stage_queue.popleft()
-                    start, reply = None, {
-                        "type": "stage_failed", "request": request,
-                        "error": f"the prefill's staging pool is exhausted: "
-                                 f"{self.staging.numbers(n)}; waited "
-                                 f"{time.monotonic() - queued:.3f}s until the request's "
-                                 f"deadline"}
+                    start, reply = None, messages.STAGE_FAILED.build(
+                        request=request,
+                        error=f"the prefill's staging pool is exhausted: "
+                              f"{self.pool.numbers(n)}; waited "
+                              f"{time.monotonic() - queued:.3f}s until the request's deadline")
                 else:
-                    start = self.staging.try_acquire(n)
+                    start = self.pool.try_acquire(n)
                     if start is None:
                         return  # the head waits for blocks (FIFO: no starving large requests)
                     self._stage_queue.popleft()
                     reply = None
             if reply is None:
-                try:
-                    self.staging.gather(plan.block_ids()[0], start, heads)
-                except Exception as exc:
-                    self.staging.release(start, n)
-                    reply = {"type": "stage_failed", "request": request,
-                             "error": f"gather failed: {exc}"}
-                else:
-                    # freed by unstage; or, if the decode never says, well after its deadline
-                    # (its READ has been aborted by then)
-                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
-                    reply = {"type": "staged", "request": request, "start": start, "count": n}
+                self._gather_answering(peer, request, plan, heads, start, n, deadline)
+                continue
             try:
                 peer.send(reply, self.timeout)
             except KVRuntimeError as exc:
                 log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
 
+    def _gather_answering(self, peer: _Peer, request: str, plan, heads, start: int, n: int,
+                          deadline: float) -> None:
+        """Gather a request's run chunk by chunk (staging.StagingPool.chunks), answering each
+        ("staged" with its rows) as soon as it is in the pool: the decode READs one chunk while
+        the next is gathered."""
+        pool = self.pool
+        ids = pool.ids(plan.block_ids()[0])  # a device pool's: uploaded once for every chunk
+        chunks = pool.chunks(len(ids), heads[1] - heads[0])
+        for i, rows in enumerate(chunks):
+            last = i == len(chunks) - 1
+            try:
+                pool.gather(ids, start, heads, rows)
+            except Exception as exc:
+                pool.release(start, n)  # READs of its answered chunks fail the request there
+                reply = messages.STAGE_FAILED.build(request=request,
+                                                    error=f"gather failed: {exc}")
+            else:
+                reply = messages.STAGED.build(request=request, start=start, count=n,
+                                              rows=list(rows), last=last)
+                if last:
+                    # freed by unstage; or, if the decode never says, well after its deadline
+                    # (its READs have been aborted by then). Kept only now: an unstage read by
+                    # the connection thread while the progress loop gathers must not free the
+                    # run under the gather (it is then freed at that expiry).
+                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
+            try:
+                peer.send(reply, self.timeout)
+            except KVRuntimeError as exc:
+                log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
+                if messages.STAGED.is_(reply):  # its READs may run on: freed at the expiry
+                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
+                return
+            if messages.STAGE_FAILED.is_(reply):
+                return
+
     def _unstage(self, agent: str, request: str) -> None:
         staged = self._staged.pop((agent, request), None)
         if staged is not None:
-            self.staging.release(staged[0], staged[1])
+            self.pool.release(staged[0], staged[1])
             self._release(agent, request)
             self._work.set()  # queued requests may fit now
 
@@ -395,7 +436,7 @@ class PrefillServer:
             if now > expiry and self._staged.pop(key, None) is not None:
                 log.warning("staged request %s of %s was never unstaged; its pool blocks are "
                             "freed", key[1], key[0])
-                self.staging.release(start, n)
+                self.pool.release(start, n)
 
     # -- completion --------------------------------------------------------------------------
     def _progress_loop(self) -> None:
@@ -465,8 +506,10 @@ class PrefillServer:
             self._drop_peer(peer)
         self.writes.close()
         self.registration.close()
-        if self.staging is not None:
-            self.staging.close()
+        if self._pool_reg is not None:
+            self._pool_reg.close()
+        if self.pool is not None:
+            self.pool.close()
         self.agent.close()
 
     def __enter__(self):

@@ -467,6 +467,8 @@ class CudaEngine:
                                    remote_layout.num_blocks, local_cache.layout.num_blocks,
                                    self.stream)
                        if remote_layout.chunk_bytes == local_cache.layout.chunk_bytes else None)
+        if self.gather is not None:
+            self.gather.warm()  # the kernel's compile and load at connect, not in a request
         self._handle = self.stream.cuda_stream
         with torch.cuda.device(self.device):
             self._caller = cudart.Event()  # re-recorded by each request, under the lock

@@ -1,29 +1,33 @@
-"""Host-staged copies: for device memory NIXL cannot register (TPU-style hosts; Intel GPUs
-without a ze-capable UCX), or when the operator wants KV to cross hosts through DRAM.
+"""Staging pools: the one design requests go through when they do not move directly — host-staged
+peers (device memory NIXL cannot register: TPU-style hosts, Intel GPUs without a ze-capable UCX;
+or KV that should cross hosts through DRAM) and coalesced NIXL transfers of direct peers
+(coalesce.py: many runs moved as one descriptor a chunk).
 
-Each side keeps its KV cache where the engine has it (device tensors, or plain process memory
-on a CPU host, *not* registered with NIXL) and a staging pool of host blocks registered once as
-DRAM. A pull of blocks ``src`` into ``dst``:
+A pool is a KVCache of its own, registered with NIXL: host DRAM (host caches; host-staged device
+caches, pinned for CUDA) or VRAM on the cache's device (coalesced device caches). Its unit is one
+KV head of one block, the same on every side whatever its TP size, so a decode rank's head slice
+is one contiguous run. A pull of blocks ``src`` into ``dst`` (the decode's side: staged.py):
 
-    decode  -> prefill  stage    {request, src, deadline}
-    prefill             takes len(src) consecutive pool blocks (waits for free ones, never past
-                        the deadline), gathers ``src`` into them (region-major: each region's blocks
-                        in order, so a range of regions is one range of the run), answers
-    prefill -> decode   staged   {request, start, count}       or stage_failed {request, error}
-    decode              takes its own pool blocks, READs the prefill's run into them with NIXL
-                        (proved on the same host: process_vm_readv over the same-node engine's
-                        threads) in CHUNKS pieces of whole regions posted at once, scatters each
-                        piece into ``dst`` as it lands (overlapping the READs still running), frees
-                        its blocks when the last scatter has passed
-    decode  -> prefill  unstage  {request}     the prefill frees its pool blocks and the request
+    decode  -> prefill  stage    {request, src, deadline[, heads]}
+    prefill             takes len(src) x heads consecutive pool units (waits for free ones,
+                        never past the deadline), gathers ``src`` into them chunk by chunk (the
+                        run is region-major: a range of its (region, block) rows is one range
+                        of memory) and answers each chunk as it is in the pool
+    prefill -> decode   staged   {request, start, count, rows, last}   or stage_failed
+    decode              takes its own pool units at the first answer, READs each chunk into
+                        them as its answer comes (NIXL, one descriptor; or, host-staged on the
+                        same host, the same-node engine's reader threads), scatters each into
+                        ``dst`` as it lands, frees its units when the last scatter has passed
+    decode  -> prefill  unstage  {request}     the prefill frees its pool units and the request
 
-Gather and scatter are torch index ops (cuda, xpu and cpu tensors alike). On a device they run
-through a ring of device bounce slots (bounce.py): the index op fills a slot at device speed
-while the copy engine moves the previous one across PCIe, on streams of the pool's own after
-the caller's stream, followed by events: nothing waits for the whole device, and the decode's
-poll never blocks on a copy. A CUDA pool is pinned (cudaHostRegister)
-so the copies to and from it run at PCIe speed. Pools never block forever:
-a request waits for pool blocks only until its deadline, then fails with the numbers.
+Gather and scatter: between host memory, one C call per chunk (native.py; its copies without
+the GIL, a decode's scatters on a thread of the pool's); between a device cache and a host pool,
+through a ring of device bounce slots (bounce.py: the index op fills a slot at device speed
+while the copy engine moves the previous one across PCIe); between a device cache and a device
+pool, torch index ops on the pool's stream. Streams of the pool's own run after the caller's
+stream and end in events: nothing waits for the whole device, and the decode's poll never
+blocks on a copy. Pools never block forever: a request waits for pool units only until its
+deadline, then fails with the numbers.
 """
 
 from __future__ import annotations
@@ -31,16 +35,14 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import threading
 import time
-from dataclasses import dataclass
 
-from . import frames
-from .bounce import SLOT_BYTES, BounceRing, pieces
+from . import native
+from .bounce import SLOT_BYTES, BounceRing, _TorchStreams, pieces
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
-from .plan import TransferPlan, make_plan
-from .samenode import CopyJob
 
 log = logging.getLogger("kvruntime")
 
@@ -96,37 +98,71 @@ def _byte_regions(cache) -> list:
             for r in cache.regions]
 
 
+POOL_MEMORY = ("host", "device")
+# A run is answered (and READ) in pieces, at least this many bytes each (host, device pool) and
+# at most MAX_CHUNKS of them: the gather of one overlaps the READ of the one before it, and its
+# scatter the READ of the next; each costs a frame and a NIXL post (tens of µs), which a device
+# moves 16 MiB in.
+CHUNK_BYTES = {"host": 4 << 20, "device": 16 << 20}
+MAX_CHUNKS = 16
+
+
 class StagingPool:
-    """``blocks`` host staging blocks for caches of ``layout``: a KVCache of its own (what gets
-    registered with NIXL), an allocator of consecutive runs, and gather/scatter."""
+    """``blocks`` staging blocks for caches of ``layout``: a KVCache of its own (what gets
+    registered with NIXL), an allocator of consecutive runs, and gather/scatter.
+
+    ``memory``: "host" (DRAM: host caches, and the host-staged mode of device caches, whose
+    copies cross PCIe through the bounce ring) or "device" (VRAM on the cache's own device:
+    coalesced NIXL transfers of a device cache, gathered and scattered by index ops on the
+    device itself). One allocator, one unit (one KV head of one block), one run layout."""
 
     def __init__(self, layout: KVLayout, blocks: int, device_cache,
-                 bounce_bytes: int = SLOT_BYTES):
+                 bounce_bytes: int = SLOT_BYTES, memory: str = "host"):
         from .memory import KVCache
 
-        if not isinstance(blocks, int) or blocks < 1:
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
             raise KVRuntimeError(f"staging_blocks must be a positive integer, got {blocks!r}")
+        if memory not in POOL_MEMORY:
+            raise KVRuntimeError(f"a staging pool's memory must be one of "
+                                 f"{', '.join(POOL_MEMORY)}, got {memory!r}")
+        tensors = device_cache.tensors
+        on_device = bool(tensors) and tensors[0].device.type != "cpu"
+        if memory == "device" and not on_device:
+            raise KVRuntimeError("a device staging pool needs a device cache (cuda or xpu "
+                                 "tensors); a host cache stages in host memory")
+        self.memory = memory
         self.layout = staging_layout(layout, blocks * layout.num_kv_heads)
         self.device_layout = layout
         self.device_cache = device_cache
-        self.cache = KVCache.allocate_host(self.layout)
-        self._free = [True] * self.layout.num_blocks  # in units (one head of one block)
+        if memory == "device":
+            dev = tensors[0].device
+            self.cache = KVCache.allocate_device(self.layout, dev.type, dev.index or 0)
+        else:
+            self.cache = KVCache.allocate_host(self.layout)
+        # one byte a unit (one head of one block), 1 free: a run of n free units is found by
+        # one C search (bytes.find), not a Python loop over tens of thousands of units
+        self._free = bytearray(b"\x01") * self.layout.num_blocks
         self._cv = threading.Condition()
         self._pinned = False
-        tensors = device_cache.tensors
-        if tensors and tensors[0].device.type == "cuda":
+        if memory == "host" and on_device and tensors[0].device.type == "cuda":
             self._pin()
         self._pool = _byte_regions(self.cache)[0]
         self._device = _byte_regions(device_cache)
         self._ring = None
+        self._streams = None  # a device pool's stream and events (bounce._TorchStreams)
+        self._scatters = None  # a host cache's scatters run on a thread of their own
         self._region_views: dict = {}  # (h0, h1) -> the regions' views of those heads
         self._pool_words = self._words(self._pool)  # views made once: a request's prologue
         self._head_words = layout.head_dim * layout.element_bytes // self._pool_words.element_size()
         dev = self._device[0].device
-        if dev.type != "cpu":  # copies pipelined through device bounce slots (bounce.py)
+        if memory == "device":
+            self._streams = _TorchStreams(dev)
+        elif dev.type != "cpu":  # copies pipelined through device bounce slots (bounce.py)
             row = layout.tokens_per_block * layout.num_kv_heads * self._head_words
             self._ring = BounceRing(dev, self._pool_words.dtype,
                                     max(row, bounce_bytes // self._pool_words.element_size()))
+        else:  # host memory both sides: C copies of the pieces (native.py), no torch op
+            self._bases, self._strides = _region_bases(device_cache)
 
     def _pin(self) -> None:
         """Page-lock the pool for CUDA copies (without it a copy to pageable memory is staged
@@ -146,12 +182,8 @@ class StagingPool:
 
     # -- allocation ----------------------------------------------------------------------------
     def _find(self, n: int) -> int | None:
-        run = 0
-        for i, free in enumerate(self._free):
-            run = run + 1 if free else 0
-            if run == n:
-                return i - n + 1
-        return None
+        at = self._free.find(b"\x01" * n)
+        return None if at < 0 else at
 
     def largest_free_run(self) -> int:
         with self._cv:
@@ -160,21 +192,17 @@ class StagingPool:
     def numbers(self, wanted: int) -> str:
         """The pool's numbers for an error: asked, free, largest free run, size."""
         with self._cv:
-            return (f"{wanted} units asked, {sum(self._free)} free (largest free run "
+            return (f"{wanted} units asked, {self._free.count(1)} free (largest free run "
                     f"{self._largest_free_run()}) of {self.units}")
 
     def _largest_free_run(self) -> int:
-        best = run = 0
-        for free in self._free:
-            run = run + 1 if free else 0
-            best = max(best, run)
-        return best
+        return max(map(len, self._free.split(b"\x00")), default=0)
 
     def try_acquire(self, n: int) -> int | None:
         with self._cv:
             start = self._find(n)
             if start is not None:
-                self._free[start:start + n] = [False] * n
+                self._free[start:start + n] = bytes(n)
             return start
 
     def acquire(self, n: int, deadline: float) -> int:
@@ -187,7 +215,7 @@ class StagingPool:
             while True:
                 start = self._find(n)
                 if start is not None:
-                    self._free[start:start + n] = [False] * n
+                    self._free[start:start + n] = bytes(n)
                     return start
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -199,13 +227,34 @@ class StagingPool:
 
     def release(self, start: int, n: int) -> None:
         with self._cv:
-            self._free[start:start + n] = [True] * n
+            self._free[start:start + n] = b"\x01" * n
             self._cv.notify_all()
 
     # -- copies ----------------------------------------------------------------------------------
     # A staged run of n blocks and hs heads holds [2 x layers][n][tokens][hs][head_dim] (K/V of
     # each layer, then blocks): the same on every side whatever its layout kind or TP size, so
-    # a decode rank's heads arrive as one contiguous run and scatter into their place.
+    # a decode rank's heads arrive as one contiguous run and scatter into their place. Its
+    # "rows" are its (region, block) pairs in that order, row r * n + b: a range of rows is one
+    # contiguous range of the run, which is what a chunk is.
+    def row_bytes(self, hs: int) -> int:
+        """Bytes of one row (one region of one block, ``hs`` heads) of a run."""
+        lay = self.device_layout
+        return lay.tokens_per_block * hs * lay.head_dim * lay.element_bytes
+
+    def chunks(self, n: int, hs: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
+        """The row ranges a run of ``n`` blocks and ``hs`` heads is gathered, answered, READ
+        and scattered in: at least ``chunk_bytes`` each (CHUNK_BYTES of the pool's memory),
+        at most MAX_CHUNKS; whole regions where the bounce ring copies (its pieces follow
+        region order)."""
+        regions = 2 * self.device_layout.num_layers
+        total = regions * n
+        if self._ring is not None:
+            k = min(CHUNKS, regions)
+            return [(i * regions // k * n, (i + 1) * regions // k * n) for i in range(k)]
+        least = CHUNK_BYTES[self.memory] if chunk_bytes is None else chunk_bytes
+        per = max(1, least // self.row_bytes(hs), -(-total // MAX_CHUNKS))
+        return [(lo, min(total, lo + per)) for lo in range(0, total, per)]
+
     def _run(self, start: int, n: int, hs: int):
         lay = self.device_layout
         return self._run_flat(start, n, hs).view(2 * lay.num_layers, n, lay.tokens_per_block,
@@ -254,32 +303,93 @@ class StagingPool:
                 return flat.view(dtype)
         return flat
 
-    @staticmethod
-    def ids(blocks):
+    def ids(self, blocks):
         """Block ids (a list or a numpy array; the roles pass the plan's validated arrays) as
-        int64 numpy: the ring uploads them itself, once per call, on its compute stream."""
+        int64 numpy: the ring uploads them itself, once per call, on its compute stream. A
+        device pool's are uploaded here, once for all the chunks of a request (16 uploads of
+        a 4096-block request cost ~0.3 ms, a fifth of its GiB's READ on an H100)."""
         import numpy as np
 
-        return np.asarray(blocks, dtype=np.int64)
+        if self._streams is not None and hasattr(blocks, "device"):
+            return blocks  # already on the device
+        ids = np.asarray(blocks, dtype=np.int64)
+        if self._streams is None:
+            return ids
+        with self._streams.compute_after_caller():
+            return self._streams.upload(ids)
 
-    def gather(self, blocks, start: int, heads: tuple[int, int] | None = None) -> int:
-        """Heads ``heads`` (all by default) of device cache ``blocks`` -> the run at ``start``;
-        finished when this returns (waiting for the pool's own streams, never the device).
-        Returns the units used."""
+    def _pieces(self, ids, heads: tuple[int, int], rows: tuple[int, int]):
+        """A host cache's addresses of rows ``rows`` of a run of blocks ``ids``, heads
+        ``heads``: one piece a row (all heads: a region of a block is contiguous), else one a
+        token row of it. Returns (uint64 addresses, bytes a piece)."""
+        import numpy as np
+
+        lay = self.device_layout
+        head = lay.head_dim * lay.element_bytes
+        r, b = np.divmod(np.arange(rows[0], rows[1], dtype=np.int64), len(ids))
+        at = (self._bases[r] + ids[b].astype(np.uint64) * self._strides[r]
+              + np.uint64(heads[0] * head))
+        hs = heads[1] - heads[0]
+        if hs == lay.num_kv_heads:
+            return at, lay.page_bytes
+        within = np.arange(lay.tokens_per_block, dtype=np.uint64) * np.uint64(lay.num_kv_heads * head)
+        return (at[:, None] + within[None, :]).reshape(-1), hs * head
+
+    def _host_copy(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int],
+                   gather: bool) -> None:
+        """Rows ``rows`` between a host cache and the run at ``start``: one C call (its
+        copies without the GIL), or piece by piece through ctypes where native.py is off."""
+        addresses, length = self._pieces(ids, heads, rows)
+        n, hs = len(ids), heads[1] - heads[0]
+        run = (self.cache.regions[0].address + start * self.layout.block_bytes
+               + rows[0] * self.row_bytes(hs))
+        copy = native.piece_copy()
+        if copy is not None:
+            copy(run, addresses, length) if gather else copy(addresses, run, length)
+            return
+        for i, at in enumerate(addresses.tolist()):
+            there = run + i * length
+            ctypes.memmove(there, at, length) if gather else ctypes.memmove(at, there, length)
+
+    def _device_copy(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int],
+                     gather: bool):
+        """Rows ``rows`` between a device cache and the run at ``start`` in a device pool:
+        index ops on the pool's stream (after the caller's). Returns an event after them."""
         import torch
 
+        n, hs = len(ids), heads[1] - heads[0]
+        views, run = self._regions(heads), self._run(start, n, hs)
+        st = self._streams
+        with st.compute_after_caller():
+            dev_ids = ids  # uploaded on this stream (ids())
+            for r, b0, b1 in spans(rows, n):
+                if gather:
+                    torch.index_select(views[r], 0, dev_ids[b0:b1], out=run[r, b0:b1])
+                else:
+                    views[r].index_copy_(0, dev_ids[b0:b1], run[r, b0:b1])
+            event = st.event()
+            st.record(event, st.compute)
+        return event
+
+    def gather(self, blocks, start: int, heads: tuple[int, int] | None = None,
+               rows: tuple[int, int] | None = None) -> int:
+        """Heads ``heads`` (all by default) of device cache ``blocks`` -> rows ``rows`` (all
+        by default) of the run at ``start``; finished when this returns (waiting for the
+        pool's own streams, never the device). Returns the units of the run."""
         h0, h1 = heads = heads or (0, self.device_layout.num_kv_heads)
         ids = self.ids(blocks)
         n, hs = len(ids), h1 - h0
-        regions = self._regions(heads)
-        if self._ring is None:  # a CPU cache: straight into the run, one pass
-            run = self._run(start, n, hs)  # [regions][n][t][hs][words]
-            for r, view in enumerate(regions):
-                torch.index_select(view, 0, torch.from_numpy(ids), out=run[r])
-            return n * hs
-        shape = self._row_shape(hs)
-        fills = pieces(range(len(regions)), n, math.prod(shape), self._ring.slot_words)
-        wait(self._ring.gather(fills, regions, ids, self._run_flat(start, n, hs), shape))
+        rows = rows or (0, 2 * self.device_layout.num_layers * n)
+        if self._streams is not None:
+            wait(self._device_copy(ids, start, heads, rows, True))
+        elif self._ring is None:  # a CPU cache: straight into the run
+            self._host_copy(ids, start, heads, rows, True)
+        else:
+            shape = self._row_shape(hs)
+            fills = pieces(range(rows[0] // n, -(-rows[1] // n)), n, math.prod(shape),
+                           self._ring.slot_words)
+            wait(self._ring.gather(fills, self._regions(heads), ids,
+                                   self._run_flat(start, n, hs), shape))
         return n * hs
 
     def scatter(self, start: int, blocks, heads: tuple[int, int] | None = None) -> None:
@@ -288,25 +398,28 @@ class StagingPool:
         wait(self.scatter_async(start, blocks, heads))
 
     def scatter_async(self, start: int, blocks, heads: tuple[int, int] | None = None,
-                      regions: tuple[int, int] | None = None):
-        """Queue regions ``regions`` (all by default: a run is region-major, so a range of them
-        is one contiguous piece of it) of the run at ``start`` into heads ``heads`` of device
-        cache ``blocks``. Returns an event to poll (None: already done, a CPU cache). The run
-        must stay untouched until then."""
+                      rows: tuple[int, int] | None = None):
+        """Queue rows ``rows`` (all by default) of the run at ``start`` into heads ``heads``
+        of device cache ``blocks``. Returns what to poll (``done``/``wait``): a device
+        event, or a host scatter's future (run on the pool's scatter thread, beside its
+        caller's NIXL calls). The run must stay untouched until then."""
         g0, g1 = heads = heads or (0, self.device_layout.num_kv_heads)
-        r0, r1 = regions or (0, 2 * self.device_layout.num_layers)
-        n, hs = len(blocks), g1 - g0
-        views = self._regions(heads)
-        if self._ring is None:  # numpy copies whole rows; torch's CPU index ops element by element
-            src = self._run(start, n, hs)
-            ids = self.ids(blocks)
-            for r in range(r0, r1):
-                views[r].numpy()[ids] = src[r].numpy()
-            return None
+        ids = self.ids(blocks)
+        n, hs = len(ids), g1 - g0
+        rows = rows or (0, 2 * self.device_layout.num_layers * n)
+        if self._streams is not None:
+            return self._device_copy(ids, start, heads, rows, False)
+        if self._ring is None:
+            if self._scatters is None:
+                from concurrent.futures import ThreadPoolExecutor
+
+                self._scatters = ThreadPoolExecutor(1, thread_name_prefix="kvr-scatter")
+            return self._scatters.submit(self._host_copy, ids, start, heads, rows, False)
         shape = self._row_shape(hs)
-        fills = pieces(range(r0, r1), n, math.prod(shape), self._ring.slot_words)
-        return self._ring.scatter(fills, self._run_flat(start, n, hs), views, self.ids(blocks),
-                                  shape)
+        fills = pieces(range(rows[0] // n, -(-rows[1] // n)), n, math.prod(shape),
+                       self._ring.slot_words)
+        return self._ring.scatter(fills, self._run_flat(start, n, hs), self._regions(heads),
+                                  ids, shape)
 
     def close(self) -> None:
         if self._pinned:
@@ -314,215 +427,54 @@ class StagingPool:
 
             torch.cuda.cudart().cudaHostUnregister(self.cache.regions[0].address)
             self._pinned = False
-        self._pool = self._ring = None
+        if self._scatters is not None:
+            self._scatters.shutdown(wait=True)
+        self._pool = self._ring = self._streams = self._scatters = None
         self._device = []
         self.cache.close()
 
 
 def wait(event) -> None:
-    """Until an event of the pool's stream has passed (this stream's work only, never a
-    device-wide synchronize)."""
-    if event is not None:
+    """Until a copy has passed: an event of the pool's stream (this stream's work only, never
+    a device-wide synchronize), or a host scatter's future (its error raised here)."""
+    if event is None:
+        return
+    if hasattr(event, "result"):
+        event.result()
+    else:
         event.synchronize()
 
 
 def done(event) -> bool:
-    return event is None or event.query()
-
-
-def pool_plan(src_layout: KVLayout, src_start: int, dst_layout: KVLayout, dst_start: int,
-              n: int) -> TransferPlan:
-    """The one-run plan moving pool blocks ``src_start..`` to ``dst_start..``."""
-    return make_plan(src_layout, list(range(src_start, src_start + n)), dst_layout,
-                     list(range(dst_start, dst_start + n)))
-
-
-# A staged run is READ in this many pieces (whole regions each), so that the scatter of one
-# overlaps the READ of the next.
-CHUNKS = 4
-
-
-@dataclass
-class _Chunk:
-    regions: tuple[int, int]
-    xfer: object  # PostedTransfer
-    event: object = None  # its scatter's, on the pool's stream
-    scattered: bool = False
-
-
-class StagedPull(CopyJob):
-    """Decode side of one staged request, polled like a PostedTransfer (see module doc)."""
-
-    engine = "host_staged"
-
-    def release(self, peer, request_id: str) -> None:
-        """Nothing to say: the request's "unstage" frees the prefill's pool blocks."""
-
-    def give_back(self, peer, request_id: str) -> None:
-        """Nothing to say: a failed request's cleanup sends its "unstage" too."""
-
-    def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float):
-        super().__init__("READ", plan)
-        self.peer = peer
-        tp = peer.head_slice  # which of the prefill's heads, to which of ours
-        self._src_heads = tp.src if tp else None
-        self._dst_heads = tp.dst if tp else None
-        self._units = plan.num_blocks * (tp.count if tp else
-                                         peer.client.cache.layout.num_kv_heads)
-        self.request_id = request_id
-        # what it waits for, for the deadline's error: the prefill's run, then our pool blocks
-        self.waiting = "the prefill had not staged it (its pool busy, or it stalled or died)"
-        self._remote: tuple[int, int] | None = None
-        self._local: int | None = None
-        self._chunks: list[_Chunk] = []
-        self._unstaged = False
-        src, self._dst = plan.block_ids()
-        self._message = {"type": "stage", "request": request_id, "src": frames.pack_ids(src),
-                         "deadline": deadline_wall}
-        if self._src_heads is not None:
-            self._message["heads"] = list(self._src_heads)
-
-    @property
-    def units(self) -> int:
-        """Pool units the request takes (a block's heads of ours, each one unit)."""
-        return self._units
-
-    def send(self) -> None:
-        """Ask the prefill to stage (once the handle holds this job: another thread's poll may
-        hand it the answer at once)."""
-        self.peer.send(self._message)
-
-    def on_reply(self, message: dict) -> None:
-        if message.get("type") == "staged":
-            start, count = message.get("start"), message.get("count")
-            if (isinstance(start, int) and isinstance(count, int)
-                    and count == self._units and start >= 0):
-                self._remote = (start, count)
-                return
-            self._fail("the prefill answered with a malformed staged run")
-        else:
-            self._fail(f"the prefill could not stage it: {message.get('error')}")
-
-    def poll(self) -> str:
-        if self.state != "PROC":
-            return self.state
-        pool = self.peer.client.staging
-        if self._remote is not None and not self._chunks:
-            self._local = pool.try_acquire(self._remote[1])
-            if self._local is None:
-                self.waiting = f"the decode's staging pool is exhausted: {pool.numbers(self._units)}"
-                return self.state  # waits for pool blocks until the handle's deadline
-            self.waiting = "its READ of the staged run had not ended (peer dead or stalled)"
-            try:
-                self._post_chunks(pool)
-            except KVRuntimeError as exc:
-                self._fail(str(exc))
-                return self.state
-        for chunk in self._chunks:
-            if chunk.scattered:
-                continue
-            st = chunk.xfer.poll()
-            if st == "DONE":  # its regions land while the next chunks are still read
-                chunk.xfer.finish()
-                chunk.event = pool.scatter_async(self._local, self._dst, self._dst_heads,
-                                                 chunk.regions)
-                chunk.scattered = True
-            elif st == "ERR":
-                chunk.xfer.finish()
-                self._fail(f"the READ of the staged blocks failed (prefill gone?): "
-                           f"{getattr(chunk.xfer, 'error', None) or 'NIXL state ERR'}")
-                return self.state
-        if self._chunks and all(c.scattered and done(c.event) for c in self._chunks):
-            self._done("DONE")
-        return self.state
-
-    def _post_chunks(self, pool) -> None:
-        """READ the prefill's run into ours as CHUNKS pieces of whole regions (a run is
-        region-major, so each is one descriptor), all posted at once: the scatter of a piece
-        that has landed overlaps the READs of the next ones."""
-        import numpy as np
-
-        from .transfer import PostedTransfer, Rows
-
-        regions = 2 * pool.device_layout.num_layers
-        unit, units = pool.layout.block_bytes, self._remote[1]
-        per_region = units * unit // regions
-        local = pool.cache.regions[0]
-        remote = self.peer.info.regions[0]
-        local_base = local.address + self._local * unit
-        remote_base = remote[0] + self._remote[0] * unit
-        plan = pool_plan(self.peer.info.layout, self._remote[0], pool.layout, self._local, units)
-        k = min(CHUNKS, regions)
-        self._dst = pool.ids(self._dst)  # once for all the chunks' scatters
-        bounds = [i * regions // k for i in range(k + 1)]
-        engine = self.peer.pool_engine  # same host: our reader threads instead of NIXL
-        for a, b in zip(bounds, bounds[1:]):
-            off, length = a * per_region, (b - a) * per_region
-            if engine is not None:
-                xfer = engine.read("READ", plan, np.array([local_base + off], dtype=np.uint64),
-                                   np.array([remote_base + off], dtype=np.uint64),
-                                   np.array([length], dtype=np.uint64))
-                self._chunks.append(_Chunk((a, b), xfer))
-                continue
-            rows = Rows(np.array([[local_base + off, length, local.device_id]], dtype=np.uint64),
-                        np.array([[remote_base + off, length, remote[2]]], dtype=np.uint64),
-                        self.peer.agent, local.mem_type, self.peer.info.mem_type)
-            xfer = PostedTransfer(self.peer.client.agent, "READ", plan, None, None, True, b"", 1,
-                                  rows)
-            self._chunks.append(_Chunk((a, b), xfer))
-
-    def _fail(self, why: str) -> None:
-        self.error = why
-        self._done("ERR")
-
-    def _done(self, state: str) -> None:
-        self.state = state
-        self.end = time.perf_counter()
-        self._cleanup()
-
-    def _cleanup(self) -> None:
-        """Stop what has ended, then free our pool blocks and tell the prefill to free its
-        own. A READ still in flight (a posted READ cannot be stopped, transfer.py) keeps our
-        pool blocks taken until it ends (the client drains it): it may still write into them.
-        The cache's blocks are ours alone to write (the scatter)."""
-        reading = [c.xfer for c in self._chunks if not c.scattered and not c.xfer.released]
-        running = [xfer for xfer in reading if not xfer.abort()]
-        for chunk in self._chunks:
-            wait(chunk.event)  # a scatter still reading our blocks (the pool's stream only)
-        if self._local is not None:
-            local, units, pool = self._local, self._remote[1], self.peer.client.staging
-            self._local = None
-            if not running:
-                pool.release(local, units)
-            else:
-                left = [len(running)]
-
-                def ended():  # the last READ into them has ended: the units are free again
-                    left[0] -= 1
-                    if not left[0]:
-                        pool.release(local, units)
-
-                for xfer in running:
-                    self.peer.client.draining.add(xfer, ended, self.peer.agent)
-        if not self._unstaged and not self.peer.broken:  # gone: the prefill frees ours
-            self._unstaged = True
-            try:
-                self.peer.send({"type": "unstage", "request": self.request_id})
-            except KVRuntimeError:
-                pass  # the connection is gone: the prefill frees everything of ours
-
-    def abort(self) -> bool:
-        """True: the cache's blocks are written only by our scatter, which stops here (a READ
-        still running lands in our pool blocks, kept taken until it ends)."""
-        if self.state != "PROC":
-            return True
-        self.state = "ERR"
-        self._cleanup()
+    if event is None:
         return True
+    return event.done() if hasattr(event, "result") else event.query()
 
-    def result(self):
-        from .transfer import TransferResult
 
-        nbytes = self._units * self.peer.client.staging.layout.block_bytes  # our heads only
-        return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,
-                              len(self._chunks), None, engine=self.engine)
+def spans(rows: tuple[int, int], n: int):
+    """(region, first block, end block) of each region that rows ``rows`` of a run of ``n``
+    blocks touch (row r * n + b)."""
+    lo, hi = rows
+    for r in range(lo // n, -(-hi // n)):
+        yield r, max(lo - r * n, 0), min(hi - r * n, n)
+
+
+def _region_bases(cache):
+    """A host cache's per-region (address of block 0, bytes from one block to the next), as
+    uint64 arrays indexed by region (K or V of one layer)."""
+    import numpy as np
+
+    lay = cache.layout
+    regions = 2 * lay.num_layers
+    if lay.kind == CROSS_LAYER:
+        bases = [cache.regions[0].address + r * lay.page_bytes for r in range(regions)]
+        stride = lay.block_bytes
+    else:
+        bases = [region.address for region in cache.regions]
+        stride = lay.page_bytes
+    return (np.array(bases, dtype=np.uint64), np.full(regions, stride, dtype=np.uint64))
+
+
+# Where the bounce ring copies, a staged run is answered in this many pieces (whole regions
+# each: the ring's fills follow region order).
+CHUNKS = 4

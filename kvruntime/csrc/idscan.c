@@ -318,6 +318,82 @@ done:
     return PyLong_FromLong(result);
 }
 
+/* copy(dst, src, length) -> None
+ *
+ *   dst, src: either an int (the address of a contiguous range: piece i at address + i *
+ *   length) or a C-contiguous buffer of n uint64 addresses (piece i at address[i]); at least
+ *   one of them is a buffer, and two buffers hold the same count.
+ * Copies n pieces of `length` bytes each: the gather of a request's blocks into a staging run
+ * (src the cache's addresses, dst the run) and the scatter back (the other way round). The
+ * addresses are kvruntime's own (staging.py computes them from its layouts and checked ids),
+ * never a peer's. The GIL is released for the copies: a scatter on one thread runs beside the
+ * NIXL calls of another. */
+static PyObject *copy(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "copy takes 3 arguments");
+        return NULL;
+    }
+    Py_ssize_t length = PyLong_AsSsize_t(args[2]);
+    if (length < 0) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "copy: negative length");
+        return NULL;
+    }
+    Py_buffer vd = {0}, vs = {0};
+    int dbuf = !PyLong_Check(args[0]), sbuf = !PyLong_Check(args[1]);
+    uintptr_t dbase = 0, sbase = 0;
+    Py_ssize_t n = -1;
+    if (!dbuf && !sbuf) {
+        PyErr_SetString(PyExc_ValueError, "copy: one side must be a buffer of addresses");
+        return NULL;
+    }
+    if (dbuf) {
+        if (PyObject_GetBuffer(args[0], &vd, PyBUF_C_CONTIGUOUS) < 0)
+            return NULL;
+        n = vd.len / 8;
+    } else {
+        dbase = (uintptr_t)PyLong_AsUnsignedLongLong(args[0]);
+    }
+    if (sbuf) {
+        if (PyObject_GetBuffer(args[1], &vs, PyBUF_C_CONTIGUOUS) < 0) {
+            if (dbuf)
+                PyBuffer_Release(&vd);
+            return NULL;
+        }
+        if (n >= 0 && vs.len / 8 != n) {
+            PyBuffer_Release(&vs);
+            PyBuffer_Release(&vd);
+            PyErr_SetString(PyExc_ValueError, "copy: address lists of different lengths");
+            return NULL;
+        }
+        n = vs.len / 8;
+    } else {
+        sbase = (uintptr_t)PyLong_AsUnsignedLongLong(args[1]);
+    }
+    if (PyErr_Occurred()) {
+        if (dbuf)
+            PyBuffer_Release(&vd);
+        if (sbuf)
+            PyBuffer_Release(&vs);
+        return NULL;
+    }
+    const uint64_t *da = dbuf ? (const uint64_t *)vd.buf : NULL;
+    const uint64_t *sa = sbuf ? (const uint64_t *)vs.buf : NULL;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *d = (char *)(da ? (uintptr_t)da[i] : dbase + (uintptr_t)i * (uintptr_t)length);
+        const char *s = (const char *)(sa ? (uintptr_t)sa[i] : sbase + (uintptr_t)i * (uintptr_t)length);
+        memcpy(d, s, (size_t)length);
+    }
+    Py_END_ALLOW_THREADS
+    if (dbuf)
+        PyBuffer_Release(&vd);
+    if (sbuf)
+        PyBuffer_Release(&vs);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
      "scan(ids, out) -> (lowest, highest, consecutive) or None"},
@@ -325,6 +401,8 @@ static PyMethodDef methods[] = {
      "scan_batch(requests, bounds) -> bytearray of 2 x n int64, or None"},
     {"runs", (PyCFunction)(void (*)(void))runs, METH_FASTCALL,
      "runs(ids, bounds, seen, src_blocks, dst_blocks, out, run_bounds) -> runs, 0 or -1"},
+    {"copy", (PyCFunction)(void (*)(void))copy, METH_FASTCALL,
+     "copy(dst, src, length): pieces between address lists and contiguous ranges"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -53,6 +53,9 @@ class BenchConfig:
     tp_ops: list = field(default_factory=lambda: ["pull", "prefill_push"])
     tp_placements: list = field(default_factory=list)  # per group: a device id a rank, or []
     tp_only: bool = False  # the TP rows alone (a --scenario)
+    # NIXL clients' coalesce modes (coalesce.py), a row set each; the pools are sized for the
+    # largest request on both sides
+    coalesce: list = field(default_factory=lambda: ["auto"])
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -73,8 +76,9 @@ def run_bench(cfg: BenchConfig) -> dict:
     staged = cfg.kv_buffer == "host_staged"
     if staged:
         cfg.inflight = []  # engines: nixl moves the staged run, samenode reads it (same host)
-        # a pool of a little more than the largest request, on both sides
-        options["staging_blocks"] = -(-max(cfg.sizes_mib) * 1024 // cfg.block_kib) + 1
+    # a pool of a little more than the largest request, on both sides (host-staged, or the
+    # direct sides' pools for coalesced requests)
+    options["staging_blocks"] = -(-max(cfg.sizes_mib) * 1024 // cfg.block_kib) + 1
     added = prepare_process(options)  # this process is the decode side: UCX before NIXL
     report["ucx_env"] = ucx_environment()  # what the figures ran under (both sides)
     report["id_reader"] = native.status()  # block-id lists: the native scan, or array('q')
@@ -82,7 +86,8 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     # what, and why; for Intel GPU memory the transport choice too (ze_ipc, or why ze_copy alone)
     offered = offered_transports() if cfg.device == "xpu" else None
-    report["ucx_policy"] = describe(added, report["ucx_env"], cfg.device, offered)
+    # keyed by memory kind, as selftest's (the CLI prints both the same way)
+    report["ucx_policy"] = {cfg.device: describe(added, report["ucx_env"], cfg.device, offered)}
     if cfg.device != "cpu":
         report["device"] = _device_name(cfg.device, cfg.device_ids)
     binding = load_nixl(cfg.nixl_module)
@@ -111,12 +116,15 @@ def run_bench(cfg: BenchConfig) -> dict:
         for index, (layout, port) in enumerate(zip(layouts, ready["ports"])):
             cache = allocate_cache(layout, decode_options)
             caches.append(cache)
-            for engine in cfg.engines:
+            runs = [(e, c) for e in cfg.engines
+                    for c in (cfg.coalesce if e == "nixl" and not staged else ["auto"])]
+            for engine, coalesce in runs:
                 client = DecodeClient(cache, binding=binding, ucx_threads=cfg.ucx_threads,
                                       host_streams=cfg.host_streams,
                                       device_kind=cfg.device, engine=engine,
                                       kv_buffer=cfg.kv_buffer,
-                                      staging_blocks=options.get("staging_blocks", 0))
+                                      staging_blocks=options.get("staging_blocks", 0),
+                                      coalesce=coalesce)
                 clients.append(client)
                 if staged and cfg.device != "cpu":
                     report.setdefault("staging_copies", []).append(
@@ -130,12 +138,17 @@ def run_bench(cfg: BenchConfig) -> dict:
                     report.setdefault("skipped", []).append(
                         {"layout": layout.kind, "engine": engine, "reason": str(exc)})
                     continue
-                report.setdefault("handshake_ms", {})[f"{layout.kind}/{engine}"] = {
+                key = f"{layout.kind}/{engine}" + (f"/{coalesce}" if len(cfg.coalesce) > 1 and
+                                                   engine == "nixl" else "")
+                report.setdefault("handshake_ms", {})[key] = {
                     "first": round(hs[0], 3),
                     "median_later": round(statistics.median(hs[1:]), 3) if len(hs) > 1 else None,
                     "all": [round(h, 3) for h in hs]}
-                report.setdefault("engines", {})[f"{layout.kind}/{engine}"] = {
+                report.setdefault("engines", {})[key] = {
                     "engine": peer.engine, "reason": peer.engine_reason,
+                    "coalesce": coalesce, "coalesce_reason": peer.coalesce_reason,
+                    "coalesce_model": (peer.coalesce_model.to_dict() if peer.coalesce_model
+                                       else None),
                     "staged_copy": peer.staged_copy,
                     "ucx_threads": client.agent.ucx_threads,
                     "host_streams": [client.host_streams, client.host_streams_reason]}
@@ -147,9 +160,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                                     cfg, peer, cache, layout, reference, rnd, op, pattern,
                                     size, split, (control, ready_q, index)))
                 # what UCX really used for this client's transfers (ucxlog.py)
-                report["engines"][f"{layout.kind}/{engine}"]["transports"] = \
-                    client.agent.transports()
-                if cfg.inflight and engine == cfg.engines[-1]:
+                report["engines"][key]["transports"] = client.agent.transports()
+                if cfg.inflight and (engine, coalesce) == runs[-1]:
                     from .bench_inflight import run_inflight
 
                     report.setdefault("inflight", []).append(run_inflight(
@@ -207,10 +219,12 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
     count = max(1, (size << 20) // layout.block_bytes)
     src, dst = pick_blocks(pattern, count, layout.num_blocks, rnd)
     opts = {"timeout": 120} if split is None else {"timeout": 120, "split": split}  # None: default
-    move(src, dst, **opts)  # warm-up
+    t = time.perf_counter()
+    res0 = move(src, dst, **opts)  # warm-up: the first request of its kind on this connection
+    first_us = (time.perf_counter() - t) * 1e6
     rates, refs, lats, peer_rates, bare, res = [], [], [], [], [], None
     bare_one = None
-    if cfg.bare and peer.engine == "nixl" and op == "pull":
+    if cfg.bare and peer.engine == "nixl" and op == "pull" and not res0.coalesced:
         bare_one = lambda: _bare_read(peer, src, dst, split)  # noqa: E731
     elif cfg.bare and peer.engine.startswith("samenode"):  # a push is our copy there too
         bare_one = lambda: _bare_copy(peer, src, dst)  # noqa: E731
@@ -237,6 +251,9 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
         "huge_pages": cfg.huge_pages, "size_bytes": res.nbytes, "block_size": layout.block_bytes,
         "batch_size": count, "runs": res.runs, "descriptors": res.descriptors,
         "nixl_descriptors": res.nixl_descriptors,
+        "coalesce": peer.client.coalesce, "coalesced": res.coalesced,
+        "coalesce_reason": res.coalesce_reason,
+        "first_request_us": round(first_us, 1),
         "avg_lat_us": round(statistics.mean(lats), 1),
         "median_lat_us": round(statistics.median(lats), 1),
         "gbps": round(gbps, 3), "gbps_max": round(max(rates), 3),

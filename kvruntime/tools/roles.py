@@ -63,7 +63,8 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
                                    kv_buffer=(options.get("kv_buffers")
                                               or [options.get("kv_buffer")] * len(layouts))[i],
                                    staging_blocks=options.get("staging_blocks", 0),
-                                   tp_rank=(options.get("tp_ranks") or [0] * len(layouts))[i])
+                                   tp_rank=(options.get("tp_ranks") or [0] * len(layouts))[i],
+                                   coalesce=options.get("coalesce", "auto"))
             servers.append(server)
             ports.append(server.address[1])
         queue.put({"ok": True, "ports": ports, "module": binding.module_name,

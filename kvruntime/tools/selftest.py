@@ -196,7 +196,8 @@ def run_tp_modes(groups, options: dict, device_ids, seed: int, timeout: float,
 
     modes: list = []
     device = device_of(options)
-    engines = [e for e, spec in ENGINES.items() if spec["kv_buffer"] in kv_buffers]
+    engines = [e for e, spec in ENGINES.items()
+               if spec["kv_buffer"] in kv_buffers and not spec.get("bench_only")]
     module = None
     for n, group in enumerate(groups):
         placement = place(group, device_ids)

@@ -27,7 +27,11 @@ from .roles import (allocate_cache, answer, device_of, digest_command, head_dige
 # Open by design: a row for another option (coalesced NIXL, issue 31) is one more entry.
 ENGINES = {
     "samenode": {"kv_buffer": "device", "client": {"engine": "samenode"}},
-    "nixl": {"kv_buffer": "device", "client": {"engine": "nixl"}},
+    "nixl": {"kv_buffer": "device", "client": {"engine": "nixl", "coalesce": "never"}},
+    # NIXL through both sides' staging pools (coalesce.py): each rank's head slice gathered
+    # head-major, one descriptor a chunk; bench rows only (selftest's modes stay as they were)
+    "coalesced": {"kv_buffer": "device", "client": {"engine": "nixl", "coalesce": "always"},
+                  "bench_only": True},
     # host-staged: pool to pool by the same-node readers where the prefill is proved to be on
     # this host, else NIXL (``peer.staged_copy`` says which)
     "staged": {"kv_buffer": "host_staged", "client": {}},

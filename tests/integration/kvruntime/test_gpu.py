@@ -407,3 +407,29 @@ def test_the_peers_gpu_is_found_by_uuid_when_it_numbers_gpus_otherwise(prefill, 
                 cache.fill_value(0)
                 getattr(peer, op)(src, dst, timeout=30)
                 assert cache.block_digests(dst) == peer.digests(src)
+
+
+@pytest.mark.parametrize("ids", _pairs(), ids=lambda p: f"cuda{p[0]}-to-cuda{p[1]}")
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+def test_coalesced_pulls_and_pushes_through_vram_pools_are_bit_exact(prefill, kind, ids):
+    """NIXL forced, coalesce="always": both sides' staging pools in VRAM (coalesce.py), the
+    gather and scatter torch index ops on the device; blocks not named keep their canary."""
+    layout = small(kind, blocks=96)
+    with prefill([layout], seed=23, device="cuda", device_id=ids[0],
+                 staging_blocks=48) as (_proc, ports):
+        cache = KVCache.allocate_device(layout, "cuda", ids[1])
+        cache.fill_value(0x5A)
+        canary = cache.block_digest(0)
+        with DecodeClient(cache, device_kind="cuda", engine="nixl", coalesce="always",
+                          staging_blocks=48) as client:
+            assert client.pool.memory == "device" and client.pool.cache.mem_type == "VRAM"
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.route is not None and peer.route.remote_mem == "VRAM"
+            src, dst = [3, 90, 17, 4, 5, 6, 60, 61, 33], [0, 9, 18, 27, 36, 45, 54, 63, 72]
+            for op in ("pull", "push"):
+                res = getattr(peer, op)(src, dst, timeout=30)
+                assert res.coalesced and res.engine == "nixl"
+                assert peer.digests(src) == cache.block_digests(dst)
+            others = sorted(set(range(96)) - set(dst))
+            assert cache.block_digests(others) == [canary] * len(others)
+        cache.close()

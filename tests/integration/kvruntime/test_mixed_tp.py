@@ -36,14 +36,16 @@ def logical(cache):
 
 
 # host-staged peers push nothing directly: a staged decode is told to pull (test_prefill_push.py)
-@pytest.mark.parametrize("mode,op", [(m, o) for m in ("host_staged", "direct")
+@pytest.mark.parametrize("mode,op", [(m, o) for m in ("host_staged", "direct", "coalesced")
                                      for o in ("pull", "push", "prefill_push")
-                                     if (m, o) != ("host_staged", "prefill_push")])
+                                     if (m, o) not in (("host_staged", "prefill_push"),
+                                                       ("coalesced", "prefill_push"))])
 @pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 4), (4, 2)])
 def test_each_decode_rank_gets_exactly_its_heads(pushing_prefill, p, d, op, mode):
     """Staged: prefill per_layer, decode cross_layer (kinds may differ through the pools).
     Direct: both per_layer for pulls and both cross_layer for pushes (a head slice is a row
-    range inside each block, so the kinds must agree); NIXL moves one descriptor per token row.
+    range inside each block, so the kinds must agree); NIXL moves one descriptor per token row,
+    or (coalesced: NIXL forced, coalesce="always") one a chunk of the pools' head-major runs.
     prefill_push: each prefill rank the decode rank reads from starts its push of the request
     (direct only)."""
     seed = 40 + p * 10 + d
@@ -62,18 +64,21 @@ def test_each_decode_rank_gets_exactly_its_heads(pushing_prefill, p, d, op, mode
         c.close()
     full = np.concatenate(full, axis=3)  # [block][regions][token][all heads][bytes]
     kw = dict(kv_buffer="host_staged", staging_blocks=16) if staged else {}
+    client_kw = {"coalesced": dict(engine="nixl", coalesce="always"),
+                 "direct": dict(coalesce="never")}.get(mode, {})
     with pushing_prefill(prefill_layouts, seed=seed, tp_ranks=list(range(p)), **kw) as (
             _proc, ports, push):
         for j in range(d):
             cache = KVCache.allocate_host(rank_layout(dkind, d))
             cache.fill_value(0)
-            with DecodeClient(cache, tp_rank=j, **kw) as client:
+            with DecodeClient(cache, tp_rank=j, **kw, **client_kw) as client:
                 slices = head_slices(prefill_layouts[0], cache.layout, j)
                 assert len(slices) == max(1, p // d)
                 for s in slices:
                     peer = client.connect("127.0.0.1", ports[s.prefill_rank])
                     assert peer.head_slice == s
                     assert peer.engine == ("host_staged" if staged else "nixl")
+                    assert peer.route is not None if mode == "coalesced" else True
                     if op == "prefill_push":
                         handle = peer.expect_push(dst, request_id=f"r{j}", timeout=20)
                         assert push(s.prefill_rank, f"r{j}", src, client.agent.name) is None
@@ -82,6 +87,7 @@ def test_each_decode_rank_gets_exactly_its_heads(pushing_prefill, p, d, op, mode
                         res = getattr(peer, op)(src, dst, timeout=20)
                     assert res.nbytes == len(src) * cache.layout.block_bytes * s.count \
                         // cache.layout.num_kv_heads
+                    assert res.coalesced == (mode == "coalesced")
                 got = logical(cache)
                 hd = HEADS // d
                 want = full[src][:, :, :, j * hd:(j + 1) * hd, :]

@@ -71,7 +71,8 @@ def test_bad_tp_pairs_are_one_line(bad):
 
 def test_bench_tp_rows_per_engine_with_every_rank_checked():
     """A mixed-TP group in bench: a row per engine and op, each decode rank a process of its own
-    rated against its own reference copy, the total against all ranks' copies at once."""
+    rated against its own reference copy, the total against all ranks' copies at once; NIXL
+    direct (a descriptor a token row) and coalesced (through the pools, a descriptor a chunk)."""
     r = subprocess.run([sys.executable, "-m", "kvruntime", "bench", "--json", "--compact",
                         "--sizes", "4", "--iters", "1", "--tp-pairs", "2x1", "--tp-only",
                         "--tp-ops", "pull"], capture_output=True, text=True, timeout=600)
@@ -79,14 +80,15 @@ def test_bench_tp_rows_per_engine_with_every_rank_checked():
     report = json.loads(r.stdout)
     assert not report["results"]  # --tp-only: the TP rows alone
     rows = {row["engine"]: row for row in report["tp"]}
-    assert set(rows) == {"samenode", "nixl", "staged"}
+    assert set(rows) == {"samenode", "nixl", "coalesced", "staged"}
     assert "head slices" in rows["samenode"]["skipped"]  # host memory: whole blocks only
-    for name in ("nixl", "staged"):
+    for name in ("nixl", "coalesced", "staged"):
         row = rows[name]
         assert "error" not in row and row["bit_exact"] and row["memory"] == "DRAM", row
         rank = row["ranks"][0]
         assert rank["prefill_ranks"] == [0, 1] and rank["gbps"] > 0 and rank["ref_gbps"] > 0
         assert row["total"]["gbps"] > 0 and row["total"]["bytes"] == rank["bytes"]
         assert "cma" in rank["transports"]["rma"]
-    # one descriptor per token row of each block's head slice, against one run per rank
-    assert rows["nixl"]["ranks"][0]["descriptors"] > 100 * rows["staged"]["ranks"][0]["descriptors"]
+    # one descriptor per token row of each block's head slice, against one run (a chunk) per rank
+    for name in ("coalesced", "staged"):
+        assert rows["nixl"]["ranks"][0]["descriptors"] > 100 * rows[name]["ranks"][0]["descriptors"]

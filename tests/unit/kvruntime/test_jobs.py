@@ -11,7 +11,7 @@ import pytest
 
 from kvruntime.jobs import Blocking, Job
 from kvruntime.samenode import SharedJob, _CudaJob, _HostJob
-from kvruntime.staging import StagedPull
+from kvruntime.staged import StagedPull
 from kvruntime.transfer import PostedTransfer
 
 # the concrete ones: CopyJob is the same-node jobs' (and StagedPull's) base, each says how its

@@ -1,0 +1,308 @@
+"""Coalesced NIXL transfers: a request of many runs moved through the staging pools.
+
+A direct NIXL transfer costs one descriptor a run (a block, or a token row of a head slice in
+mixed TP): ~5 µs each over CUDA IPC on an H100, ~4 over cma on the CPU host, so 4096 random
+blocks move at a fraction of one contiguous range. Coalesced, the prefill gathers the request
+into a run of its staging pool, the decode READs the run (one descriptor a chunk) into a run of
+its own pool and scatters it into the cache as each chunk lands: the pipelined staged path
+(staging.py) with pools of the caches' own memory kind, host DRAM for host caches and VRAM
+registered with NIXL for device caches. One staging design for both pools and for host-staged
+peers; here only what a direct peer adds: the pool of a ``kv_buffer="device"`` side and its
+registration, the "pool" offer that tells the decode where the prefill's pool is, and the
+choice per request.
+
+``coalesce="auto"`` chooses by a model fed by a probe at connect (``Model``): what one more
+descriptor costs on this pair (a READ of k scattered descriptors against one of the same
+bytes), what a gathered byte costs here (a gather of the same blocks into our pool) and one
+side-channel round trip; a request goes coalesced when its descriptors would cost more than
+its gathered bytes and the round trip. ``"always"`` and ``"never"`` force either; every
+``TransferResult`` says which ran (``coalesced``) and why (``coalesce_reason``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from . import messages
+from .errors import KVRuntimeError
+from .staged import PoolRoute
+from .staging import StagingExhausted, StagingPool
+from .tp import rows_per_chunk
+
+log = logging.getLogger(__name__)
+
+MODES = ("auto", "always", "never")
+# A direct side's pool when the caller sizes none: this many bytes of blocks (at most the
+# cache). A request larger than either side's pool goes direct (auto) or is refused (always).
+DEFAULT_POOL_BYTES = 256 << 20
+# Of a coalesced request's gather and scatter, how much the pipeline leaves exposed (the
+# first chunk's gather and the last one's scatter; on a host with few cores the copies and the
+# wire share them): counted as one of the two whole.
+EXPOSED = 1.0
+PROBE_BLOCKS = 32
+
+
+def check_mode(coalesce) -> str:
+    if coalesce not in MODES:
+        raise KVRuntimeError(f"coalesce must be one of {', '.join(MODES)}, got {coalesce!r}")
+    return coalesce
+
+
+def pool_blocks(layout, staging_blocks: int) -> int:
+    """The pool's size in blocks: the caller's, else DEFAULT_POOL_BYTES of them (at most the
+    cache's blocks)."""
+    if staging_blocks:
+        return staging_blocks
+    return max(1, min(layout.num_blocks, DEFAULT_POOL_BYTES // layout.block_bytes))
+
+
+def make_pool(cache, staging_blocks: int) -> StagingPool:
+    """A direct side's pool, in the cache's own memory (VRAM for a device cache)."""
+    tensors = cache.tensors
+    memory = "device" if tensors and tensors[0].device.type != "cpu" else "host"
+    return StagingPool(cache.layout, pool_blocks(cache.layout, staging_blocks), cache,
+                       memory=memory)
+
+
+class PoolRegistration:
+    """A direct side's pool registered with its NIXL agent (before the agent's metadata goes
+    out, so that peers' READs and WRITEs of it are allowed), deregistered once."""
+
+    def __init__(self, agent, pool: StagingPool):
+        self.agent = agent
+        r = pool.cache.regions[0]
+        self._reg = agent.call("register_memory (staging pool)", agent.nixl.register_memory,
+                               [(r.address, r.nbytes, r.device_id, "")], r.mem_type)
+
+    def close(self) -> None:
+        if self._reg is not None:
+            try:
+                self.agent.call("deregister_memory (staging pool)",
+                                self.agent.nixl.deregister_memory, self._reg)
+            except KVRuntimeError as exc:
+                log.warning("%s", exc)
+            self._reg = None
+
+
+def offer(pool: StagingPool | None, why_not: str = "") -> dict:
+    """The prefill's answer to a decode's "pool" frame: where its pool is, or why none."""
+    if pool is None:
+        return {"unavailable": why_not or "this prefill has no staging pool"}
+    r = pool.cache.regions[0]
+    return {"region": [r.address, r.nbytes, r.device_id],
+            "mem_type": r.mem_type, "units": pool.units,
+            "unit_bytes": pool.layout.block_bytes}
+
+
+def route_from(reply: dict, pool: StagingPool) -> PoolRoute:
+    """Our route through the pools from the prefill's "pool" answer, checked: its region is a
+    range it registered, its units are the size of ours (the same model)."""
+    if "unavailable" in reply:
+        raise KVRuntimeError(f"the prefill offers no staging pool: {str(reply['unavailable'])[:200]}")
+    region, units, unit = reply.get("region"), reply.get("units"), reply.get("unit_bytes")
+    ints = isinstance(region, list) and len(region) == 3 and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in region)
+    if not (ints and isinstance(units, int) and units > 0 and unit == pool.layout.block_bytes
+            and units * unit <= region[1] and reply.get("mem_type") in ("DRAM", "VRAM")):
+        raise KVRuntimeError(f"the prefill's pool offer is malformed (region {str(region)[:80]}, "
+                             f"{units!r} units of {unit!r} bytes; ours are "
+                             f"{pool.layout.block_bytes} bytes)")
+    return PoolRoute(pool, tuple(region), reply["mem_type"], units, "nixl")
+
+
+@dataclass
+class Model:
+    """What this pair's transfers cost, from the connect-time probe (``probe``)."""
+
+    descriptor_us: float  # one more NIXL descriptor
+    wire_gbps: float  # one descriptor's bytes
+    gather_gbps: float  # our gather into the pool (the scatter taken as the same)
+    round_trip_us: float  # one side-channel exchange
+
+    def choose(self, descriptors: int, nbytes: int) -> tuple[bool, str]:
+        """Whether a request of ``descriptors`` descriptors and ``nbytes`` bytes goes
+        coalesced, and why (the two estimates)."""
+        direct = descriptors * self.descriptor_us
+        gathered = EXPOSED * nbytes / (self.gather_gbps * 1e3) + self.round_trip_us
+        if direct > gathered:
+            return True, (f"auto: {descriptors} descriptors x {self.descriptor_us:.2f} us = "
+                          f"{direct:.0f} us > {gathered:.0f} us of gathering "
+                          f"{nbytes} bytes at {self.gather_gbps:.1f} GB/s and a round trip")
+        return False, (f"auto: {descriptors} descriptors x {self.descriptor_us:.2f} us = "
+                       f"{direct:.0f} us <= {gathered:.0f} us of gathering {nbytes} bytes at "
+                       f"{self.gather_gbps:.1f} GB/s and a round trip")
+
+    def to_dict(self) -> dict:
+        return {k: round(v, 3) for k, v in vars(self).items()}
+
+
+def _read(peer, local_rows, remote_rows, remote_mem: str) -> float:
+    """Seconds of one READ of ``remote_rows`` of the peer into ``local_rows`` of our pool."""
+    from .transfer import PostedTransfer, Rows
+
+    client = peer.client
+    local_mem = client.pool.cache.mem_type
+    rows = Rows(local_rows, remote_rows, peer.agent, local_mem, remote_mem)
+    t = time.perf_counter()
+    xfer = PostedTransfer(client.agent, "READ", None, None, None, True, b"", 1, rows)
+    until = time.monotonic() + client.timeout
+    while xfer.poll() == "PROC":
+        if time.monotonic() > until:
+            client.draining.add(xfer, lambda: None, peer.agent)
+            raise KVRuntimeError("a connect-time READ of the peer did not end in time")
+    seconds = time.perf_counter() - t
+    xfer.finish()
+    if xfer.state != "DONE":
+        raise KVRuntimeError("a connect-time READ of the peer failed")
+    return seconds
+
+
+def warm(peer, route: PoolRoute) -> bool:
+    """READ one unit of the peer's pool into ours at connect, so that what a first READ of it
+    pays (UCX's rkey unpacked, CUDA IPC's handle opened) is paid now, not by the first
+    request. False when our pool is busy (skipped: the first request pays it)."""
+    import numpy as np
+
+    pool = route.pool
+    start = pool.try_acquire(1)
+    if start is None:
+        return False
+    try:
+        local = pool.cache.regions[0]
+        n = pool.layout.block_bytes
+        _read(peer, np.array([[local.address + start * n, n, local.device_id]], dtype=np.uint64),
+              np.array([[route.remote[0], n, route.remote[2]]], dtype=np.uint64),
+              route.remote_mem)
+        return True
+    finally:
+        pool.release(start, 1)
+
+
+def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
+    """Measure this pair at connect: a READ of ``PROBE_BLOCKS`` scattered pieces of the peer's
+    cache into our pool against a READ of the same bytes in one piece (best of three each),
+    and our gather of as many blocks into the pool. None when our pool is busy (another
+    peer's requests hold it) or the peer's cache is too small to scatter the pieces."""
+    import numpy as np
+
+    pool, client = route.pool, peer.client
+    theirs = peer.info.layout  # what NIXL sees of the peer: its cache's layout
+    piece = theirs.chunk_bytes
+    k = min(PROBE_BLOCKS, theirs.num_blocks // 2)
+    units = -(-k * piece // pool.layout.block_bytes)
+    ours = client.cache.layout
+    gather_blocks = min(k, ours.num_blocks, pool.units // ours.num_kv_heads)
+    if k < 2 or units > pool.units or gather_blocks < 1:
+        return None
+    start = pool.try_acquire(max(units, gather_blocks * ours.num_kv_heads))
+    if start is None:
+        return None
+    try:
+        local = pool.cache.regions[0]
+        at = local.address + start * pool.layout.block_bytes
+        address, _length, device = peer.info.regions[0]
+        scattered = np.array([[address + 2 * i * piece, piece, device] for i in range(k)],
+                             dtype=np.uint64)
+        mine = np.array([[at + i * piece, piece, local.device_id] for i in range(k)],
+                        dtype=np.uint64)
+
+        def read(local_rows, remote_rows) -> float:
+            return _read(peer, local_rows, remote_rows, peer.info.mem_type)
+
+        one = np.array([[at, k * piece, local.device_id]], dtype=np.uint64)
+        whole = np.array([[address, k * piece, device]], dtype=np.uint64)
+        t_many = min(read(mine, scattered) for _ in range(3))
+        t_one = min(read(one, whole) for _ in range(3))
+        blocks = list(range(0, 2 * gather_blocks, 2))[:gather_blocks]
+        blocks = [b % ours.num_blocks for b in blocks]
+        if len(set(blocks)) != len(blocks):
+            blocks = list(range(gather_blocks))
+        gathers = []
+        for _ in range(3):
+            t = time.perf_counter()
+            pool.gather(blocks, start)
+            gathers.append(time.perf_counter() - t)
+        nbytes = len(blocks) * ours.block_bytes
+        return Model(max(0.0, (t_many - t_one) / (k - 1) * 1e6), k * piece / t_one / 1e9,
+                     nbytes / min(gathers) / 1e9, round_trip * 1e6)
+    finally:
+        pool.release(start, max(units, gather_blocks * ours.num_kv_heads))
+
+
+def open_route(peer) -> None:
+    """At connect, once the engine is chosen: a host-staged peer's route (the prefill's pool is
+    what it registered); a direct NIXL peer's, asked of the prefill ("pool") and, for auto,
+    measured (``probe``). A prefill without a pool, or a bad offer, leaves requests direct,
+    and the reason is kept (``peer.coalesce_reason``)."""
+    client, info = peer.client, peer.info
+    if client.staging is not None:
+        peer.route = PoolRoute(client.staging, tuple(info.regions[0]), info.mem_type,
+                               info.layout.num_blocks, "host_staged")
+        return
+    if peer.engine != "nixl":
+        return
+    if client.pool is None:
+        peer.coalesce_reason = "coalesce='never'"
+        return
+    try:
+        round_trip = None
+        for _ in range(3 if client.coalesce == "auto" else 1):  # auto's: the best of three
+            t = time.perf_counter()
+            reply = peer.channel.call(messages.POOL.build(), messages.POOL.type, client.timeout)
+            seconds = time.perf_counter() - t
+            round_trip = seconds if round_trip is None else min(round_trip, seconds)
+        peer.route = route_from(reply, client.pool)
+    except KVRuntimeError as exc:
+        if peer.broken:
+            raise
+        peer.coalesce_reason = f"direct: {exc}"
+        log.info("%s: %s", peer.name, peer.coalesce_reason)
+        return
+    try:
+        warm(peer, peer.route)
+    except KVRuntimeError as exc:
+        log.info("%s: warming the READ of its pool: %s", peer.name, exc)
+    if client.coalesce != "auto":
+        peer.coalesce_reason = f"coalesce={client.coalesce!r}"
+        return
+    try:
+        peer.coalesce_model = probe(peer, peer.route, round_trip)
+    except KVRuntimeError as exc:
+        log.info("%s: coalescing probe: %s", peer.name, exc)
+    peer.coalesce_reason = ("auto: by the connect-time probe" if peer.coalesce_model else
+                            "direct: the connect-time probe could not run (our pool busy, or "
+                            "the peer's cache too small)")
+
+
+def choose(peer, handle) -> bool:
+    """Whether a direct NIXL request goes through the pools; the choice and its reason go
+    into its result (``handle.coalesce``). A request that can never fit the pools is refused
+    at once under "always" (StagingExhausted, with the numbers), goes direct under "auto"."""
+    mode, route = peer.client.coalesce, peer.route
+    if route is None or mode == "never":
+        handle.coalesce = (False, peer.coalesce_reason)
+        return False
+    plan, lay = handle.plan, peer.client.cache.layout
+    units = plan.num_blocks * (peer.head_slice.count if peer.head_slice else lay.num_kv_heads)
+    fits = min(route.pool.units, route.remote_units)
+    if units > fits:
+        if mode == "always":
+            raise StagingExhausted(
+                f"request {handle.request_id} can never fit the staging pools: {units} units, "
+                f"the decode's pool {route.pool.units}, the prefill's {route.remote_units}; "
+                f"size the pools (staging_blocks) for the largest request, or coalesce='auto'")
+        handle.coalesce = (False, f"{units} units do not fit the pools ({fits} units)")
+        return False
+    if mode == "always":
+        handle.coalesce = (True, "coalesce='always'")
+        return True
+    if peer.coalesce_model is None:
+        handle.coalesce = (False, peer.coalesce_reason)
+        return False
+    # mixed TP, direct: a descriptor a token row of each block's head slice
+    descriptors = (plan.num_blocks * lay.num_regions * rows_per_chunk(lay)
+                   if peer.head_slice is not None else plan.descriptor_count)
+    handle.coalesce = peer.coalesce_model.choose(descriptors, handle.nbytes)
+    return handle.coalesce[0]

@@ -1,0 +1,255 @@
+"""The decode's side of a request through the staging pools (staging.py): a host-staged peer's,
+or a direct NIXL peer's coalesced one (coalesce.py). The prefill gathers the run chunk by chunk
+and answers each; each chunk is READ (one descriptor) into a run of our pool as its answer comes
+and scattered into the cache as it lands."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from . import frames, messages
+from .errors import KVRuntimeError
+from .plan import TransferPlan
+from .samenode import CopyJob
+from .staging import StagingPool, done, wait
+
+@dataclass(frozen=True)
+class PoolRoute:
+    """How a peer's requests go through the pools: ours, the peer's (its registered region, of
+    its memory kind) and the engine name its results carry ("host_staged", or "nixl" for a
+    coalesced transfer of a direct peer)."""
+
+    pool: StagingPool
+    remote: tuple[int, int, int]  # the peer's pool: (address, bytes, device id)
+    remote_mem: str
+    remote_units: int
+    engine: str
+
+
+@dataclass
+class _Chunk:
+    rows: tuple[int, int]  # rows of the run (staging.py: row r * n + b)
+    xfer: object  # PostedTransfer, or the same-node engine's read
+    event: object = None  # its scatter's (a device event, a host scatter's future)
+    scattered: bool = False
+
+
+class StagedPull(CopyJob):
+    """Decode side of one request through the pools, polled like a PostedTransfer (see module
+    doc): the prefill gathers the run chunk by chunk and answers each ("staged" with its
+    rows); each chunk is READ as its answer comes and scattered as it lands, so the gather
+    of one, the READ of the next and the scatter of the one before run side by side."""
+
+    def release(self, peer, request_id: str) -> None:
+        """Nothing to say: the request's "unstage" frees the prefill's pool blocks."""
+
+    def give_back(self, peer, request_id: str) -> None:
+        """Nothing to say: a failed request's cleanup sends its "unstage" too."""
+
+    def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float,
+                 route: PoolRoute):
+        super().__init__("READ", plan)
+        self.peer = peer
+        self.route = route
+        self.engine = route.engine
+        tp = peer.head_slice  # which of the prefill's heads, to which of ours
+        self._src_heads = tp.src if tp else None
+        self._dst_heads = tp.dst if tp else None
+        self._hs = tp.count if tp else peer.client.cache.layout.num_kv_heads
+        self._units = plan.num_blocks * self._hs
+        self._rows = 2 * peer.client.cache.layout.num_layers * plan.num_blocks
+        self.request_id = request_id
+        # what it waits for, for the deadline's error: the prefill's run, then our pool blocks
+        self.waiting = "the prefill had not staged it (its pool busy, or it stalled or died)"
+        self._remote: tuple[int, int] | None = None
+        self._local: int | None = None
+        self._ready: list[tuple[int, int]] = []  # row ranges the prefill has gathered
+        self._chunks: list[_Chunk] = []
+        self._unstaged = False
+        src, self._dst = plan.block_ids()
+        self._dst = route.pool.ids(self._dst)  # once for all the chunks' scatters
+        self._message = messages.STAGE.build(
+            request=request_id, src=frames.pack_ids(src), deadline=deadline_wall,
+            **({} if self._src_heads is None else {"heads": list(self._src_heads)}))
+
+    @property
+    def units(self) -> int:
+        """Pool units the request takes (a block's heads of ours, each one unit)."""
+        return self._units
+
+    def send(self) -> None:
+        """Ask the prefill to stage (once the handle holds this job: another thread's poll may
+        hand it the answer at once)."""
+        self.peer.send(self._message)
+
+    def on_reply(self, message: dict) -> None:
+        if self.state != "PROC":
+            return
+        if message.get("type") != "staged":
+            self._fail(f"the prefill could not stage it: {message.get('error')}")
+            return
+        start, count, rows = message.get("start"), message.get("count"), message.get("rows")
+        at = self._ready[-1][1] if self._ready else 0
+        if not (isinstance(start, int) and isinstance(count, int) and count == self._units
+                and start >= 0 and start + count <= self.route.remote_units
+                and self._remote in (None, (start, count))
+                and isinstance(rows, list) and len(rows) == 2
+                and all(isinstance(r, int) and not isinstance(r, bool) for r in rows)
+                and rows[0] == at and at < rows[1] <= self._rows):
+            self._fail(f"the prefill answered with a malformed staged run ({count!r} units at "
+                       f"{start!r}, rows {str(rows)[:40]}; {self._units} units, rows from {at} "
+                       f"of {self._rows} expected)")
+            return
+        self._remote = (start, count)
+        self._ready.append((rows[0], rows[1]))
+
+    def poll(self) -> str:
+        if self.state != "PROC":
+            return self.state
+        pool = self.route.pool
+        if self._remote is not None and self._local is None:
+            self._local = pool.try_acquire(self._remote[1])
+            if self._local is None:
+                self.waiting = f"the decode's staging pool is exhausted: {pool.numbers(self._units)}"
+                return self.state  # waits for pool blocks until the handle's deadline
+            self.waiting = "its READ of the staged run had not ended (peer dead or stalled)"
+        if self._local is not None and len(self._chunks) < len(self._ready):
+            try:
+                for rows in self._ready[len(self._chunks):]:
+                    self._chunks.append(_Chunk(rows, self._post(pool, rows)))
+            except KVRuntimeError as exc:
+                self._fail(str(exc))
+                return self.state
+        for chunk in self._chunks:
+            if chunk.scattered:
+                continue
+            st = chunk.xfer.poll()
+            if st == "DONE":  # its rows land while the next chunks are still read
+                chunk.xfer.finish()
+                chunk.event = pool.scatter_async(self._local, self._dst, self._dst_heads,
+                                                 chunk.rows)
+                chunk.scattered = True
+            elif st == "ERR":
+                chunk.xfer.finish()
+                self._fail(f"the READ of the staged blocks failed (prefill gone?): "
+                           f"{getattr(chunk.xfer, 'error', None) or 'NIXL state ERR'}")
+                return self.state
+        if (self._chunks and self._chunks[-1].rows[1] == self._rows
+                and all(c.scattered and done(c.event) for c in self._chunks)):
+            for chunk in self._chunks:
+                try:
+                    wait(chunk.event)  # a host scatter's error is raised here
+                except Exception as exc:
+                    self._fail(f"scattering the staged blocks failed: {exc}")
+                    return self.state
+            self._done("DONE")
+        return self.state
+
+    def block(self, seconds: float) -> None:
+        """Sleep until something this request waits for may have happened, at most
+        ``seconds`` (``TransferHandle.wait`` calls it instead of spinning: on a host of few
+        cores a spinning waiter takes the core the prefill's gather or our scatter needs).
+        A READ in flight is polled (its completion is NIXL's to report); otherwise the next
+        frame of the prefill, or the first scatter still running, ends the sleep."""
+        if any(not c.scattered for c in self._chunks):
+            os.sched_yield()  # polled again at once, the core offered to the others first
+            return
+        running = [c.event for c in self._chunks if c.event is not None and not done(c.event)]
+        if running and self._ready and self._ready[-1][1] == self._rows:
+            # every chunk is here: only the scatters are left
+            if hasattr(running[0], "result"):  # a host scatter's thread: woken as it ends
+                from concurrent.futures import wait as wait_futures
+
+                wait_futures(running[:1], timeout=seconds)
+            else:  # a device's: polled (a nap would outlast a device scatter's ~0.1 ms)
+                os.sched_yield()
+            return
+        self.peer.await_frame(seconds)
+
+    def _post(self, pool, rows: tuple[int, int]):
+        """READ rows ``rows`` of the prefill's run into the same rows of ours: one range (the
+        run is region-major, rows are contiguous), one descriptor."""
+        import numpy as np
+
+        from .transfer import PostedTransfer, Rows
+
+        unit, row = pool.layout.block_bytes, pool.row_bytes(self._hs)
+        off, length = rows[0] * row, (rows[1] - rows[0]) * row
+        local = pool.cache.regions[0]
+        local_at = local.address + self._local * unit + off
+        remote_at = self.route.remote[0] + self._remote[0] * unit + off
+        engine = self.peer.pool_engine  # same host: our reader threads instead of NIXL
+        if engine is not None:
+            return engine.read("READ", self.plan, np.array([local_at], dtype=np.uint64),
+                               np.array([remote_at], dtype=np.uint64),
+                               np.array([length], dtype=np.uint64))
+        rows_ = Rows(np.array([[local_at, length, local.device_id]], dtype=np.uint64),
+                     np.array([[remote_at, length, self.route.remote[2]]], dtype=np.uint64),
+                     self.peer.agent, local.mem_type, self.route.remote_mem)
+        return PostedTransfer(self.peer.client.agent, "READ", self.plan, None, None, True, b"",
+                              1, rows_)
+
+    def _fail(self, why: str) -> None:
+        self.error = why
+        self._done("ERR")
+
+    def _done(self, state: str) -> None:
+        self.state = state
+        self.end = time.perf_counter()
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        """Stop what has ended, then free our pool blocks and tell the prefill to free its
+        own. A READ still in flight (a posted READ cannot be stopped, transfer.py) keeps our
+        pool blocks taken until it ends (the client drains it): it may still write into them.
+        The cache's blocks are ours alone to write (the scatter): one not started yet never
+        starts, one running is waited for here, before the request is reported."""
+        reading = [c.xfer for c in self._chunks if not c.scattered and not c.xfer.released]
+        running = [xfer for xfer in reading if not xfer.abort()]
+        for chunk in self._chunks:
+            event = chunk.event
+            if event is not None and hasattr(event, "cancel"):
+                event.cancel()  # queued, not started: it never runs
+            try:
+                wait(event)  # a scatter still running (the pool's stream or thread only)
+            except Exception:  # cancelled, or failed: either way it writes nothing more
+                pass
+        if self._local is not None:
+            local, units, pool = self._local, self._remote[1], self.route.pool
+            self._local = None
+            if not running:
+                pool.release(local, units)
+            else:
+                left = [len(running)]
+
+                def ended():  # the last READ into them has ended: the units are free again
+                    left[0] -= 1
+                    if not left[0]:
+                        pool.release(local, units)
+
+                for xfer in running:
+                    self.peer.client.draining.add(xfer, ended, self.peer.agent)
+        if not self._unstaged and not self.peer.broken:  # gone: the prefill frees ours
+            self._unstaged = True
+            try:
+                self.peer.send(messages.UNSTAGE.build(request=self.request_id))
+            except KVRuntimeError:
+                pass  # the connection is gone: the prefill frees everything of ours
+
+    def abort(self) -> bool:
+        """True: the cache's blocks are written only by our scatter, which stops here (a READ
+        still running lands in our pool blocks, kept taken until it ends)."""
+        if self.state != "PROC":
+            return True
+        self.state = "ERR"
+        self._cleanup()
+        return True
+
+    def result(self):
+        from .transfer import TransferResult
+
+        nbytes = self._units * self.route.pool.layout.block_bytes  # our heads only
+        return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,
+                              len(self._chunks), None, engine=self.engine)

@@ -1,0 +1,190 @@
+"""Coalesced NIXL transfers with real NIXL agents in two processes on this CPU host: both caches
+registered (kv_buffer="device"), requests of many runs gathered by the prefill into its staging
+pool chunk by chunk, READ with one descriptor a chunk into the decode's pool and scattered as
+each lands. Bit-exact over random layouts and block lists with canaries around every
+destination block; the pools' bounds (exhausted: waits to its deadline, fails with numbers;
+never fits: refused at once); a prefill killed mid-request (fails by its deadline, the pool's
+units come back, nothing lands in the cache after the failure is reported)."""
+
+import random
+import time
+
+import pytest
+
+from kvruntime.decode import DecodeClient
+from kvruntime.errors import KVRuntimeError, TransferError, TransferTimeout
+from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.memory import KVCache
+from kvruntime.plan import make_plan
+from kvruntime.staging import StagingExhausted
+
+pytestmark = pytest.mark.integration
+
+CANARY = 0xA5
+
+
+def random_layout(rnd, kind, blocks):
+    return KVLayout(kind, rnd.choice([1, 2, 3]), blocks, rnd.choice([4, 16]),
+                    rnd.choice([1, 2, 4]), rnd.choice([8, 32, 64]),
+                    rnd.choice(["float16", "bfloat16", "float32"]))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_coalesced_requests_are_bit_exact_and_touch_nothing_else(prefill, seed, op):
+    """Random layout (kind, layers, tokens, heads, head size, dtype), random block lists,
+    several requests; every block not named keeps its canary. Small chunks (the prefill's
+    pool answers a run in many pieces) exercise the pipeline on small caches."""
+    rnd = random.Random(seed)
+    kind = rnd.choice([CROSS_LAYER, PER_LAYER])
+    layout = random_layout(rnd, kind, 96)
+    with prefill([layout], seed=seed, staging_blocks=48) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(CANARY)
+        canary = cache.block_digest(0)
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=48) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.route is not None and peer.route.engine == "nixl"
+            written = set()
+            for _ in range(4):
+                count = rnd.randint(1, 22)
+                src = rnd.sample(range(96), count)
+                dst = rnd.sample(sorted(set(range(96)) - written), count)
+                res = getattr(peer, op)(src, dst, timeout=30)
+                assert res.coalesced and res.coalesce_reason == "coalesce='always'"
+                assert res.engine == "nixl" and res.nbytes == count * layout.block_bytes
+                assert peer.digests(src) == cache.block_digests(dst)
+                written.update(dst)
+            others = sorted(set(range(96)) - written)
+            assert cache.block_digests(others) == [canary] * len(others)
+            assert client.pool.largest_free_run() == client.pool.units  # all given back
+        cache.close()
+
+
+def test_chunks_pipeline_a_run_in_pieces(prefill):
+    """A run larger than a chunk is answered in several pieces, each its own descriptor."""
+    layout = KVLayout(CROSS_LAYER, 2, 160, 16, 8, 128, "float16")  # 128 KiB blocks
+    with prefill([layout], seed=5, staging_blocks=160) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=160) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            src = random.Random(3).sample(range(160), 150)  # ~19 MiB: chunks of 4 MiB
+            res = peer.pull(src, list(range(150)), timeout=30)
+            assert res.coalesced and res.descriptors == len(client.pool.chunks(150, 8)) == 5
+            assert peer.digests(src) == cache.block_digests(range(150))
+        cache.close()
+
+
+def test_auto_chooses_by_the_probe_and_says_why(prefill):
+    layout = KVLayout(PER_LAYER, 2, 128, 16, 4, 64, "float16")
+    with prefill([layout], seed=2) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl") as client:  # coalesce="auto"
+            peer = client.connect("127.0.0.1", ports[0])
+            model = peer.coalesce_model
+            assert model is not None and model.descriptor_us >= 0 and model.gather_gbps > 0
+            one = peer.pull(list(range(8)), list(range(8)), timeout=30)  # one run: direct
+            assert not one.coalesced and one.coalesce_reason.startswith("auto: 4 descriptors")
+            src = random.Random(1).sample(range(128), 100)
+            many = peer.pull(src, list(range(100)), timeout=30)
+            descriptors = make_plan(layout, src, layout, list(range(100))).descriptor_count
+            assert (many.coalesced, many.coalesce_reason) == model.choose(descriptors, many.nbytes)
+            assert peer.digests(src) == cache.block_digests(range(100))
+        cache.close()
+
+
+def test_a_request_that_can_never_fit_is_refused_at_once_or_goes_direct(prefill):
+    layout = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
+    with prefill([layout], seed=3, staging_blocks=8) as (_p, ports):  # 32 units
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=16) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            t = time.monotonic()
+            with pytest.raises(StagingExhausted, match=r"40 units, the decode's pool 64, the "
+                                                       r"prefill's 32"):
+                peer.pull([2 * i for i in range(10)], timeout=30)
+            assert time.monotonic() - t < 5  # not at its deadline
+            peer.pull([1, 3], timeout=10)  # and the peer goes on serving
+            assert peer.digests([1, 3]) == cache.block_digests([1, 3])
+        with DecodeClient(cache, engine="nixl", coalesce="auto", staging_blocks=16) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            res = peer.pull([2 * i for i in range(10)], list(range(10)), timeout=30)
+            assert not res.coalesced and res.coalesce_reason == "40 units do not fit the pools (32 units)"
+            assert peer.digests([2 * i for i in range(10)]) == cache.block_digests(range(10))
+        cache.close()
+
+
+def test_an_exhausted_pool_waits_until_the_deadline_and_fails_with_its_numbers(prefill):
+    """The decode's pool held (by other requests: here taken by hand) fails a request at its
+    deadline with the pool's numbers; the prefill's pool units it took come back (unstage),
+    and once ours are free again the same request goes through."""
+    layout = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
+    with prefill([layout], seed=4, staging_blocks=16) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=16) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            held = client.pool.try_acquire(40)  # 24 of 64 units left
+            t = time.monotonic()
+            with pytest.raises(TransferTimeout, match=r"decode's staging pool is exhausted: 32 "
+                                                      r"units asked, 24 free \(largest free run "
+                                                      r"24\) of 64"):
+                peer.pull([5, 9, 11, 20, 21, 22, 40, 50], timeout=0.5)
+            assert 0.5 <= time.monotonic() - t < 5
+            client.pool.release(held, 40)
+            for _ in range(3):  # the prefill freed its run: three more need it whole each time
+                peer.pull([5, 9, 11, 20, 21, 22, 40, 50], list(range(8)), timeout=10)
+            assert peer.digests([5, 9, 11, 20, 21, 22, 40, 50]) == cache.block_digests(range(8))
+        cache.close()
+
+
+def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(prefill):
+    """Killed after its first chunk's answer: the request fails (the READ's error, the lost
+    side channel or its deadline), our pool's units come back once nothing can write into
+    them, and the destination blocks hold, after the failure is reported, exactly what they
+    held when it was reported."""
+    layout = KVLayout(CROSS_LAYER, 2, 200, 16, 8, 256, "float16")  # 256 KiB blocks
+    with prefill([layout], seed=6, staging_blocks=200) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(CANARY)
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=200,
+                          timeout=2) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            src = random.Random(9).sample(range(200), 190)  # 47.5 MiB: 12 chunks
+            dst = list(range(190))
+            handle = peer.start_pull(src, dst, timeout=5)
+            job = handle._xfer
+            until = time.monotonic() + 10
+            while not job._ready and time.monotonic() < until:
+                handle.poll()
+            proc.kill()
+            with pytest.raises(TransferError):
+                handle.wait(15)
+            reported = cache.block_digests(dst)
+            until = time.monotonic() + 10
+            while not handle.settled and time.monotonic() < until:
+                client.get_settled()
+                time.sleep(0.01)
+            assert handle.settled
+            time.sleep(0.3)
+            client.get_settled()
+            assert cache.block_digests(dst) == reported  # nothing landed after the report
+            assert client.pool.largest_free_run() == client.pool.units
+        cache.close()
+
+
+def test_a_prefill_that_refuses_pools_leaves_requests_direct(prefill):
+    layout = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
+    with prefill([layout], seed=7, coalesce="never") as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl", coalesce="always") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.route is None
+            assert peer.coalesce_reason == ("direct: the prefill offers no staging pool: "
+                                            "coalesce='never' on this prefill")
+            res = peer.pull([1, 5, 9], timeout=10)
+            assert not res.coalesced and res.coalesce_reason == peer.coalesce_reason
+        cache.close()
+    cache = KVCache.allocate_host(layout)
+    with pytest.raises(KVRuntimeError, match="coalesce must be one of auto, always, never"):
+        DecodeClient(cache, coalesce="sometimes")
+    cache.close()
