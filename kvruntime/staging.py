@@ -41,6 +41,7 @@ from .bounce import SLOT_BYTES, BounceRing, _TorchStreams, pieces
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
 from .plan import TransferPlan, make_plan
+from .poolcopy import copy_rows
 from .samenode import CopyJob
 
 log = logging.getLogger("kvruntime")
@@ -151,6 +152,8 @@ class StagingPool:
         self._streams = None  # a device pool's stream and events (bounce._TorchStreams)
         self._scatters = None  # a host cache's scatters run on a thread of their own
         self._region_views: dict = {}  # (h0, h1) -> the regions' views of those heads
+        self._stacked_views: dict = {}  # (h0, h1) -> cross_layer: them all as one view
+        self._uploaded = None  # (ids, their device tensor): a request's chunks upload once
         self._pool_words = self._words(self._pool)  # views made once: a request's prologue
         self._head_words = layout.head_dim * layout.element_bytes // self._pool_words.element_size()
         dev = self._device[0].device
@@ -288,7 +291,15 @@ class StagingPool:
             if heads != (0, h):
                 views = [v[:, :, h0:h1, :] for v in views]
             views = self._region_views[heads] = views
+            if lay.kind == CROSS_LAYER:  # all regions as one [region][block] view (poolcopy.py)
+                self._stacked_views[heads] = whole.permute(1, 0, 2, 3, 4)[:, :, :, h0:h1, :]
         return views
+
+    def _stacked(self, heads: tuple[int, int]):
+        """A cross_layer cache's regions of heads ``heads`` as one [region][block][token][head]
+        [words] view (its blocks hold every region); None for per_layer."""
+        self._regions(heads)
+        return self._stacked_views.get(heads)
 
     def _words(self, flat):
         """A byte range as the widest integers that divide a head's bytes: index ops then move
@@ -346,19 +357,24 @@ class StagingPool:
     def _device_copy(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int],
                      gather: bool):
         """Rows ``rows`` between a device cache and the run at ``start`` in a device pool:
-        index ops on the pool's stream (after the caller's). Returns an event after them."""
-        import torch
+        index ops on the pool's stream (after the caller's), at most three a chunk for a
+        cross_layer cache (poolcopy.py). Returns an event after them."""
+        import numpy as np
 
         n, hs = len(ids), heads[1] - heads[0]
         views, run = self._regions(heads), self._run(start, n, hs)
         st = self._streams
         with st.compute_after_caller():
-            dev_ids = st.upload(ids)
-            for r, b0, b1 in spans(rows, n):
-                if gather:
-                    torch.index_select(views[r], 0, dev_ids[b0:b1], out=run[r, b0:b1])
-                else:
-                    views[r].index_copy_(0, dev_ids[b0:b1], run[r, b0:b1])
+            # the ids go up once a request, not once a chunk: an upload from pageable memory
+            # waits for the stream's earlier copies (the previous chunk's scatter) first
+            # (compared by value: a caller may reuse its array for other blocks)
+            uploaded = self._uploaded
+            if uploaded is not None and np.array_equal(uploaded[0], ids):
+                dev_ids = uploaded[1]
+            else:
+                dev_ids = st.upload(ids)
+                self._uploaded = (ids.copy(), dev_ids)
+            copy_rows(views, self._stacked(heads), run, dev_ids, rows, gather)
             event = st.event()
             st.record(event, st.compute)
         return event
@@ -421,7 +437,7 @@ class StagingPool:
             self._pinned = False
         if self._scatters is not None:
             self._scatters.shutdown(wait=True)
-        self._pool = self._ring = self._streams = self._scatters = None
+        self._pool = self._ring = self._streams = self._scatters = self._uploaded = None
         self._device = []
         self.cache.close()
 
@@ -441,14 +457,6 @@ def done(event) -> bool:
     if event is None:
         return True
     return event.done() if hasattr(event, "result") else event.query()
-
-
-def spans(rows: tuple[int, int], n: int):
-    """(region, first block, end block) of each region that rows ``rows`` of a run of ``n``
-    blocks touch (row r * n + b)."""
-    lo, hi = rows
-    for r in range(lo // n, -(-hi // n)):
-        yield r, max(lo - r * n, 0), min(hi - r * n, n)
 
 
 def _region_bases(cache):
