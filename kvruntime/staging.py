@@ -101,10 +101,12 @@ def _byte_regions(cache) -> list:
 POOL_MEMORY = ("host", "device")
 # A run is answered (and READ) in pieces, at least this many bytes each (host, device pool) and
 # at most MAX_CHUNKS of them: the gather of one overlaps the READ of the one before it, and its
-# scatter the READ of the next; each costs a frame and a NIXL post (tens of µs), which a device
-# moves 16 MiB in.
-CHUNK_BYTES = {"host": 4 << 20, "device": 16 << 20}
-MAX_CHUNKS = 16
+# scatter the READ of the next; each costs a frame and a NIXL post (tens of µs). A device pool's
+# chunk costs ~0.5 ms whatever its size (4 x H100 at 43f3fcb, one GPU: 64 MiB in 4 chunks of 16
+# MiB 2038 µs, 1 GiB in 16 of 64 MiB 8170 µs, 510 µs a chunk both), more than its gather or
+# scatter (~0.1 ms for 64 MiB) or its wire across NVLink (~0.19 ms): few large chunks there.
+CHUNK_BYTES = {"host": 4 << 20, "device": 64 << 20}
+MAX_CHUNKS = {"host": 16, "device": 4}
 
 
 class StagingPool:
@@ -246,7 +248,7 @@ class StagingPool:
     def chunks(self, n: int, hs: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
         """The row ranges a run of ``n`` blocks and ``hs`` heads is gathered, answered, READ
         and scattered in: at least ``chunk_bytes`` each (CHUNK_BYTES of the pool's memory),
-        at most MAX_CHUNKS; whole regions where the bounce ring copies (its pieces follow
+        at most MAX_CHUNKS of it; whole regions where the bounce ring copies (its pieces follow
         region order)."""
         regions = 2 * self.device_layout.num_layers
         total = regions * n
@@ -254,7 +256,7 @@ class StagingPool:
             k = min(CHUNKS, regions)
             return [(i * regions // k * n, (i + 1) * regions // k * n) for i in range(k)]
         least = CHUNK_BYTES[self.memory] if chunk_bytes is None else chunk_bytes
-        per = max(1, least // self.row_bytes(hs), -(-total // MAX_CHUNKS))
+        per = max(1, least // self.row_bytes(hs), -(-total // MAX_CHUNKS[self.memory]))
         return [(lo, min(total, lo + per)) for lo in range(0, total, per)]
 
     def _run(self, start: int, n: int, hs: int):
