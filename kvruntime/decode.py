@@ -41,7 +41,7 @@ from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
 from .mailbox import MailboxReader
-from .naps import readable
+from .naps import await_readable
 from .memory import KVCache
 from .plan import Planner, TransferPlan, make_plan, spans_ids
 from .registration import Registration, Scratch
@@ -572,10 +572,11 @@ class PrefillPeer:
         raise TransferError(f"{self.name}: {error}") from error
 
     def _await_frame(self, seconds: float) -> None:
-        """Sleep until the prefill sends something, at most ``seconds`` (naps.readable: any
-        fd number, a nanosecond timeout, any number of threads at once)."""
+        """Until the prefill sends something, at most ``seconds`` (naps.await_readable: any
+        fd number, a nanosecond timeout, any number of threads at once; polled, not slept,
+        on a host of many cores)."""
         try:
-            readable(self.sock.fileno(), seconds)
+            await_readable(self.sock.fileno(), seconds)
         except (OSError, ValueError):  # closed under us: the next pump says so
             pass
 
