@@ -250,7 +250,7 @@ def open_route(peer) -> None:
         round_trip = None
         for _ in range(3 if client.coalesce == "auto" else 1):  # auto's: the best of three
             t = time.perf_counter()
-            reply = peer.channel.call(messages.POOL.build(), messages.POOL.type, client.timeout)
+            reply = peer.channel.call(messages.POOL, client.timeout)
             seconds = time.perf_counter() - t
             round_trip = seconds if round_trip is None else min(round_trip, seconds)
         peer.route = route_from(reply, client.pool)

@@ -22,6 +22,7 @@ import errno
 import logging
 import os
 import select
+import time
 
 log = logging.getLogger(__name__)
 
@@ -71,3 +72,33 @@ def readable(fd: int, seconds: float = 0.0) -> bool:
             return False
         raise OSError(err, os.strerror(err))
     return got > 0
+
+
+# From this many cores of ours, a wait for a peer's frame polls its socket, yielding the core
+# between looks, instead of blocking in ppoll: a blocked thread's wake-up waits for a core to
+# take it (on a busy host, a scheduler tick), and a side channel's answers are what a
+# coalesced request waits for once per chunk. Below it (the 2-core CI host) the core goes to
+# the peer's and our copies instead, as it always did.
+SPIN_CORES = 8
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+SPINS = _cores() >= SPIN_CORES
+
+
+def await_readable(fd: int, seconds: float) -> bool:
+    """``readable(fd, seconds)``, polled without blocking where ``SPINS`` (many cores)."""
+    if not SPINS:
+        return readable(fd, seconds)
+    until = time.perf_counter() + seconds
+    while not readable(fd):
+        if time.perf_counter() >= until:
+            return False
+        os.sched_yield()
+    return True

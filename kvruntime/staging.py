@@ -35,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 import threading
 import time
 
@@ -43,6 +42,7 @@ from . import native
 from .bounce import SLOT_BYTES, BounceRing, _TorchStreams, pieces
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
+from .poolcopy import copy_rows
 
 log = logging.getLogger("kvruntime")
 
@@ -101,10 +101,12 @@ def _byte_regions(cache) -> list:
 POOL_MEMORY = ("host", "device")
 # A run is answered (and READ) in pieces, at least this many bytes each (host, device pool) and
 # at most MAX_CHUNKS of them: the gather of one overlaps the READ of the one before it, and its
-# scatter the READ of the next; each costs a frame and a NIXL post (tens of µs), which a device
-# moves 16 MiB in.
-CHUNK_BYTES = {"host": 4 << 20, "device": 16 << 20}
-MAX_CHUNKS = 16
+# scatter the READ of the next; each costs a frame and a NIXL post (tens of µs). A device pool's
+# chunk costs ~0.5 ms whatever its size (4 x H100 at 43f3fcb, one GPU: 64 MiB in 4 chunks of 16
+# MiB 2038 µs, 1 GiB in 16 of 64 MiB 8170 µs, 510 µs a chunk both), more than its gather or
+# scatter (~0.1 ms for 64 MiB) or its wire across NVLink (~0.19 ms): few large chunks there.
+CHUNK_BYTES = {"host": 4 << 20, "device": 64 << 20}
+MAX_CHUNKS = {"host": 16, "device": 4}
 
 
 class StagingPool:
@@ -152,6 +154,7 @@ class StagingPool:
         self._streams = None  # a device pool's stream and events (bounce._TorchStreams)
         self._scatters = None  # a host cache's scatters run on a thread of their own
         self._region_views: dict = {}  # (h0, h1) -> the regions' views of those heads
+        self._stacked_views: dict = {}  # (h0, h1) -> cross_layer: them all as one view
         self._pool_words = self._words(self._pool)  # views made once: a request's prologue
         self._head_words = layout.head_dim * layout.element_bytes // self._pool_words.element_size()
         dev = self._device[0].device
@@ -244,7 +247,7 @@ class StagingPool:
     def chunks(self, n: int, hs: int, chunk_bytes: int | None = None) -> list[tuple[int, int]]:
         """The row ranges a run of ``n`` blocks and ``hs`` heads is gathered, answered, READ
         and scattered in: at least ``chunk_bytes`` each (CHUNK_BYTES of the pool's memory),
-        at most MAX_CHUNKS; whole regions where the bounce ring copies (its pieces follow
+        at most MAX_CHUNKS of it; whole regions where the bounce ring copies (its pieces follow
         region order)."""
         regions = 2 * self.device_layout.num_layers
         total = regions * n
@@ -252,7 +255,7 @@ class StagingPool:
             k = min(CHUNKS, regions)
             return [(i * regions // k * n, (i + 1) * regions // k * n) for i in range(k)]
         least = CHUNK_BYTES[self.memory] if chunk_bytes is None else chunk_bytes
-        per = max(1, least // self.row_bytes(hs), -(-total // MAX_CHUNKS))
+        per = max(1, least // self.row_bytes(hs), -(-total // MAX_CHUNKS[self.memory]))
         return [(lo, min(total, lo + per)) for lo in range(0, total, per)]
 
     def _run(self, start: int, n: int, hs: int):
@@ -289,7 +292,15 @@ class StagingPool:
             if heads != (0, h):
                 views = [v[:, :, h0:h1, :] for v in views]
             views = self._region_views[heads] = views
+            if lay.kind == CROSS_LAYER:  # all regions as one [region][block] view (poolcopy.py)
+                self._stacked_views[heads] = whole.permute(1, 0, 2, 3, 4)[:, :, :, h0:h1, :]
         return views
+
+    def _stacked(self, heads: tuple[int, int]):
+        """A cross_layer cache's regions of heads ``heads`` as one [region][block][token][head]
+        [words] view (its blocks hold every region); None for per_layer."""
+        self._regions(heads)
+        return self._stacked_views.get(heads)
 
     def _words(self, flat):
         """A byte range as the widest integers that divide a head's bytes: index ops then move
@@ -309,9 +320,11 @@ class StagingPool:
         device pool's are uploaded here, once for all the chunks of a request (16 uploads of
         a 4096-block request cost ~0.3 ms, a fifth of its GiB's READ on an H100)."""
         import numpy as np
+        import torch
 
-        if self._streams is not None and hasattr(blocks, "device"):
-            return blocks  # already on the device
+        # a tensor is already on the device (numpy 2's arrays have a ``device`` too: "cpu")
+        if self._streams is not None and isinstance(blocks, torch.Tensor):
+            return blocks
         ids = np.asarray(blocks, dtype=np.int64)
         if self._streams is None:
             return ids
@@ -340,7 +353,7 @@ class StagingPool:
         """Rows ``rows`` between a host cache and the run at ``start``: one C call (its
         copies without the GIL), or piece by piece through ctypes where native.py is off."""
         addresses, length = self._pieces(ids, heads, rows)
-        n, hs = len(ids), heads[1] - heads[0]
+        hs = heads[1] - heads[0]
         run = (self.cache.regions[0].address + start * self.layout.block_bytes
                + rows[0] * self.row_bytes(hs))
         copy = native.piece_copy()
@@ -354,19 +367,14 @@ class StagingPool:
     def _device_copy(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int],
                      gather: bool):
         """Rows ``rows`` between a device cache and the run at ``start`` in a device pool:
-        index ops on the pool's stream (after the caller's). Returns an event after them."""
-        import torch
-
+        index ops on the pool's stream (after the caller's), at most three a chunk for a
+        cross_layer cache (poolcopy.py). Returns an event after them."""
         n, hs = len(ids), heads[1] - heads[0]
         views, run = self._regions(heads), self._run(start, n, hs)
         st = self._streams
         with st.compute_after_caller():
-            dev_ids = ids  # uploaded on this stream (ids())
-            for r, b0, b1 in spans(rows, n):
-                if gather:
-                    torch.index_select(views[r], 0, dev_ids[b0:b1], out=run[r, b0:b1])
-                else:
-                    views[r].index_copy_(0, dev_ids[b0:b1], run[r, b0:b1])
+            # ``ids`` are on the device already: uploaded once a request (ids())
+            copy_rows(views, self._stacked(heads), run, ids, rows, gather)
             event = st.event()
             st.record(event, st.compute)
         return event
@@ -449,14 +457,6 @@ def done(event) -> bool:
     if event is None:
         return True
     return event.done() if hasattr(event, "result") else event.query()
-
-
-def spans(rows: tuple[int, int], n: int):
-    """(region, first block, end block) of each region that rows ``rows`` of a run of ``n``
-    blocks touch (row r * n + b)."""
-    lo, hi = rows
-    for r in range(lo // n, -(-hi // n)):
-        yield r, max(lo - r * n, 0), min(hi - r * n, n)
 
 
 def _region_bases(cache):

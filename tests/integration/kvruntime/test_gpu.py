@@ -292,13 +292,30 @@ def test_a_user_forcing_tcp_for_vram_gets_a_loud_warning():
             for m in cuda), sep="\n")
 
 
+def _check_run_then_scatter(pool, run, src, dst, heads, scatter) -> None:
+    """``run`` (on the device) holds heads ``heads`` of cache blocks ``src`` region by region;
+    then ``scatter()`` writes it into those heads of blocks ``dst`` and nothing else."""
+    import torch
+
+    h0, h1 = heads
+    ids = torch.as_tensor(src, device=run.device)
+    for r, view in enumerate(pool._regions()):
+        assert torch.equal(run[r], view[:, :, h0:h1].index_select(0, ids))
+    before = [v.clone() for v in pool._regions()]
+    scatter()
+    dids = torch.as_tensor(dst, device=run.device)
+    for r, view in enumerate(pool._regions()):
+        want = before[r].clone()
+        want[dids, :, h0:h1] = run[r]
+        assert torch.equal(view, want)
+
+
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
 @pytest.mark.parametrize("heads", [None, (1, 3)])
 def test_staged_copies_through_the_bounce_ring_are_bit_exact(kind, heads):
     """Slots of two block rows, so regions split, fills wrap the ring and calls queue behind
     each other; compared with the device's own index ops on the same tensors."""
     import numpy as np
-    import torch
 
     from kvruntime.staging import StagingPool
 
@@ -312,18 +329,42 @@ def test_staged_copies_through_the_bounce_ring_are_bit_exact(kind, heads):
         rnd = np.random.default_rng(3)
         src, dst = rnd.choice(64, 30, replace=False), rnd.choice(64, 30, replace=False)
         pool.gather(src, 0, heads)
-        run = pool._run(0, 30, h1 - h0).cuda()
-        regions = [v[:, :, h0:h1] for v in pool._regions()]
-        ids = torch.as_tensor(src, device=run.device)
-        for r, view in enumerate(regions):
-            assert torch.equal(run[r], view.index_select(0, ids))
-        before = [v.clone() for v in pool._regions()]
-        pool.scatter(0, dst, heads)
-        dids = torch.as_tensor(dst, device=run.device)
-        for r, view in enumerate(pool._regions()):
-            want = before[r].clone()
-            want[dids, :, h0:h1] = run[r]
-            assert torch.equal(view, want)
+        _check_run_then_scatter(pool, pool._run(0, 30, h1 - h0).cuda(), src, dst, (h0, h1),
+                                lambda: pool.scatter(0, dst, heads))
+    finally:
+        pool.close()
+        cache.close()
+
+
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+@pytest.mark.parametrize("heads", [None, (1, 3)])
+def test_coalesced_vram_pool_copies_chunk_by_chunk_are_bit_exact(kind, heads):
+    """A device pool's gather and scatter (poolcopy.py: whole regions of a cross_layer cache as
+    one op along the block dimension, partial ones alone) in chunks that start and end inside
+    regions, compared with the device's own index ops region by region."""
+    import numpy as np
+
+    from kvruntime.staging import StagingPool
+
+    layout = small(kind)
+    cache = KVCache.allocate_device(layout, "cuda", DEVICE_ID)
+    cache.fill_random(9)
+    pool = StagingPool(layout, 40, cache, memory="device")
+    try:
+        h0, h1 = heads or (0, layout.num_kv_heads)
+        rnd = np.random.default_rng(4)
+        src, dst = rnd.choice(64, 30, replace=False), rnd.choice(64, 30, replace=False)
+        rows = 2 * layout.num_layers * 30
+        cuts = [0, 7, 30, 95, 150, rows]  # inside regions, across several whole ones
+        for lo, hi in zip(cuts, cuts[1:]):
+            pool.gather(src, 0, heads, (lo, hi))
+
+        def scatter():
+            for lo, hi in zip(cuts, cuts[1:]):
+                pool.scatter_async(0, dst, heads, (lo, hi))
+            pool.scatter(0, dst, heads)  # the whole run again, after the chunks on its stream
+
+        _check_run_then_scatter(pool, pool._run(0, 30, h1 - h0), src, dst, (h0, h1), scatter)
     finally:
         pool.close()
         cache.close()

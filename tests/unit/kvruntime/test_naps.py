@@ -69,3 +69,30 @@ def test_readable_takes_any_fd_wakes_on_input_and_serves_threads_at_once():
     finally:
         a.close(), b.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.parametrize("spins", [False, True])
+def test_await_readable_ends_on_input_or_at_its_time_either_way(monkeypatch, spins):
+    """Polled (many cores) or blocked in ppoll (few): the same answers, on a real socket pair;
+    the spinning one gives the core back between looks (sched_yield), never returns early."""
+    import os
+    import socket
+
+    from kvruntime import naps
+
+    monkeypatch.setattr(naps, "SPINS", spins)
+    yields = []
+    real_yield = os.sched_yield
+    monkeypatch.setattr(naps.os, "sched_yield", lambda: yields.append(1) or real_yield())
+    a, b = socket.socketpair()
+    try:
+        assert naps.await_readable(a.fileno(), 0.005) is False
+        assert bool(yields) == spins
+        b.send(b"x")
+        assert naps.await_readable(a.fileno(), 5.0) is True
+        a.recv(1)
+        b.close()  # a closed peer reads as readable: the read says what happened
+        assert naps.await_readable(a.fileno(), 5.0) is True
+    finally:
+        a.close()
+        b.close()
