@@ -78,7 +78,8 @@ report = json.load(open(sys.argv[1]))
 print("ok", report["ok"], "module", report["nixl_module_file"],
       dict(collections.Counter(m["status"] for m in report["modes"])))
 PY
-module=$("$venv/bin/python" -c 'import json, sys; print(json.load(open(sys.argv[1]))["recipe"]["verify"]["nixl"]["module"])' "$out/manifest.json")
+# the module the selftest loaded (the recipe names a pattern, nixl_cu*: the wheel's is nixl_cu13)
+module=$("$venv/bin/python" -c 'import json, os, sys; print(os.path.basename(os.path.dirname(json.load(open(sys.argv[1]))["nixl_module_file"])))' "$out/selftest.json")
 "$venv/bin/python" - "$module" <<'PY'
 import importlib, sys
 importlib.import_module(f"{sys.argv[1]}._api")
