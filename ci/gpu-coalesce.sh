@@ -44,7 +44,7 @@ for x in rows:
           f'ratio {x["ratio"]:.3f} of the device copy'
           + (f', {x["gbps"] / base:.3f} of the contiguous NIXL request' if base else "")
           + f'; first {x["first_request_us"]:.0f} us, median {x["median_lat_us"]:.0f} us'
-          + (f' ({x["coalesce_reason"][:90]})' if x["coalesce"] == "auto" else ""))
+          + (f' ({(x.get("coalesce_reason") or "")[:90]})' if x["coalesce"] == "auto" else ""))
 for k, e in (r.get("engines") or {}).items():
     print(k, "model:", e.get("coalesce_model"), "|", e.get("coalesce_reason"))
 for k, h in (r.get("handshake_ms") or {}).items():
@@ -62,8 +62,11 @@ PY
 # this python has pytest
 if python3 -c 'import pytest' 2>/dev/null; then
   printf '=== pytest (+%ss): coalesced through VRAM pools, bit-exact\n' "$SECONDS"
-  timeout 300 python3 -m pytest -p no:cacheprovider -q -k "coalesced or bit_exact_pull" \
-    tests/integration/kvruntime/test_gpu.py 2>&1 | tail -5 || rc=1
+  # the whole log kept, the failures' names printed (-rf): a tail alone hid which test failed
+  timeout 300 python3 -m pytest -p no:cacheprovider -q -rf -k "coalesced or bit_exact_pull" \
+    tests/integration/kvruntime/test_gpu.py >"$out/pytest.log" 2>&1
+  prc=$?; grep -E '^(FAILED|ERROR)|passed|failed' "$out/pytest.log" | tail -8
+  ((prc == 0)) || { rc=$prc; echo "pytest: exit $prc, its log: $out/pytest.log"; }
 else
   echo "=== pytest: not installed for python3; bit-exactness not checked here"
 fi
