@@ -48,6 +48,7 @@ from .registration import Registration
 from .releases import Released
 from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
+from .stages import Stages
 from . import coalesce as coalescing
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
@@ -127,9 +128,6 @@ class PrefillServer:
         # server's for its decodes' coalesced requests (coalesce.py; none for "never")
         self.pool: StagingPool | None = None
         self._pool_reg: coalescing.PoolRegistration | None = None
-        self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
-        self._stage_queue: deque = deque()  # (peer, request, plan, deadline, queued at)
-        self._stage_lock = threading.Lock()
         self.secret = o.secret
         self.timeout = o.timeout
         self.stats = ServerStats()
@@ -163,6 +161,8 @@ class PrefillServer:
             self.writes = Writes(self.agent, self.registration, cache, o.timeout, self._release,
                                  self._work.set, self._peers_lock)
             self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None)
+            # requests through our pool: gathered, answered chunk by chunk, held (stages.py)
+            self.stages = Stages(self.pool, cache, o.timeout, self._release, self._work.set)
         except Exception:
             if self._pool_reg is not None:
                 self._pool_reg.close()
@@ -285,9 +285,9 @@ class PrefillServer:
             peer.send(messages.POOL.build(**offer, request=message.get("request")),
                       self.timeout)
         elif kind == messages.STAGE.type:
-            self._stage(peer, message)
+            self.stages.stage(peer, message)
         elif kind == messages.UNSTAGE.type:
-            self._unstage(peer.agent, frames.field(message, "request", str))
+            self.stages.unstage(peer.agent, frames.field(message, "request", str))
         elif kind == messages.RELEASE.type:  # pulls, same-node copies done: blocks may be freed
             for request in frames.names_field(message, "requests"):
                 self._release(peer.agent, request)
@@ -328,116 +328,6 @@ class PrefillServer:
         ``start_push`` of it now is posted at once."""
         return self.pushes.expects(request, peer)
 
-    # -- host-staged requests (staging.py) -------------------------------------------------------
-    def _stage(self, peer: _Peer, message: dict) -> None:
-        """Queue a request's gather into pool blocks; the progress loop (or this call, when
-        blocks are free) serves the queue in order. Nothing here waits: the connection thread
-        must go on reading, since the unstage frames that free blocks come through it."""
-        request = frames.field(message, "request", str)
-        src = frames.ids_field(message, "src")
-        deadline = float(frames.field(message, "deadline", (int, float)))
-        try:
-            if self.pool is None:
-                raise KVRuntimeError("this prefill has no staging pool (coalesce='never')")
-            plan = make_plan(self.cache.layout, src)
-            heads = _heads(message.get("heads"), self.cache.layout.num_kv_heads)
-            left = deadline - time.time()
-            if left <= 0:
-                raise KVRuntimeError(f"its deadline passed {-left:.3f}s before it was read")
-            units = plan.num_blocks * (heads[1] - heads[0])
-            if units > self.pool.units:
-                raise KVRuntimeError(f"a request of {units} units ({plan.num_blocks} blocks x "
-                                     f"{heads[1] - heads[0]} heads) cannot fit a staging pool "
-                                     f"of {self.pool.units} units (the prefill's: "
-                                     f"{self.pool.numbers(units)})")
-        except KVRuntimeError as exc:
-            peer.send(messages.STAGE_FAILED.build(request=request, error=str(exc)), self.timeout)
-            return
-        with self._stage_lock:
-            self._stage_queue.append((peer, request, plan, heads, time.monotonic() + left,
-                                      time.monotonic()))
-        self._serve_stages()
-
-    def _serve_stages(self) -> None:
-        """Gather queued requests, in order, while pool blocks are free; fail those whose
-        deadline passed while they waited, with the numbers."""
-        while True:
-            with self._stage_lock:
-                if not self._stage_queue:
-                    return
-                peer, request, plan, heads, deadline, queued = self._stage_queue[0]
-                n = plan.num_blocks * (heads[1] - heads[0])
-                if time.monotonic() > deadline:
-                    self._stage_queue.popleft()
-                    start, reply = None, messages.STAGE_FAILED.build(
-                        request=request,
-                        error=f"the prefill's staging pool is exhausted: "
-                              f"{self.pool.numbers(n)}; waited "
-                              f"{time.monotonic() - queued:.3f}s until the request's deadline")
-                else:
-                    start = self.pool.try_acquire(n)
-                    if start is None:
-                        return  # the head waits for blocks (FIFO: no starving large requests)
-                    self._stage_queue.popleft()
-                    reply = None
-            if reply is None:
-                self._gather_answering(peer, request, plan, heads, start, n, deadline)
-                continue
-            try:
-                peer.send(reply, self.timeout)
-            except KVRuntimeError as exc:
-                log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
-
-    def _gather_answering(self, peer: _Peer, request: str, plan, heads, start: int, n: int,
-                          deadline: float) -> None:
-        """Gather a request's run chunk by chunk (staging.StagingPool.chunks), answering each
-        ("staged" with its rows) as soon as it is in the pool: the decode READs one chunk while
-        the next is gathered."""
-        pool = self.pool
-        ids = pool.ids(plan.block_ids()[0])  # a device pool's: uploaded once for every chunk
-        chunks = pool.chunks(len(ids), heads[1] - heads[0])
-        for i, rows in enumerate(chunks):
-            last = i == len(chunks) - 1
-            try:
-                pool.gather(ids, start, heads, rows)
-            except Exception as exc:
-                pool.release(start, n)  # READs of its answered chunks fail the request there
-                reply = messages.STAGE_FAILED.build(request=request,
-                                                    error=f"gather failed: {exc}")
-            else:
-                reply = messages.STAGED.build(request=request, start=start, count=n,
-                                              rows=list(rows), last=last)
-                if last:
-                    # freed by unstage; or, if the decode never says, well after its deadline
-                    # (its READs have been aborted by then). Kept only now: an unstage read by
-                    # the connection thread while the progress loop gathers must not free the
-                    # run under the gather (it is then freed at that expiry).
-                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
-            try:
-                peer.send(reply, self.timeout)
-            except KVRuntimeError as exc:
-                log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
-                if messages.STAGED.is_(reply):  # its READs may run on: freed at the expiry
-                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
-                return
-            if messages.STAGE_FAILED.is_(reply):
-                return
-
-    def _unstage(self, agent: str, request: str) -> None:
-        staged = self._staged.pop((agent, request), None)
-        if staged is not None:
-            self.pool.release(staged[0], staged[1])
-            self._release(agent, request)
-            self._work.set()  # queued requests may fit now
-
-    def _expire_staged(self) -> None:
-        now = time.monotonic()
-        for key, (start, n, expiry) in list(self._staged.items()):
-            if now > expiry and self._staged.pop(key, None) is not None:
-                log.warning("staged request %s of %s was never unstaged; its pool blocks are "
-                            "freed", key[1], key[0])
-                self.pool.release(start, n)
-
     # -- completion --------------------------------------------------------------------------
     def _progress_loop(self) -> None:
         """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls tightly
@@ -446,18 +336,18 @@ class PrefillServer:
         tighten_timer_slack()
         busy = False
         while not self._stop.is_set():
-            if busy or self._stage_queue:
+            if busy or self.stages.queued:
                 time.sleep(0.00005)
             else:
                 self._work.wait(0.001)
                 self._work.clear()
             try:
-                if self._staged:
-                    self._expire_staged()
+                if self.stages.held:
+                    self.stages.expire()
                 if self.pushes.waiting:
                     self.pushes.expire()
-                if self._stage_queue:
-                    self._serve_stages()
+                if self.stages.queued:
+                    self.stages.serve()
                 # our UCX worker's progress (WRITEs in flight, peers' requests); nothing of
                 # ours sends notifications (protocol 6), so any that come are only logged
                 notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
@@ -517,17 +407,6 @@ class PrefillServer:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _heads(value, num_heads: int) -> tuple[int, int]:
-    """A stage request's head range (local to this rank), checked; all heads when absent."""
-    if value is None:
-        return (0, num_heads)
-    if (not isinstance(value, list) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-            or not 0 <= value[0] < value[1] <= num_heads):
-        raise KVRuntimeError(f"stage heads {value!r} is not a range within 0..{num_heads}")
-    return (value[0], value[1])
 
 
 def _loopback(host: str) -> bool:

@@ -1,0 +1,163 @@
+"""The prefill's side of requests through its staging pool (host-staged, or coalesced NIXL):
+a decode's "stage" is queued, gathered chunk by chunk into the pool, each chunk answered as soon
+as it is there, and the run held until the decode's "unstage" (or, if it never comes, an expiry
+well after the request's deadline). The decode's side is staged.py; the pools, staging.py."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+
+from . import frames, messages
+from .errors import KVRuntimeError
+from .plan import make_plan
+
+log = logging.getLogger(__name__)
+
+
+class Stages:
+    """Staged requests of a prefill's decodes. ``pool``: the prefill's staging pool (None: it
+    keeps none, and every stage is refused); ``release(agent, request)``: the request's blocks
+    are free; ``wake()``: the progress loop's, since queued requests may fit now."""
+
+    def __init__(self, pool, cache, timeout: float, release, wake):
+        self.pool = pool
+        self.cache = cache
+        self.timeout = timeout
+        self._release = release
+        self._wake = wake
+        self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
+        self._queue: deque = deque()  # (peer, request, plan, heads, deadline, queued at)
+        self._lock = threading.Lock()
+
+    @property
+    def queued(self) -> bool:
+        """Requests wait for pool blocks."""
+        return bool(self._queue)
+
+    @property
+    def held(self) -> bool:
+        """Runs are held for decodes that have not unstaged them yet."""
+        return bool(self._staged)
+
+    def stage(self, peer, message: dict) -> None:
+        """Queue a request's gather into pool blocks; the progress loop (or this call, when
+        blocks are free) serves the queue in order. Nothing here waits: the connection thread
+        must go on reading, since the unstage frames that free blocks come through it."""
+        request = frames.field(message, "request", str)
+        src = frames.ids_field(message, "src")
+        deadline = float(frames.field(message, "deadline", (int, float)))
+        try:
+            if self.pool is None:
+                raise KVRuntimeError("this prefill has no staging pool (coalesce='never')")
+            plan = make_plan(self.cache.layout, src)
+            heads = _heads(message.get("heads"), self.cache.layout.num_kv_heads)
+            left = deadline - time.time()
+            if left <= 0:
+                raise KVRuntimeError(f"its deadline passed {-left:.3f}s before it was read")
+            units = plan.num_blocks * (heads[1] - heads[0])
+            if units > self.pool.units:
+                raise KVRuntimeError(f"a request of {units} units ({plan.num_blocks} blocks x "
+                                     f"{heads[1] - heads[0]} heads) cannot fit a staging pool "
+                                     f"of {self.pool.units} units (the prefill's: "
+                                     f"{self.pool.numbers(units)})")
+        except KVRuntimeError as exc:
+            peer.send(messages.STAGE_FAILED.build(request=request, error=str(exc)), self.timeout)
+            return
+        with self._lock:
+            self._queue.append((peer, request, plan, heads, time.monotonic() + left,
+                                      time.monotonic()))
+        self.serve()
+
+    def serve(self) -> None:
+        """Gather queued requests, in order, while pool blocks are free; fail those whose
+        deadline passed while they waited, with the numbers."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                peer, request, plan, heads, deadline, queued = self._queue[0]
+                n = plan.num_blocks * (heads[1] - heads[0])
+                if time.monotonic() > deadline:
+                    self._queue.popleft()
+                    start, reply = None, messages.STAGE_FAILED.build(
+                        request=request,
+                        error=f"the prefill's staging pool is exhausted: "
+                              f"{self.pool.numbers(n)}; waited "
+                              f"{time.monotonic() - queued:.3f}s until the request's deadline")
+                else:
+                    start = self.pool.try_acquire(n)
+                    if start is None:
+                        return  # the head waits for blocks (FIFO: no starving large requests)
+                    self._queue.popleft()
+                    reply = None
+            if reply is None:
+                self._gather_answering(peer, request, plan, heads, start, n, deadline)
+                continue
+            try:
+                peer.send(reply, self.timeout)
+            except KVRuntimeError as exc:
+                log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
+
+    def _gather_answering(self, peer, request: str, plan, heads, start: int, n: int,
+                          deadline: float) -> None:
+        """Gather a request's run chunk by chunk (staging.StagingPool.chunks), answering each
+        ("staged" with its rows) as soon as it is in the pool: the decode READs one chunk while
+        the next is gathered."""
+        pool = self.pool
+        ids = pool.ids(plan.block_ids()[0])  # a device pool's: uploaded once for every chunk
+        chunks = pool.chunks(len(ids), heads[1] - heads[0])
+        for i, rows in enumerate(chunks):
+            last = i == len(chunks) - 1
+            try:
+                pool.gather(ids, start, heads, rows)
+            except Exception as exc:
+                pool.release(start, n)  # READs of its answered chunks fail the request there
+                reply = messages.STAGE_FAILED.build(request=request,
+                                                    error=f"gather failed: {exc}")
+            else:
+                reply = messages.STAGED.build(request=request, start=start, count=n,
+                                              rows=list(rows), last=last)
+                if last:
+                    # freed by unstage; or, if the decode never says, well after its deadline
+                    # (its READs have been aborted by then). Kept only now: an unstage read by
+                    # the connection thread while the progress loop gathers must not free the
+                    # run under the gather (it is then freed at that expiry).
+                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
+            try:
+                peer.send(reply, self.timeout)
+            except KVRuntimeError as exc:
+                log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
+                if messages.STAGED.is_(reply):  # its READs may run on: freed at the expiry
+                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
+                return
+            if messages.STAGE_FAILED.is_(reply):
+                return
+
+    def unstage(self, agent: str, request: str) -> None:
+        staged = self._staged.pop((agent, request), None)
+        if staged is not None:
+            self.pool.release(staged[0], staged[1])
+            self._release(agent, request)
+            self._wake()  # queued requests may fit now
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for key, (start, n, expiry) in list(self._staged.items()):
+            if now > expiry and self._staged.pop(key, None) is not None:
+                log.warning("staged request %s of %s was never unstaged; its pool blocks are "
+                            "freed", key[1], key[0])
+                self.pool.release(start, n)
+
+
+def _heads(value, num_heads: int) -> tuple[int, int]:
+    """A stage request's head range (local to this rank), checked; all heads when absent."""
+    if value is None:
+        return (0, num_heads)
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            or not 0 <= value[0] < value[1] <= num_heads):
+        raise KVRuntimeError(f"stage heads {value!r} is not a range within 0..{num_heads}")
+    return (value[0], value[1])
