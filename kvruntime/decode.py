@@ -426,6 +426,13 @@ class DecodeClient:
                 self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
             registered = self.staging.cache if self.staging else cache
             self.registration = Registration(self.agent, registered)
+            if (engine != "nixl" and o.kv_buffer == "direct" and cache.mem_type == "VRAM"):
+                # the same-node engine's gather kernel made now, not at the first connect
+                start = time.perf_counter()
+                from .gather import prewarm
+
+                log.info("%s: %s in %.0f ms", self.agent.name, prewarm(cache),
+                         (time.perf_counter() - start) * 1e3)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                                  self.registration.region_triples(), registered.mem_type,
                                  o.kv_buffer, cache.layout if self.staging else None, o.tp_rank)

@@ -56,7 +56,10 @@ def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
         assert {t.device.type for t in cache.tensors} == {"cuda"}
         zero = KVCache.allocate_device(small(kind, blocks=80), "cuda", ids[1])
         zero.fill_value(0)
-        with DecodeClient(cache, secret=b"k", device_kind="cuda", engine=engine) as client:
+        # coalesce="never": this is the direct path's test (a descriptor per run and region);
+        # auto sends per_layer's 120 descriptors through the pools (test_coalesced_* below)
+        with DecodeClient(cache, secret=b"k", device_kind="cuda", engine=engine,
+                          coalesce="never") as client:
             # the agent chose CUDA IPC for READs before its UCX backend existed
             assert os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == "on"
             peer = client.connect("127.0.0.1", ports[0])
@@ -75,6 +78,7 @@ def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
                 assert res.nbytes == len(src) * layout.block_bytes
                 assert res.runs == len(coalesce(src, dst))
                 assert res.descriptors == res.runs * layout.num_regions
+                assert not res.coalesced
                 expected = peer.digests(src)
                 assert len(set(expected)) == len(src)  # random content, not zeros
                 assert cache.block_digests(dst) == expected
