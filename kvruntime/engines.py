@@ -92,6 +92,7 @@ def check_engine_heads(peer, required: bool) -> None:
     engine = peer.samenode
     if engine is not None and engine.moves_head_slices:
         peer.engine_reason += "; mixed TP: one strided copy per region of the head slice"
+        engine.warm_heads(peer.head_slice)  # its kernel made now, not in the first request
         return
     why = (f"prefill TP {peer.info.cache_layout.tp_size} / decode TP "
            f"{peer.client.cache.layout.tp_size} moves head slices, which the same-node "

@@ -41,6 +41,20 @@ try:  # Triton is optional: CUDA builds of torch carry it
         mask = offs < words
         v = tl.load(src + s * words + offs, mask=mask)
         tl.store(dst + d * words + offs, v, mask=mask)
+
+    @triton.jit
+    def _gather_heads(src, dst, ids, dst_at, src_block, dst_block, src_row, dst_row, s_off,
+                      d_off, width, total, TILE: tl.constexpr):
+        # one program: TILE words of one block's head slice, seen as [token row][width words]
+        i = tl.program_id(0)
+        e = tl.program_id(1) * TILE + tl.arange(0, TILE)
+        s = tl.load(ids + i).to(tl.int64)
+        d = tl.load(ids + dst_at + i).to(tl.int64)
+        r = e // width
+        w = e - r * width
+        mask = e < total
+        v = tl.load(src + s * src_block + r * src_row + s_off + w, mask=mask)
+        tl.store(dst + d * dst_block + r * dst_row + d_off + w, v, mask=mask)
 except Exception:  # ImportError, or a Triton that cannot compile here
     triton = None
 
@@ -221,6 +235,65 @@ class BlockGather:
                 self._done_there.record(torch.cuda.current_stream(device).cuda_stream)
             cudart.wait(self.stream.cuda_stream, self._done_there)
         return "torch"
+
+
+class HeadGather:
+    """Mixed TP on the same node: heads ``heads.src`` of the peer's blocks into heads
+    ``heads.dst`` of ours, every region seen as [block][token row][head][bytes of a head]. One
+    kernel a region reads each token row's head slice once and writes it once — across GPUs
+    from the source's GPU into ours over NVLink (peer access), as BlockGather does for whole
+    blocks, where torch's index ops would take three passes (gather, peer copy, scatter). The
+    caller makes ``stream`` (on the GPU holding the peer's memory) current."""
+
+    def __init__(self, src_regions: list, dst_regions: list, theirs, ours, stream):
+        import torch
+
+        self.device = stream.device
+        de = theirs.head_dim * theirs.element_bytes
+        self.rows = theirs.chunk_bytes // (theirs.num_kv_heads * de)
+        size = next(n for n in (8, 4, 2, 1) if de % n == 0 and all(
+            t.data_ptr() % n == 0 for t in (*src_regions, *dst_regions)))
+        dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[size]
+        self.head_words = de // size
+        self.src = [t[:theirs.region_bytes].view(dtype) for t in src_regions]
+        self.dst = [t[:ours.region_bytes].view(dtype) for t in dst_regions]
+        self.src_row = theirs.num_kv_heads * self.head_words
+        self.dst_row = ours.num_kv_heads * self.head_words
+        self.src_block = self.rows * self.src_row
+        self.dst_block = self.rows * self.dst_row
+        for other in {t.device for t in (*src_regions, *dst_regions)} - {self.device}:
+            why = enable_peer_access(self.device, other)
+            if why:
+                raise RuntimeError(f"no peer access {self.device} -> {other}: {why}")
+
+    def warm(self, heads) -> None:
+        """The kernel compiled (or loaded) at connect, launched once into a scratch block."""
+        import torch
+
+        scratch = torch.empty(self.dst_block, dtype=self.dst[0].dtype, device=self.device)
+        self._launch(self.src[0], scratch, torch.zeros(2, dtype=torch.int64, device=self.device),
+                     1, heads)
+        torch.cuda.current_stream(self.device).synchronize()
+
+    def copy(self, src_ids, dst_ids, heads) -> None:
+        import numpy as np
+        import torch
+
+        n = len(src_ids)
+        ids = torch.from_numpy(np.concatenate([np.asarray(src_ids, dtype=np.int64),
+                                               np.asarray(dst_ids, dtype=np.int64)]))
+        ids = ids.to(self.device, non_blocking=False)
+        for src, dst in zip(self.src, self.dst):
+            self._launch(src, dst, ids, n, heads)
+
+    def _launch(self, src, dst, ids, n: int, heads) -> None:
+        (s0, s1), (d0, _d1) = heads.src, heads.dst
+        width = (s1 - s0) * self.head_words
+        total = self.rows * width
+        tile = min(2048, _next_power_of_2(total))
+        _gather_heads[(n, -(-total // tile))](
+            src, dst, ids, n, self.src_block, self.dst_block, self.src_row, self.dst_row,
+            s0 * self.head_words, d0 * self.head_words, width, total, TILE=tile, num_warps=8)
 
 
 def prewarm(cache) -> str:

@@ -444,7 +444,8 @@ class CudaEngine:
     def __init__(self, exported: list, local_cache, remote_layout: KVLayout):
         import torch
 
-        from .gather import BlockGather, work_device
+        from .gather import BlockGather, HeadGather, work_device
+        from .gather import triton as triton_available
 
         self.layout = remote_layout
         # each region opened on *our* index of its GPU: processes with other
@@ -467,6 +468,15 @@ class CudaEngine:
                                    remote_layout.num_blocks, local_cache.layout.num_blocks,
                                    self.stream)
                        if remote_layout.chunk_bytes == local_cache.layout.chunk_bytes else None)
+        # a head slice (mixed TP) by one kernel a region, also across GPUs (gather.py); else
+        # torch's index ops, on one GPU only
+        self.heads = None
+        if self.gather is None and triton_available is not None:
+            try:
+                self.heads = HeadGather(self.remote, self.local, remote_layout,
+                                        local_cache.layout, self.stream)
+            except Exception as exc:  # no peer access, a Triton that cannot compile here
+                log.info("head slices by torch's index ops, on one GPU only: %s", exc)
         if self.gather is not None:
             self.gather.warm()  # the kernel's compile and load at connect, not in a request
         self._handle = self.stream.cuda_stream
@@ -480,8 +490,19 @@ class CudaEngine:
     @property
     def moves_head_slices(self) -> bool:
         """Mixed TP (a head slice of each block) is copied here when the peer's memory is on
-        our GPU: one strided gather per region, at the device's speed."""
-        return all(r.device == self.device for r in self.remote)
+        our GPU: one strided gather per region, at the device's speed; on another GPU with
+        the head kernel (HeadGather), which writes into ours over NVLink."""
+        return self.heads is not None or all(r.device == self.device for r in self.remote)
+
+    def warm_heads(self, heads) -> None:
+        """At connect, for a peer whose head slice this engine moves: the kernel compiled
+        (or loaded from Triton's cache) and launched once into scratch."""
+        if self.heads is not None:
+            with cudart.StreamScope(self.stream, self.device.index):
+                try:
+                    self.heads.warm(heads)
+                except Exception as exc:  # the first request compiles it then
+                    log.info("warming the head-slice kernel failed: %s", exc)
 
     def start(self, op: str, plan: TransferPlan, heads=None) -> _CudaJob:
         with self._lock:
@@ -504,6 +525,9 @@ class CudaEngine:
         per region (both caches have one block kind: the handshake checked it)."""
         import torch
 
+        if self.heads is not None:
+            self.heads.copy(*plan.block_ids(), heads)
+            return
         src_ids, dst_ids = (torch.as_tensor(ids, device=self.device) for ids in plan.block_ids())
         theirs, ours = self.layout, self.local_layout
         de = theirs.head_dim * theirs.element_bytes

@@ -192,6 +192,7 @@ def _assert_rank_heads(cache, full, src, dst, rank):
 
     hd = cache.layout.num_kv_heads
     got = _logical(cache)
+    full = full.to(got.device)
     assert torch.equal(got[dst], full[src][:, :, :, rank * hd:(rank + 1) * hd, :])
     others = [b for b in range(cache.layout.num_blocks) if b not in dst]
     assert not got[others].any()
@@ -225,14 +226,19 @@ def test_mixed_tp_staged_in_vram(prefill, p, d):
             cache.close()
 
 
+@pytest.mark.parametrize("ids", _pairs(), ids=lambda p: f"cuda{p[0]}-to-cuda{p[1]}")
 @pytest.mark.parametrize("engine", ["nixl", "samenode"])
 @pytest.mark.parametrize("op", ["pull", "push", "prefill_push"])
 @pytest.mark.parametrize("p,d", [(1, 2), (2, 1)])
-def test_mixed_tp_direct_in_vram(pushing_prefill, p, d, op, engine):
-    """Direct mixed TP with CUDA caches (ranks share cuda:0): NIXL moves each decode rank's
-    head slice row by row, or the same-node engine copies it with one strided gather per
-    region; compared with the ranks rebuilt on the device. prefill_push: each prefill rank
-    the decode rank reads from starts its push (a WRITE, or the same-node decode's copy)."""
+def test_mixed_tp_direct_in_vram(pushing_prefill, p, d, op, engine, ids):
+    """Direct mixed TP with CUDA caches (prefill ranks on ids[0], decode ranks on ids[1]):
+    NIXL moves each decode rank's head slice row by row, or the same-node engine copies it
+    with one kernel per region (Triton; across GPUs it writes into the decode's GPU over
+    NVLink), or torch's strided gather on one GPU without Triton; compared with the ranks
+    rebuilt on the device. prefill_push: each prefill rank the decode rank reads from starts
+    its push (a WRITE, or the same-node decode's copy)."""
+    if engine == "samenode" and ids[0] != ids[1] and not _has_triton():
+        pytest.skip("head slices across GPUs take the same-node engine's Triton kernel")
     from kvruntime.tp import head_slices
 
     heads, seed = 4, 90 + p * 10 + d
@@ -242,10 +248,10 @@ def test_mixed_tp_direct_in_vram(pushing_prefill, p, d, op, engine):
 
     full = _tp_reference([lay(p)] * p, seed)
     src, dst = [2, 3, 4, 20], [10, 0, 1, 31]
-    with pushing_prefill([lay(p)] * p, seed=seed, device="cuda", device_id=DEVICE_ID,
+    with pushing_prefill([lay(p)] * p, seed=seed, device="cuda", device_id=ids[0],
                          tp_ranks=list(range(p))) as (_proc, ports, push):
         for j in range(d):
-            cache = KVCache.allocate_device(lay(d), "cuda", DEVICE_ID)
+            cache = KVCache.allocate_device(lay(d), "cuda", ids[1])
             cache.fill_value(0)
             with DecodeClient(cache, device_kind="cuda", tp_rank=j, engine=engine) as client:
                 for s in head_slices(lay(p), cache.layout, j):
