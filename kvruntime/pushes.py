@@ -141,9 +141,10 @@ class Writes:
 
     # -- posting, polling, answering --------------------------------------------------------------
     def post(self, peer, request: str, plan, deadline: float, split: int = 1,
-                    notif: bytes = b"") -> None:
-        """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight; ``notif``:
-        the notification that is a push of our own's only answer."""
+             notify: dict | None = None) -> None:
+        """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight; ``notify``:
+        the "pushed" that is a push of our own's only answer, sent as the WRITE's NIXL
+        notification with the descriptors it posts (mixed TP: a token row's heads each)."""
         s, rows = peer.head_slice, None
         if s is not None:  # mixed TP, direct: the decode rank's heads of each token row
             src_ids, dst_ids = plan.block_ids()
@@ -151,6 +152,10 @@ class Writes:
                                   src_ids, s.src),
                         head_rows(peer.info.layout, peer.info.regions, dst_ids, s.dst),
                         peer.agent, self.cache.mem_type, peer.info.mem_type)
+        notif = b""
+        if notify is not None:
+            notify["descriptors"] = len(rows.local) if rows is not None else plan.descriptor_count
+            notif = frames.encode_notif(notify, peer.info.session)
         with self.lock:
             if (peer.agent, request) in self._writes:
                 raise KVRuntimeError(f"request {request!r} is already in flight")
@@ -397,9 +402,8 @@ class Pushes:
                 message["ring"] = peer.mailbox.post(frames.encode_payload(message))
             peer.send(message, self.timeout)
             return
-        notif = frames.encode_notif(messages.PUSHED.build(
-            request=request, posted=posted, descriptors=plan.descriptor_count), peer.info.session)
-        self.writes.post(peer, request, plan, deadline, 1, notif)
+        self.writes.post(peer, request, plan, deadline, 1,
+                         messages.PUSHED.build(request=request, posted=posted))
 
     def _push_failed(self, peer, request: str, error: str, release: bool) -> None:
         """A push of ours that will not be written: the decode hears why; ``release``: blocks

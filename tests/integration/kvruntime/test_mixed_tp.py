@@ -88,6 +88,8 @@ def test_each_decode_rank_gets_exactly_its_heads(pushing_prefill, p, d, op, mode
                     assert res.nbytes == len(src) * cache.layout.block_bytes * s.count \
                         // cache.layout.num_kv_heads
                     assert res.coalesced == (mode == "coalesced")
+                    if mode == "direct":  # a descriptor a token row of each block's regions
+                        assert res.descriptors == len(src) * 2 * LAYERS * TOKENS
                 got = logical(cache)
                 hd = HEADS // d
                 want = full[src][:, :, :, j * hd:(j + 1) * hd, :]
