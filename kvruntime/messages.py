@@ -59,8 +59,9 @@ ERROR = Message("error", EITHER, ("code", "message", "fields"), (),
 # -- requests a decode sends once connected ---------------------------------------------------
 PUSH = Message("push", DECODE, ("request", "timeout", "deadline"), ("src", "dst", "runs", "split"),
                "write these blocks of yours into mine (ids, or runs)")
-EXPECT = Message("expect", DECODE, ("request", "dst", "timeout", "deadline"), ("copy",),
-                 "my blocks for a push you will start (copy: send ids, I copy)")
+EXPECT = Message("expect", DECODE, ("request", "dst", "timeout", "deadline"), ("copy", "stage"),
+                 "my blocks for a push you will start (copy: send ids, I copy; stage: send "
+                 "ids, I ask you to stage them and READ them through the pools)")
 CANCEL = Message("cancel", DECODE, ("request",), (), "drop a push past its deadline")
 SAMENODE = Message("samenode", EITHER, ("request",), (), "asks for the same-node offer; the "
                    "reply carries the offer's fields too", open=True)

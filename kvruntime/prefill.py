@@ -160,7 +160,8 @@ class PrefillServer:
             # our WRITEs and the pushes they serve (pushes.py)
             self.writes = Writes(self.agent, self.registration, cache, o.timeout, self._release,
                                  self._work.set, self._peers_lock)
-            self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None)
+            self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None,
+                                 self.pool is not None and self.staging is None)
             # requests through our pool: gathered, answered chunk by chunk, held (stages.py)
             self.stages = Stages(self.pool, cache, o.timeout, self._release, self._work.set)
         except Exception:

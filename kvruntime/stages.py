@@ -30,6 +30,10 @@ class Stages:
         self._wake = wake
         self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
         self._queue: deque = deque()  # (peer, request, plan, heads, deadline, queued at)
+        # (agent, request) being gathered now, and those of them unstaged meanwhile (freed,
+        # and released, once the gather has stopped reading the blocks)
+        self._gathering: set = set()
+        self._early: set = set()
         self._lock = threading.Lock()
 
     @property
@@ -92,6 +96,7 @@ class Stages:
                     if start is None:
                         return  # the head waits for blocks (FIFO: no starving large requests)
                     self._queue.popleft()
+                    self._gathering.add((peer.agent, request))
                     reply = None
             if reply is None:
                 self._gather_answering(peer, request, plan, heads, start, n, deadline)
@@ -106,6 +111,23 @@ class Stages:
         """Gather a request's run chunk by chunk (staging.StagingPool.chunks), answering each
         ("staged" with its rows) as soon as it is in the pool: the decode READs one chunk while
         the next is gathered."""
+        try:
+            self._gather_chunks(peer, request, plan, heads, start, n, deadline)
+        finally:
+            key = (peer.agent, request)
+            with self._lock:
+                self._gathering.discard(key)
+                early = key in self._early
+                self._early.discard(key)
+                held = self._staged.pop(key, None) if early else None
+            if early:  # unstaged while we gathered: ours to free now the gather has stopped
+                if held is not None:
+                    self.pool.release(held[0], held[1])
+                self._release(peer.agent, request)
+                self._wake()
+
+    def _gather_chunks(self, peer, request: str, plan, heads, start: int, n: int,
+                       deadline: float) -> None:
         pool = self.pool
         ids = pool.ids(plan.block_ids()[0])  # a device pool's: uploaded once for every chunk
         chunks = pool.chunks(len(ids), heads[1] - heads[0])
@@ -137,11 +159,24 @@ class Stages:
                 return
 
     def unstage(self, agent: str, request: str) -> None:
-        staged = self._staged.pop((agent, request), None)
+        """The decode is done with a request (its last chunk scattered, or it failed): its run
+        is freed and the request released — at once, or, while it is being gathered, once
+        the gather stops reading its blocks; one still queued is dropped. Every request a
+        decode stages ends in one release, a refused or failed one too: a push the prefill
+        started (pushes.py, "stage") gives its caller's blocks back that way."""
+        key = (agent, request)
+        with self._lock:
+            staged = self._staged.pop(key, None)
+            if staged is None and key in self._gathering:
+                self._early.add(key)
+                return
+            if staged is None:
+                for entry in [e for e in self._queue if (e[0].agent, e[1]) == key]:
+                    self._queue.remove(entry)
         if staged is not None:
             self.pool.release(staged[0], staged[1])
-            self._release(agent, request)
-            self._wake()  # queued requests may fit now
+        self._release(agent, request)
+        self._wake()  # queued requests may fit now
 
     def expire(self) -> None:
         now = time.monotonic()
