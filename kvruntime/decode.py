@@ -44,7 +44,7 @@ from .registration import Registration
 from .releases import Pending, ReleaseSender
 from .samenode import ENGINES, Batch, SharedJob, host_copy_streams
 from .staged import StagedPull
-from .staging import StagingExhausted, StagingPool, resolve_kv_buffer
+from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import head_rows
 from .transfer import Draining, PostedTransfer, Rows, TransferResult
@@ -136,13 +136,9 @@ class PrefillPeer:
         (``new`` False: its handle already waits for frames, pushed.py's ready)."""
         if new:
             self.channel.check_new(handle.request_id)
+        # larger than the pools: in pieces; not even a block fits: refused now (StagedPull)
         job = StagedPull(self, handle.plan, handle.request_id,
                          time.time() + handle.deadline - time.monotonic(), self.route)
-        pool = self.route.pool
-        if job.units > pool.units:  # it could never fit: refused now, not at its deadline
-            raise StagingExhausted(f"request {handle.request_id} can never fit the decode's "
-                                   f"staging pool: {pool.numbers(job.units)}; size the pool "
-                                   f"(staging_blocks) for the largest request")
         handle.attach(job)
         handle.uses_peer = True  # the prefill's "staged" answer comes over the side channel
         if new:

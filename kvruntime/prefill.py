@@ -288,7 +288,7 @@ class PrefillServer:
         elif kind == messages.STAGE.type:
             self.stages.stage(peer, message)
         elif kind == messages.UNSTAGE.type:
-            self.stages.unstage(peer.agent, frames.field(message, "request", str))
+            self.stages.unstage(peer.agent, message)
         elif kind == messages.RELEASE.type:  # pulls, same-node copies done: blocks may be freed
             for request in frames.names_field(message, "requests"):
                 self._release(peer.agent, request)

@@ -468,7 +468,11 @@ def test_a_pooled_push_that_fails_gives_the_prefill_its_blocks_back(coalesced_pa
     decode's "unstage" drops it from the queue and still releases the request: the prefill's
     engine gets its blocks back, nothing lands, and the next push goes through."""
     server, client, peer, src, dst = coalesced_pair
-    held = server.pool.try_acquire(server.pool.units)
+    held, until = None, time.monotonic() + 5
+    while held is None and time.monotonic() < until:  # the fixture's pull unstaged by now
+        held = server.pool.try_acquire(server.pool.units)
+        time.sleep(0.001)
+    assert held is not None
     try:
         before = dst.block_digests([20, 21, 22])
         handle = peer.expect_push([20, 21, 22], request_id="held", timeout=0.5)
