@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("auto", "always", "never")
 # A direct side's pool when the caller sizes none: this many bytes of blocks (at most the
-# cache). A request larger than either side's pool goes direct (auto) or is refused (always).
+# cache). A request larger than either side's pool moves in pieces (staged.py).
 DEFAULT_POOL_BYTES = 256 << 20
 # Of a coalesced request's gather and scatter, how much the pipeline leaves exposed (the
 # first chunk's gather and the last one's scatter; on a host with few cores the copies and the
@@ -121,11 +121,11 @@ class Model:
     gather_gbps: float  # our gather into the pool (the scatter taken as the same)
     round_trip_us: float  # one side-channel exchange
 
-    def choose(self, descriptors: int, nbytes: int) -> tuple[bool, str]:
+    def choose(self, descriptors: int, nbytes: int, pieces: int = 1) -> tuple[bool, str]:
         """Whether a request of ``descriptors`` descriptors and ``nbytes`` bytes goes
-        coalesced, and why (the two estimates)."""
+        coalesced (in ``pieces``, a round trip each), and why (the two estimates)."""
         direct = descriptors * self.descriptor_us
-        gathered = EXPOSED * nbytes / (self.gather_gbps * 1e3) + self.round_trip_us
+        gathered = EXPOSED * nbytes / (self.gather_gbps * 1e3) + pieces * self.round_trip_us
         if direct > gathered:
             return True, (f"auto: {descriptors} descriptors x {self.descriptor_us:.2f} us = "
                           f"{direct:.0f} us > {gathered:.0f} us of gathering "
@@ -278,25 +278,30 @@ def open_route(peer) -> None:
 
 def choose(peer, handle) -> bool:
     """Whether a direct NIXL request goes through the pools; the choice and its reason go
-    into its result (``handle.coalesce``). A request that can never fit the pools is refused
-    at once under "always" (StagingExhausted, with the numbers), goes direct under "auto"."""
+    into its result (``handle.coalesce``). One larger than the pools moves in pieces (said in
+    the reason); where not even a block fits, it is refused at once under "always"
+    (StagingExhausted, with the numbers) and goes direct under "auto"."""
     mode, route = peer.client.coalesce, peer.route
     if route is None or mode == "never":
         handle.coalesce = (False, peer.coalesce_reason)
         return False
     plan, lay = handle.plan, peer.client.cache.layout
-    units = plan.num_blocks * (peer.head_slice.count if peer.head_slice else lay.num_kv_heads)
-    fits = min(route.pool.units, route.remote_units)
-    if units > fits:
+    heads = peer.head_slice.count if peer.head_slice else lay.num_kv_heads
+    units, fits = plan.num_blocks * heads, min(route.pool.units, route.remote_units)
+    if fits < heads:
         if mode == "always":
             raise StagingExhausted(
-                f"request {handle.request_id} can never fit the staging pools: {units} units, "
-                f"the decode's pool {route.pool.units}, the prefill's {route.remote_units}; "
-                f"size the pools (staging_blocks) for the largest request, or coalesce='auto'")
-        handle.coalesce = (False, f"{units} units do not fit the pools ({fits} units)")
+                f"request {handle.request_id} can never fit the staging pools: a block is "
+                f"{heads} units, the decode's pool {route.pool.units}, the prefill's "
+                f"{route.remote_units}; size the pools (staging_blocks) for at least one "
+                f"block, or coalesce='auto'")
+        handle.coalesce = (False, f"a block's {heads} units do not fit the pools ({fits} units)")
         return False
+    # larger than the pools: in pieces as large as both hold, one after another (staged.py)
+    count = -(-plan.num_blocks // (fits // heads))
+    split = "" if count == 1 else f"; in {count} pieces ({units} units, the pools hold {fits})"
     if mode == "always":
-        handle.coalesce = (True, "coalesce='always'")
+        handle.coalesce = (True, "coalesce='always'" + split)
         return True
     if peer.coalesce_model is None:
         handle.coalesce = (False, peer.coalesce_reason)
@@ -304,5 +309,6 @@ def choose(peer, handle) -> bool:
     # mixed TP, direct: a descriptor a token row of each block's head slice
     descriptors = (plan.num_blocks * lay.num_regions * rows_per_chunk(lay)
                    if peer.head_slice is not None else plan.descriptor_count)
-    handle.coalesce = peer.coalesce_model.choose(descriptors, handle.nbytes)
-    return handle.coalesce[0]
+    chosen, why = peer.coalesce_model.choose(descriptors, handle.nbytes, count)
+    handle.coalesce = (chosen, why + split if chosen else why)
+    return chosen

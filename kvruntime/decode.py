@@ -44,7 +44,7 @@ from .registration import Registration
 from .releases import Pending, ReleaseSender
 from .samenode import ENGINES, Batch, SharedJob, host_copy_streams
 from .staged import StagedPull
-from .staging import StagingExhausted, StagingPool, resolve_kv_buffer
+from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import head_rows
 from .transfer import Draining, PostedTransfer, Rows, TransferResult
@@ -129,24 +129,27 @@ class PrefillPeer:
             return self._start_staged(handle)
         return self._post_read(handle, split)
 
-    def _start_staged(self, handle: TransferHandle) -> TransferHandle:
+    def _start_staged(self, handle: TransferHandle, new: bool = True) -> TransferHandle:
         """Through the pools (staging.py: host-staged, or coalesced): the prefill gathers into
         its pool chunk by chunk, we READ each chunk into ours and scatter it. A push takes
-        the same road (the outcome is the push's)."""
-        self.channel.check_new(handle.request_id)
-        job = StagedPull(self, handle.plan, handle.request_id, time.time() + handle.timeout,
-                         self.route)
-        pool = self.route.pool
-        if job.units > pool.units:  # it could never fit: refused now, not at its deadline
-            raise StagingExhausted(f"request {handle.request_id} can never fit the decode's "
-                                   f"staging pool: {pool.numbers(job.units)}; size the pool "
-                                   f"(staging_blocks) for the largest request")
+        the same road (the outcome is the push's), and so does a push the prefill started
+        (``new`` False: its handle already waits for frames, pushed.py's ready)."""
+        if new:
+            self.channel.check_new(handle.request_id)
+        # larger than the pools: in pieces; not even a block fits: refused now (StagedPull)
+        job = StagedPull(self, handle.plan, handle.request_id,
+                         time.time() + handle.deadline - time.monotonic(), self.route)
         handle.attach(job)
         handle.uses_peer = True  # the prefill's "staged" answer comes over the side channel
-        self.channel.expect(handle)
+        if new:
+            self.channel.expect(handle)
         self.client.track(handle)
         job.send()
         return handle
+
+    def start_staged(self, handle: TransferHandle) -> TransferHandle:
+        """A push the prefill started, through the pools (its ready is here: pushed.py)."""
+        return self._start_staged(handle, new=False)
 
     def read_split(self, plan: TransferPlan) -> int:
         """Pieces per run for a READ of ``plan`` when the caller names none: NIXL spreads a

@@ -280,7 +280,8 @@ class TransferHandle:
     def on_reply(self, message: dict) -> None:
         kind = message.get("type")
         if kind in (messages.STAGED.type, messages.STAGE_FAILED.type):  # the staged job's
-            if kind == messages.STAGE_FAILED.type or message.get("last") is True:  # no more chunks
+            if kind == messages.STAGE_FAILED.type or (  # no more chunks (of its last piece)
+                    message.get("last") is True and getattr(self._xfer, "last_piece", True)):
                 self.peer.settled(self)
             self._xfer.on_reply(message)
             return

@@ -59,14 +59,17 @@ ERROR = Message("error", EITHER, ("code", "message", "fields"), (),
 # -- requests a decode sends once connected ---------------------------------------------------
 PUSH = Message("push", DECODE, ("request", "timeout", "deadline"), ("src", "dst", "runs", "split"),
                "write these blocks of yours into mine (ids, or runs)")
-EXPECT = Message("expect", DECODE, ("request", "dst", "timeout", "deadline"), ("copy",),
-                 "my blocks for a push you will start (copy: send ids, I copy)")
+EXPECT = Message("expect", DECODE, ("request", "dst", "timeout", "deadline"), ("copy", "stage"),
+                 "my blocks for a push you will start (copy: send ids, I copy; stage: send "
+                 "ids, I ask you to stage them and READ them through the pools)")
 CANCEL = Message("cancel", DECODE, ("request",), (), "drop a push past its deadline")
 SAMENODE = Message("samenode", EITHER, ("request",), (), "asks for the same-node offer; the "
                    "reply carries the offer's fields too", open=True)
-STAGE = Message("stage", DECODE, ("request", "src", "deadline"), ("heads",),
-                "gather these blocks into your staging pool")
-UNSTAGE = Message("unstage", DECODE, ("request",), (), "free a staged run")
+STAGE = Message("stage", DECODE, ("request", "src", "deadline"), ("heads", "piece"),
+                "gather these blocks into your staging pool (piece: which piece of a request "
+                "larger than the pools)")
+UNSTAGE = Message("unstage", DECODE, ("request",), ("piece", "more"),
+                  "free a staged run; the request is done (more: other pieces of it come)")
 POOL = Message("pool", EITHER, (), ("request", "region", "mem_type", "units", "unit_bytes",
                                     "unavailable"),
                "where is your staging pool (coalesce.py); answered with its region and units, "

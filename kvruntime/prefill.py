@@ -160,7 +160,8 @@ class PrefillServer:
             # our WRITEs and the pushes they serve (pushes.py)
             self.writes = Writes(self.agent, self.registration, cache, o.timeout, self._release,
                                  self._work.set, self._peers_lock)
-            self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None)
+            self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None,
+                                 self.pool is not None and self.staging is None)
             # requests through our pool: gathered, answered chunk by chunk, held (stages.py)
             self.stages = Stages(self.pool, cache, o.timeout, self._release, self._work.set)
         except Exception:
@@ -287,7 +288,7 @@ class PrefillServer:
         elif kind == messages.STAGE.type:
             self.stages.stage(peer, message)
         elif kind == messages.UNSTAGE.type:
-            self.stages.unstage(peer.agent, frames.field(message, "request", str))
+            self.stages.unstage(peer.agent, message)
         elif kind == messages.RELEASE.type:  # pulls, same-node copies done: blocks may be freed
             for request in frames.names_field(message, "requests"):
                 self._release(peer.agent, request)

@@ -5,7 +5,9 @@
 Over NIXL the prefill WRITEs them with a notification, which finishes the handle here
 (``on_notif``, its MAC checked). To a same-node decode it sends their ids instead (a "ready"
 frame, or a record in its ring read first) and the decode copies them out of its memory itself,
-as a pull (``copy_ready``).
+as a pull (``copy_ready``); so does a coalesced NIXL decode (coalesce.py chose the pools at
+``expect``), which has them staged and READs them through both pools as a pull (staged.py):
+all the pools' rules (deadlines, units given back, no scatter after a failure) are a pull's.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 
+from . import coalesce as coalescing
 from . import frames, messages
 from .errors import KVRuntimeError, TransferError
 from .inflight import PENDING, TransferHandle
@@ -38,10 +41,17 @@ def expect(peer, dst_blocks, request_id: str | None, timeout: float,
     peer.channel.check_new(request_id)
     handle = peer.make_handle("push", request_id, plan, timeout, t0)
     handle.by_prefill = True
+    # same node: "send the ids when ready, we copy"; through the pools (coalesce.py): "send
+    # the ids when ready, we have them staged and READ them as a pull" (our pool taken then,
+    # not while the prefill computes)
+    if peer.samenode is not None:
+        copy = {"copy": True}
+    elif coalescing.choose(peer, handle):
+        copy = {"stage": True}
+    else:
+        copy = {}
     peer.channel.expect(handle)
     peer.client.track(handle)
-    # same node: "send the ids when ready, we copy"
-    copy = {"copy": True} if peer.samenode is not None else {}
     peer.send(messages.EXPECT.build(request=request_id, dst=frames.pack_ids(plan.block_ids()[0]),
                                     timeout=timeout, deadline=time.time() + timeout, **copy))
     return handle
@@ -54,21 +64,26 @@ def copy_ready(peer, handle: TransferHandle, message: dict) -> None:
     that cannot be planned gives the blocks straight back (a release): nothing reads
     them."""
     request = handle.request_id
-    copied = gave_up = False
+    copied = gave_up = staged = False
     with handle.lock:
         try:
             if handle.state != PENDING:
                 gave_up = True  # failed here first: the answer to its cancel settles it
                 raise KVRuntimeError("it had already failed here")
-            if peer.samenode is None:
-                raise KVRuntimeError("no same-node engine serves this peer here")
+            staged = bool(handle.coalesce and handle.coalesce[0])
+            if peer.samenode is None and not staged:
+                raise KVRuntimeError("no same-node engine serves this peer here, and it was "
+                                     "not asked for through the pools")
             plan = ready_plan(peer.planner(), handle.plan, message)
             posted = message.get("posted")
             if isinstance(posted, (int, float)) and not isinstance(posted, bool):
                 # its start on our clock: one host's wall clock, read on both sides
                 handle.started = time.perf_counter() - max(0.0, time.time() - posted)
             handle.plan = plan  # from here it is our copy's, as a pull's
-            peer.start_local(handle)
+            if staged:  # the prefill's "staged" answers come to this handle: not settled yet
+                peer.start_staged(handle)
+            else:
+                peer.start_local(handle)
             copied = True
         except Exception as exc:  # bad ids, or a launch that failed: this request fails,
             # whoever polled (an engine's get_finished) goes on with the others
@@ -80,7 +95,7 @@ def copy_ready(peer, handle: TransferHandle, message: dict) -> None:
                                           f"ready could not be copied: {exc}"))
     if not copied:  # its blocks go back now (no poll of it may come again), outside its
         peer.releases.flush()  # lock: a send that fails fails the peer's handles
-    if not gave_up:
+    if not gave_up and not (copied and staged):
         peer.channel.settled(handle)  # the prefill has nothing more to say of it
 
 

@@ -50,7 +50,7 @@ class _Write:
 class _Expected:  # a decode's blocks for a request we will push (its "expect" frame)
     dst: object  # int64 ids, checked against its layout
     deadline: float  # monotonic: the decode's deadline
-    copies: bool = False  # a same-node decode: it copies them itself once we say "ready"
+    copies: bool = False  # it copies them itself once we say "ready" (same-node, or pooled)
 
 
 @dataclass
@@ -141,9 +141,10 @@ class Writes:
 
     # -- posting, polling, answering --------------------------------------------------------------
     def post(self, peer, request: str, plan, deadline: float, split: int = 1,
-                    notif: bytes = b"") -> None:
-        """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight; ``notif``:
-        the notification that is a push of our own's only answer."""
+             notify: dict | None = None) -> None:
+        """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight; ``notify``:
+        the "pushed" that is a push of our own's only answer, sent as the WRITE's NIXL
+        notification with the descriptors it posts (mixed TP: a token row's heads each)."""
         s, rows = peer.head_slice, None
         if s is not None:  # mixed TP, direct: the decode rank's heads of each token row
             src_ids, dst_ids = plan.block_ids()
@@ -151,6 +152,10 @@ class Writes:
                                   src_ids, s.src),
                         head_rows(peer.info.layout, peer.info.regions, dst_ids, s.dst),
                         peer.agent, self.cache.mem_type, peer.info.mem_type)
+        notif = b""
+        if notify is not None:
+            notify["descriptors"] = len(rows.local) if rows is not None else plan.descriptor_count
+            notif = frames.encode_notif(notify, peer.info.session)
         with self.lock:
             if (peer.agent, request) in self._writes:
                 raise KVRuntimeError(f"request {request!r} is already in flight")
@@ -236,7 +241,7 @@ class Pushes:
     The server's connections are ``peers`` (agent -> connection); ``writes`` posts and answers
     the WRITEs, and its ``release``/``wake`` serve the pushes too."""
 
-    def __init__(self, writes: Writes, stats, peers: dict, staged: bool):
+    def __init__(self, writes: Writes, stats, peers: dict, staged: bool, pooled: bool):
         self.writes = writes
         # the server's, as the WRITEs have them
         self.cache, self.timeout, self._release, self._wake = (
@@ -244,6 +249,7 @@ class Pushes:
         self.stats = stats
         self.peers = peers
         self.staged = staged  # host-staged: nothing is pushed directly
+        self.pooled = pooled  # a direct side's staging pool: a decode may pull pushes through it
         self._own = Planner(self.cache.layout)  # our ids alone (pushes' sources), made once
         # request -> a push waiting for its decode (under writes.lock, as the connections'
         # expected requests are)
@@ -397,9 +403,8 @@ class Pushes:
                 message["ring"] = peer.mailbox.post(frames.encode_payload(message))
             peer.send(message, self.timeout)
             return
-        notif = frames.encode_notif(messages.PUSHED.build(
-            request=request, posted=posted, descriptors=plan.descriptor_count), peer.info.session)
-        self.writes.post(peer, request, plan, deadline, 1, notif)
+        self.writes.post(peer, request, plan, deadline, 1,
+                         messages.PUSHED.build(request=request, posted=posted))
 
     def _push_failed(self, peer, request: str, error: str, release: bool) -> None:
         """A push of ours that will not be written: the decode hears why; ``release``: blocks
@@ -418,12 +423,18 @@ class Pushes:
         dst = frames.ids_field(message, "dst")
         timeout = float(frames.field(message, "timeout", (int, float)))
         left = float(frames.field(message, "deadline", (int, float))) - time.time()
-        copies = message.get("copy") is True
+        # the decode copies them itself once we say "ready": same-node, or through the pools
+        # (it asks us to stage them, as a pull: stages.py)
+        pooled = message.get("stage") is True
+        copies = message.get("copy") is True or pooled
         taken = None  # a push of ours that waited for this decode: its blocks are ours to free
         try:
             if self.staged:
                 raise KVRuntimeError("this prefill is host-staged: it pushes nothing directly")
-            if copies and not peer.opened:
+            if pooled and not self.pooled:
+                raise KVRuntimeError("it asks to pull the push through the staging pools but "
+                                     "this prefill keeps none (coalesce='never')")
+            if copies and not pooled and not peer.opened:
                 raise KVRuntimeError("it asks to copy the push itself but has not opened this "
                                      "prefill's memory (same-node engine)")
             if left <= 0:

@@ -13,7 +13,7 @@ from . import frames, messages
 from .errors import KVRuntimeError
 from .plan import TransferPlan
 from .samenode import CopyJob
-from .staging import StagingPool, done, wait
+from .staging import StagingExhausted, StagingPool, done, wait
 
 @dataclass(frozen=True)
 class PoolRoute:
@@ -58,31 +58,62 @@ class StagedPull(CopyJob):
         self._src_heads = tp.src if tp else None
         self._dst_heads = tp.dst if tp else None
         self._hs = tp.count if tp else peer.client.cache.layout.num_kv_heads
-        self._units = plan.num_blocks * self._hs
-        self._rows = 2 * peer.client.cache.layout.num_layers * plan.num_blocks
         self.request_id = request_id
+        self._deadline_wall = deadline_wall
+        self._unstaged = False
+        self._src_ids, self._dst_ids = plan.block_ids()
+        self._pieces = pieces(plan.num_blocks, self._hs, route, request_id)
+        self._piece = 0
+        self._descriptors = 0  # chunks READ by the pieces before this one
+        self._begin()
+
+    def _begin(self) -> None:
+        """Start piece ``self._piece``: its blocks, rows, and the "stage" that asks for it
+        (its number only when there are several: a request of one piece is what it was)."""
+        lo, hi = self._pieces[self._piece]
+        self._units = (hi - lo) * self._hs
+        self._rows = 2 * self.peer.client.cache.layout.num_layers * (hi - lo)
         # what it waits for, for the deadline's error: the prefill's run, then our pool blocks
         self.waiting = "the prefill had not staged it (its pool busy, or it stalled or died)"
         self._remote: tuple[int, int] | None = None
         self._local: int | None = None
         self._ready: list[tuple[int, int]] = []  # row ranges the prefill has gathered
         self._chunks: list[_Chunk] = []
-        self._unstaged = False
-        src, self._dst = plan.block_ids()
-        self._dst = route.pool.ids(self._dst)  # once for all the chunks' scatters
+        self._dst = self.route.pool.ids(self._dst_ids[lo:hi])  # once for the chunks' scatters
         self._message = messages.STAGE.build(
-            request=request_id, src=frames.pack_ids(src), deadline=deadline_wall,
+            request=self.request_id, src=frames.pack_ids(self._src_ids[lo:hi]),
+            deadline=self._deadline_wall, **self._piece_field(),
             **({} if self._src_heads is None else {"heads": list(self._src_heads)}))
+
+    def _piece_field(self) -> dict:
+        return {"piece": self._piece} if len(self._pieces) > 1 else {}
+
+    @property
+    def last_piece(self) -> bool:
+        """No piece of the request comes after this one (the prefill's answers then end)."""
+        return self._piece + 1 == len(self._pieces)
 
     @property
     def units(self) -> int:
-        """Pool units the request takes (a block's heads of ours, each one unit)."""
+        """Pool units a piece of the request takes (a block's heads of ours, each one unit)."""
         return self._units
 
     def send(self) -> None:
         """Ask the prefill to stage (once the handle holds this job: another thread's poll may
         hand it the answer at once)."""
         self.peer.send(self._message)
+
+    def _next_piece(self) -> None:
+        """The piece before has landed: its units are free on both sides (its "unstage" says
+        more come: the request is not released) and the next one is asked for."""
+        self.route.pool.release(self._local, self._remote[1])
+        self._local = None
+        self.peer.send(messages.UNSTAGE.build(request=self.request_id, more=True,
+                                              **self._piece_field()))
+        self._descriptors += len(self._chunks)
+        self._piece += 1
+        self._begin()
+        self.send()
 
     def on_reply(self, message: dict) -> None:
         if self.state != "PROC":
@@ -144,6 +175,12 @@ class StagedPull(CopyJob):
                 except Exception as exc:
                     self._fail(f"scattering the staged blocks failed: {exc}")
                     return self.state
+            if self._piece + 1 < len(self._pieces):
+                try:
+                    self._next_piece()
+                except KVRuntimeError as exc:
+                    self._fail(str(exc))
+                return self.state
             self._done("DONE")
         return self.state
 
@@ -234,7 +271,8 @@ class StagedPull(CopyJob):
         if not self._unstaged and not self.peer.broken:  # gone: the prefill frees ours
             self._unstaged = True
             try:
-                self.peer.send(messages.UNSTAGE.build(request=self.request_id))
+                self.peer.send(messages.UNSTAGE.build(request=self.request_id,
+                                                      **self._piece_field()))
             except KVRuntimeError:
                 pass  # the connection is gone: the prefill frees everything of ours
 
@@ -250,6 +288,20 @@ class StagedPull(CopyJob):
     def result(self):
         from .transfer import TransferResult
 
-        nbytes = self._units * self.route.pool.layout.block_bytes  # our heads only
-        return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,
-                              len(self._chunks), None, engine=self.engine)
+        nbytes = self.plan.num_blocks * self._hs * self.route.pool.layout.block_bytes
+        return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,  # our heads
+                              self._descriptors + len(self._chunks), None, engine=self.engine)
+
+
+def pieces(blocks: int, heads: int, route: PoolRoute, request_id: str) -> list[tuple[int, int]]:
+    """The block ranges a request of ``blocks`` blocks (``heads`` units each) moves in: one,
+    or, larger than either side's pool, pieces as large as both pools hold, one after
+    another. A pool that cannot hold one block's heads can never serve it: refused now."""
+    fits = min(route.pool.units, route.remote_units)
+    per = fits // heads
+    if per < 1:
+        raise StagingExhausted(f"request {request_id} can never fit the staging pools: a "
+                               f"block is {heads} units, the decode's pool holds "
+                               f"{route.pool.units}, the prefill's {route.remote_units}; size "
+                               f"the pools (staging_blocks) for at least one block")
+    return [(lo, min(blocks, lo + per)) for lo in range(0, blocks, per)]

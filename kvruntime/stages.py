@@ -28,8 +28,14 @@ class Stages:
         self.timeout = timeout
         self._release = release
         self._wake = wake
-        self._staged: dict[tuple[str, str], tuple[int, int, float]] = {}  # -> (start, n, expiry)
-        self._queue: deque = deque()  # (peer, request, plan, heads, deadline, queued at)
+        # (agent, request, piece) -> (start, n, expiry); a request larger than the pools
+        # comes in pieces, one after another (staged.py)
+        self._staged: dict[tuple[str, str, int], tuple[int, int, float]] = {}
+        self._queue: deque = deque()  # (peer, request, piece, plan, heads, deadline, queued at)
+        # pieces being gathered now, and those of them unstaged meanwhile (freed, and the
+        # request released, once the gather has stopped reading the blocks)
+        self._gathering: set = set()
+        self._early: dict = {}  # -> its unstage's "more"
         self._lock = threading.Lock()
 
     @property
@@ -49,6 +55,7 @@ class Stages:
         request = frames.field(message, "request", str)
         src = frames.ids_field(message, "src")
         deadline = float(frames.field(message, "deadline", (int, float)))
+        piece = _piece(message)
         try:
             if self.pool is None:
                 raise KVRuntimeError("this prefill has no staging pool (coalesce='never')")
@@ -67,8 +74,8 @@ class Stages:
             peer.send(messages.STAGE_FAILED.build(request=request, error=str(exc)), self.timeout)
             return
         with self._lock:
-            self._queue.append((peer, request, plan, heads, time.monotonic() + left,
-                                      time.monotonic()))
+            self._queue.append((peer, request, piece, plan, heads, time.monotonic() + left,
+                                time.monotonic()))
         self.serve()
 
     def serve(self) -> None:
@@ -78,7 +85,7 @@ class Stages:
             with self._lock:
                 if not self._queue:
                     return
-                peer, request, plan, heads, deadline, queued = self._queue[0]
+                peer, request, piece, plan, heads, deadline, queued = self._queue[0]
                 n = plan.num_blocks * (heads[1] - heads[0])
                 if time.monotonic() > deadline:
                     self._queue.popleft()
@@ -92,20 +99,41 @@ class Stages:
                     if start is None:
                         return  # the head waits for blocks (FIFO: no starving large requests)
                     self._queue.popleft()
+                    self._gathering.add((peer.agent, request, piece))
                     reply = None
             if reply is None:
-                self._gather_answering(peer, request, plan, heads, start, n, deadline)
+                self._gather_answering(peer, (request, piece), plan, heads, start, n,
+                                       deadline)
                 continue
             try:
                 peer.send(reply, self.timeout)
             except KVRuntimeError as exc:
                 log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
 
-    def _gather_answering(self, peer, request: str, plan, heads, start: int, n: int,
+    def _gather_answering(self, peer, which: tuple[str, int], plan, heads, start: int, n: int,
                           deadline: float) -> None:
         """Gather a request's run chunk by chunk (staging.StagingPool.chunks), answering each
         ("staged" with its rows) as soon as it is in the pool: the decode READs one chunk while
         the next is gathered."""
+        request = which[0]
+        key = (peer.agent, *which)
+        try:
+            self._gather_chunks(peer, key, plan, heads, start, n, deadline)
+        finally:
+            with self._lock:
+                self._gathering.discard(key)
+                early = self._early.pop(key, None)  # its unstage's "more", if one came
+                held = self._staged.pop(key, None) if early is not None else None
+            if early is not None:  # unstaged while we gathered: freed now it has stopped
+                if held is not None:
+                    self.pool.release(held[0], held[1])
+                if not early:  # no more pieces come: the request is done
+                    self._release(peer.agent, request)
+                self._wake()
+
+    def _gather_chunks(self, peer, key: tuple[str, str, int], plan, heads, start: int, n: int,
+                       deadline: float) -> None:
+        request = key[1]
         pool = self.pool
         ids = pool.ids(plan.block_ids()[0])  # a device pool's: uploaded once for every chunk
         chunks = pool.chunks(len(ids), heads[1] - heads[0])
@@ -125,23 +153,40 @@ class Stages:
                     # (its READs have been aborted by then). Kept only now: an unstage read by
                     # the connection thread while the progress loop gathers must not free the
                     # run under the gather (it is then freed at that expiry).
-                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
+                    self._staged[key] = (start, n, deadline + 5.0)
             try:
                 peer.send(reply, self.timeout)
             except KVRuntimeError as exc:
                 log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
                 if messages.STAGED.is_(reply):  # its READs may run on: freed at the expiry
-                    self._staged[(peer.agent, request)] = (start, n, deadline + 5.0)
+                    self._staged[key] = (start, n, deadline + 5.0)
                 return
             if messages.STAGE_FAILED.is_(reply):
                 return
 
-    def unstage(self, agent: str, request: str) -> None:
-        staged = self._staged.pop((agent, request), None)
+    def unstage(self, agent: str, message: dict) -> None:
+        """The decode is done with a request (its last chunk scattered, or it failed): its run
+        is freed and the request released — at once, or, while it is being gathered, once
+        the gather stops reading its blocks; one still queued is dropped. Every request a
+        decode stages ends in one release, a refused or failed one too: a push the prefill
+        started (pushes.py, "stage") gives its caller's blocks back that way. ``more``: a
+        piece of a request larger than the pools, others to come (only its run is freed)."""
+        request = frames.field(message, "request", str)
+        more = message.get("more") is True
+        key = (agent, request, _piece(message))
+        with self._lock:
+            staged = self._staged.pop(key, None)
+            if staged is None and key in self._gathering:
+                self._early[key] = more
+                return
+            if staged is None:
+                for entry in [e for e in self._queue if (e[0].agent, e[1], e[2]) == key]:
+                    self._queue.remove(entry)
         if staged is not None:
             self.pool.release(staged[0], staged[1])
+        if not more:
             self._release(agent, request)
-            self._wake()  # queued requests may fit now
+        self._wake()  # queued requests may fit now
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -161,3 +206,11 @@ def _heads(value, num_heads: int) -> tuple[int, int]:
             or not 0 <= value[0] < value[1] <= num_heads):
         raise KVRuntimeError(f"stage heads {value!r} is not a range within 0..{num_heads}")
     return (value[0], value[1])
+
+
+def _piece(message: dict) -> int:
+    """A stage or unstage's piece of its request (0 when absent), checked."""
+    value = message.get("piece", 0)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 31:
+        raise KVRuntimeError(f"piece {str(value)[:40]!r} is not a piece number")
+    return value

@@ -72,7 +72,7 @@ def pushing_prefill():
     return spawn_pushing_prefill
 
 
-def _pair(engine: str):
+def _pair(engine: str, **options):
     from kvruntime.decode import DecodeClient
     from kvruntime.layout import CROSS_LAYER, KVLayout
     from kvruntime.memory import KVCache
@@ -82,7 +82,7 @@ def _pair(engine: str):
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
     src.fill_random(11)
     dst.fill_value(0)
-    with PrefillServer(src) as server, DecodeClient(dst, engine=engine) as client:
+    with PrefillServer(src) as server, DecodeClient(dst, engine=engine, **options) as client:
         peer = client.connect(*server.address)
         peer.pull([0], [0], timeout=20)
         yield server, client, peer, src, dst
@@ -102,11 +102,22 @@ def samenode_pair():
     yield from _pair("samenode")
 
 
-@pytest.fixture(params=["nixl", "samenode"])
+@pytest.fixture
+def coalesced_pair():
+    """``pair`` through both sides' staging pools (NIXL, coalesce="always")."""
+    yield from _pair("nixl", coalesce="always")
+
+
+@pytest.fixture(params=["nixl", "samenode", "coalesced"])
 def either_pair(request):
-    """``pair`` with the decode on each engine: NIXL, and the same-node engine (host memory
-    read with process_vm_readv), whose decode copies a push the prefill starts itself."""
-    yield from _pair(request.param)
+    """``pair`` with the decode on each engine: NIXL, the same-node engine (host memory read
+    with process_vm_readv), whose decode copies a push the prefill starts itself, and NIXL
+    through both sides' staging pools (coalesce="always": a push the prefill starts is
+    staged by it and READ by the decode, as a pull)."""
+    if request.param == "coalesced":
+        yield from _pair("nixl", coalesce="always")
+    else:
+        yield from _pair(request.param)
 
 
 def stop_process(pid: int, timeout: float = 5.0) -> None:

@@ -3,7 +3,8 @@ registered (kv_buffer="device"), requests of many runs gathered by the prefill i
 pool chunk by chunk, READ with one descriptor a chunk into the decode's pool and scattered as
 each lands. Bit-exact over random layouts and block lists with canaries around every
 destination block; the pools' bounds (exhausted: waits to its deadline, fails with numbers;
-never fits: refused at once); a prefill killed mid-request (fails by its deadline, the pool's
+larger than the pools: in pieces; not even a block fits: refused at once); a prefill killed
+mid-request (fails by its deadline, the pool's
 units come back, nothing lands in the cache after the failure is reported)."""
 
 import random
@@ -29,16 +30,25 @@ def random_layout(rnd, kind, blocks):
                     rnd.choice(["float16", "bfloat16", "float32"]))
 
 
+def start_push(peer, push, client, src, dst, timeout):
+    """A push the prefill process starts into ``dst`` (named first): its handle."""
+    request = f"r{random.random()}"
+    handle = peer.expect_push(dst, request_id=request, timeout=timeout)
+    assert push(0, request, src, client.agent.name) is None
+    return handle
+
+
 @pytest.mark.parametrize("seed", [1, 2])
-@pytest.mark.parametrize("op", ["pull", "push"])
-def test_coalesced_requests_are_bit_exact_and_touch_nothing_else(prefill, seed, op):
+@pytest.mark.parametrize("op", ["pull", "push", "prefill_push"])
+def test_coalesced_requests_are_bit_exact_and_touch_nothing_else(pushing_prefill, seed, op):
     """Random layout (kind, layers, tokens, heads, head size, dtype), random block lists,
     several requests; every block not named keeps its canary. Small chunks (the prefill's
-    pool answers a run in many pieces) exercise the pipeline on small caches."""
+    pool answers a run in many pieces) exercise the pipeline on small caches. prefill_push:
+    the prefill starts each push (expect_push first); the decode has it staged and READs it."""
     rnd = random.Random(seed)
     kind = rnd.choice([CROSS_LAYER, PER_LAYER])
     layout = random_layout(rnd, kind, 96)
-    with prefill([layout], seed=seed, staging_blocks=48) as (_p, ports):
+    with pushing_prefill([layout], seed=seed, staging_blocks=48) as (_p, ports, push):
         cache = KVCache.allocate_host(layout)
         cache.fill_value(CANARY)
         canary = cache.block_digest(0)
@@ -50,7 +60,10 @@ def test_coalesced_requests_are_bit_exact_and_touch_nothing_else(prefill, seed, 
                 count = rnd.randint(1, 22)
                 src = rnd.sample(range(96), count)
                 dst = rnd.sample(sorted(set(range(96)) - written), count)
-                res = getattr(peer, op)(src, dst, timeout=30)
+                if op == "prefill_push":
+                    res = start_push(peer, push, client, src, dst, 30).wait(30)
+                else:
+                    res = getattr(peer, op)(src, dst, timeout=30)
                 assert res.coalesced and res.coalesce_reason == "coalesce='always'"
                 assert res.engine == "nixl" and res.nbytes == count * layout.block_bytes
                 assert peer.digests(src) == cache.block_digests(dst)
@@ -93,24 +106,55 @@ def test_auto_chooses_by_the_probe_and_says_why(prefill):
         cache.close()
 
 
-def test_a_request_that_can_never_fit_is_refused_at_once_or_goes_direct(prefill):
+@pytest.mark.parametrize("op", ["pull", "push", "prefill_push"])
+def test_a_request_larger_than_the_pools_moves_in_pieces(pushing_prefill, op):
+    """40 units against a prefill pool of 32 and a decode pool of 64: two pieces of 8 and 2
+    blocks, one after the other, one request and one result, bit-exact, canaries kept; both
+    pools whole again after it."""
     layout = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
-    with prefill([layout], seed=3, staging_blocks=8) as (_p, ports):  # 32 units
+    with pushing_prefill([layout], seed=3, staging_blocks=8) as (_p, ports, push):  # 32 units
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(CANARY)
+        canary = cache.block_digest(0)
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=16) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            src, dst = [2 * i for i in range(10)], list(range(20, 30))
+            if op == "prefill_push":
+                res = start_push(peer, push, client, src, dst, 30).wait(30)
+            else:
+                res = getattr(peer, op)(src, dst, timeout=30)
+            assert res.coalesced and res.coalesce_reason == (
+                "coalesce='always'; in 2 pieces (40 units, the pools hold 32)")
+            assert res.nbytes == 10 * layout.block_bytes and res.descriptors == 2
+            assert peer.digests(src) == cache.block_digests(dst)
+            others = [b for b in range(64) if b not in dst]
+            assert cache.block_digests(others) == [canary] * len(others)
+            assert client.pool.largest_free_run() == client.pool.units
+            again = peer.pull([1, 3], [40, 41], timeout=10)  # the prefill's pool is whole too:
+            assert again.coalesced  # nothing of the pieces is left held
+        cache.close()
+
+
+def test_a_pool_that_cannot_hold_a_block_is_refused_at_once(prefill):
+    """A block of 4 heads (4 units) against a prefill pool that offers 2 units: never
+    possible, so refused when started, with the numbers. No real pool is that small (it
+    holds at least one block of its own side's heads): the prefill's offer, input from the
+    peer, is edited here to say so."""
+    layout = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
+    with prefill([layout], seed=3, staging_blocks=8) as (_p, ports):
         cache = KVCache.allocate_host(layout)
         with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=16) as client:
             peer = client.connect("127.0.0.1", ports[0])
+            route = peer.route
+            peer.route = type(route)(route.pool, route.remote, route.remote_mem, 2, route.engine)
             t = time.monotonic()
-            with pytest.raises(StagingExhausted, match=r"40 units, the decode's pool 64, the "
-                                                       r"prefill's 32"):
+            with pytest.raises(StagingExhausted, match=r"a block is 4 units, the decode's pool "
+                                                       r"64, the prefill's 2"):
                 peer.pull([2 * i for i in range(10)], timeout=30)
             assert time.monotonic() - t < 5  # not at its deadline
+            peer.route = route
             peer.pull([1, 3], timeout=10)  # and the peer goes on serving
             assert peer.digests([1, 3]) == cache.block_digests([1, 3])
-        with DecodeClient(cache, engine="nixl", coalesce="auto", staging_blocks=16) as client:
-            peer = client.connect("127.0.0.1", ports[0])
-            res = peer.pull([2 * i for i in range(10)], list(range(10)), timeout=30)
-            assert not res.coalesced and res.coalesce_reason == "40 units do not fit the pools (32 units)"
-            assert peer.digests([2 * i for i in range(10)]) == cache.block_digests(range(10))
         cache.close()
 
 
@@ -156,6 +200,66 @@ def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(prefill):
             until = time.monotonic() + 10
             while not job._ready and time.monotonic() < until:
                 handle.poll()
+            proc.kill()
+            with pytest.raises(TransferError):
+                handle.wait(15)
+            reported = cache.block_digests(dst)
+            until = time.monotonic() + 10
+            while not handle.settled and time.monotonic() < until:
+                client.get_settled()
+                time.sleep(0.01)
+            assert handle.settled
+            time.sleep(0.3)
+            client.get_settled()
+            assert cache.block_digests(dst) == reported  # nothing landed after the report
+            assert client.pool.largest_free_run() == client.pool.units
+        cache.close()
+
+
+def test_a_pushed_request_waits_for_an_exhausted_pool_until_its_deadline(pushing_prefill):
+    """A push the prefill starts, through the pools, while the decode's pool is held: it fails
+    at its deadline with the pool's numbers and nothing lands; once the pool is free the same
+    push goes through."""
+    layout = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
+    with pushing_prefill([layout], seed=4, staging_blocks=16) as (_p, ports, push):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(CANARY)
+        canary = cache.block_digest(0)
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=16) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            held = client.pool.try_acquire(40)  # 24 of 64 units left
+            src, dst = [5, 9, 11, 20, 21, 22, 40, 50], list(range(8))
+            handle = start_push(peer, push, client, src, dst, 0.5)
+            with pytest.raises(TransferTimeout, match=r"decode's staging pool is exhausted: 32 "
+                                                      r"units asked, 24 free"):
+                handle.wait(5)
+            assert handle.settled
+            assert cache.block_digests(dst) == [canary] * 8
+            client.pool.release(held, 40)
+            res = start_push(peer, push, client, src, dst, 10).wait(10)
+            assert res.coalesced and peer.digests(src) == cache.block_digests(dst)
+            assert client.pool.largest_free_run() == client.pool.units
+        cache.close()
+
+
+def test_a_prefill_killed_mid_push_fails_it_and_nothing_lands_after(pushing_prefill):
+    """A push the prefill started, killed after the first chunk's answer: as a pull's, the
+    request fails, our pool's units come back, and nothing lands in the destination blocks
+    after the failure is reported."""
+    layout = KVLayout(CROSS_LAYER, 2, 200, 16, 8, 256, "float16")  # 256 KiB blocks
+    with pushing_prefill([layout], seed=6, staging_blocks=200) as (proc, ports, push):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(CANARY)
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=200,
+                          timeout=2) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            src = random.Random(9).sample(range(200), 190)  # 47.5 MiB: 12 chunks
+            dst = list(range(190))
+            handle = start_push(peer, push, client, src, dst, 5)
+            until = time.monotonic() + 10
+            while not (handle._xfer is not None and handle._xfer._ready) and time.monotonic() < until:
+                handle.poll()
+            assert handle._xfer is not None and handle._xfer._ready, "no chunk was answered"
             proc.kill()
             with pytest.raises(TransferError):
                 handle.wait(15)

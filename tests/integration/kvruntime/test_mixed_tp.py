@@ -38,8 +38,7 @@ def logical(cache):
 # host-staged peers push nothing directly: a staged decode is told to pull (test_prefill_push.py)
 @pytest.mark.parametrize("mode,op", [(m, o) for m in ("host_staged", "direct", "coalesced")
                                      for o in ("pull", "push", "prefill_push")
-                                     if (m, o) not in (("host_staged", "prefill_push"),
-                                                       ("coalesced", "prefill_push"))])
+                                     if (m, o) != ("host_staged", "prefill_push")])
 @pytest.mark.parametrize("p,d", [(1, 2), (2, 1), (2, 4), (4, 2)])
 def test_each_decode_rank_gets_exactly_its_heads(pushing_prefill, p, d, op, mode):
     """Staged: prefill per_layer, decode cross_layer (kinds may differ through the pools).
@@ -47,7 +46,7 @@ def test_each_decode_rank_gets_exactly_its_heads(pushing_prefill, p, d, op, mode
     range inside each block, so the kinds must agree); NIXL moves one descriptor per token row,
     or (coalesced: NIXL forced, coalesce="always") one a chunk of the pools' head-major runs.
     prefill_push: each prefill rank the decode rank reads from starts its push of the request
-    (direct only)."""
+    (direct: WRITEs of token rows; coalesced: staged by the prefill, READ by the decode)."""
     seed = 40 + p * 10 + d
     staged = mode == "host_staged"
     pkind = PER_LAYER if staged or op == "pull" else CROSS_LAYER
@@ -88,6 +87,8 @@ def test_each_decode_rank_gets_exactly_its_heads(pushing_prefill, p, d, op, mode
                     assert res.nbytes == len(src) * cache.layout.block_bytes * s.count \
                         // cache.layout.num_kv_heads
                     assert res.coalesced == (mode == "coalesced")
+                    if mode == "direct":  # a descriptor a token row of each block's regions
+                        assert res.descriptors == len(src) * 2 * LAYERS * TOKENS
                 got = logical(cache)
                 hd = HEADS // d
                 want = full[src][:, :, :, j * hd:(j + 1) * hd, :]

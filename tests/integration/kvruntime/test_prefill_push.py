@@ -34,14 +34,18 @@ def _wait_expected(server, request, peer=None, seconds=5.0):
 @pytest.mark.parametrize("engine,op,moved_by", [
     ("nixl", "WRITE", "nixl"),
     # a decode that opened the prefill's memory gets the ids ("ready") and copies them itself
-    ("samenode", "READ", "samenode:process_vm_readv")])
+    ("samenode", "READ", "samenode:process_vm_readv"),
+    # through the pools: the decode gets the ids, has them staged and READs the run
+    ("coalesced", "READ", "nixl")])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
 def test_named_first_then_pushed_lands_bit_exact(kind, engine, op, moved_by):
     layout = small(kind)
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
     src.fill_random(3)
     dst.fill_value(0)
-    with PrefillServer(src) as server, DecodeClient(dst, engine=engine) as client:
+    options = (dict(engine="nixl", coalesce="always") if engine == "coalesced" else
+               dict(engine=engine, coalesce="never"))
+    with PrefillServer(src) as server, DecodeClient(dst, **options) as client:
         peer = client.connect(*server.address)
         handle = peer.expect_push([10, 11, 12, 40], request_id="r1", timeout=20)
         _wait_expected(server, "r1", client.agent.name)
@@ -52,7 +56,12 @@ def test_named_first_then_pushed_lands_bit_exact(kind, engine, op, moved_by):
         result = handle.wait(10)
         assert result.op == op and result.engine == moved_by
         assert result.nbytes == 4 * layout.block_bytes
-        assert result.descriptors == 2 * layout.num_regions  # two runs
+        # two runs, or one chunk of the pools
+        assert result.descriptors == (1 if engine == "coalesced" else 2 * layout.num_regions)
+        if engine != "samenode":
+            assert result.coalesced == (engine == "coalesced")
+            assert result.coalesce_reason == ("coalesce='always'" if engine == "coalesced"
+                                              else "coalesce='never'")
         assert 0 < result.seconds < 10  # from the prefill's start to the arrival
         assert dst.block_digests([10, 11, 12, 40]) == src.block_digests([3, 4, 5, 90])
         assert server.wait_released("r1", 5, peer=client.agent.name)  # our blocks are free
@@ -66,7 +75,7 @@ def test_pushed_first_waits_for_the_decode_then_lands(either_pair):
     assert not server.expects("early")
     time.sleep(0.05)
     handle = peer.expect_push([60, 61], request_id="early", timeout=20)
-    handle.wait(10)
+    assert handle.wait(10).coalesced == (client.coalesce == "always")
     assert dst.block_digests([60, 61]) == src.block_digests([7, 8])
     assert server.wait_released("early", 5, peer=client.agent.name)
 
@@ -451,3 +460,34 @@ def test_a_ready_whose_frame_comes_before_the_ring_is_read_is_copied_once(sameno
         handle.wait(10)
     assert dst.block_digests([80, 81]) == src.block_digests([6, 7])
     assert not peer.channel.from_ring and not caplog.records
+
+
+def test_a_pooled_push_that_fails_gives_the_prefill_its_blocks_back(coalesced_pair):
+    """Through the pools the decode has the push staged as a pull; when that fails (here: the
+    prefill's pool held, so its stage waits in the prefill's queue past the deadline) the
+    decode's "unstage" drops it from the queue and still releases the request: the prefill's
+    engine gets its blocks back, nothing lands, and the next push goes through."""
+    server, client, peer, src, dst = coalesced_pair
+    held, until = None, time.monotonic() + 5
+    while held is None and time.monotonic() < until:  # the fixture's pull unstaged by now
+        held = server.pool.try_acquire(server.pool.units)
+        time.sleep(0.001)
+    assert held is not None
+    try:
+        before = dst.block_digests([20, 21, 22])
+        handle = peer.expect_push([20, 21, 22], request_id="held", timeout=0.5)
+        _wait_expected(server, "held")
+        server.start_push("held", [1, 5, 9])
+        # our deadline, or the prefill's queue refusing it at the same deadline: either wins
+        with pytest.raises(TransferError, match="the prefill had not staged it|the prefill's "
+                                                "staging pool is exhausted"):
+            handle.wait(5)
+        assert server.wait_released("held", 5, peer=client.agent.name)
+        assert handle.settled and dst.block_digests([20, 21, 22]) == before
+    finally:
+        server.pool.release(held, server.pool.units)
+    handle = peer.expect_push([20, 21, 22], request_id="again", timeout=10)
+    _wait_expected(server, "again")
+    server.start_push("again", [1, 5, 9])
+    assert handle.wait(10).coalesced
+    assert dst.block_digests([20, 21, 22]) == src.block_digests([1, 5, 9])
