@@ -62,8 +62,13 @@ def make_pool(cache, staging_blocks: int) -> StagingPool:
     """A direct side's pool, in the cache's own memory (VRAM for a device cache)."""
     tensors = cache.tensors
     memory = "device" if tensors and tensors[0].device.type != "cpu" else "host"
-    return StagingPool(cache.layout, pool_blocks(cache.layout, staging_blocks), cache,
+    pool = StagingPool(cache.layout, pool_blocks(cache.layout, staging_blocks), cache,
                        memory=memory)
+    try:
+        pool.warm()  # a device pool's copy kernels loaded now, not by a first request
+    except Exception as exc:  # the first request loads them then
+        log.info("warming the staging pool's copies failed: %s", exc)
+    return pool
 
 
 class PoolRegistration:

@@ -429,12 +429,15 @@ class DecodeClient:
                 self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
             registered = self.staging.cache if self.staging else cache
             self.registration = Registration(self.agent, registered)
-            if (engine != "nixl" and o.kv_buffer == "direct" and cache.mem_type == "VRAM"):
-                # the same-node engine's gather kernel made now, not at the first connect
+            # what the same-node engine's first connect would pay (its gather kernel), paid
+            # now: None where no same-node CUDA engine can serve, else what was done
+            self.prewarmed = None
+            if engine != "nixl" and o.kv_buffer != "host_staged" and cache.mem_type == "VRAM":
                 start = time.perf_counter()
                 from .gather import prewarm
 
-                log.info("%s: %s in %.0f ms", self.agent.name, prewarm(cache),
+                self.prewarmed = prewarm(cache)
+                log.info("%s: %s in %.0f ms", self.agent.name, self.prewarmed,
                          (time.perf_counter() - start) * 1e3)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                                  self.registration.region_triples(), registered.mem_type,

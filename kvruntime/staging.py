@@ -37,6 +37,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import replace
 
 from . import native
 from .bounce import SLOT_BYTES, BounceRing, _TorchStreams, pieces
@@ -280,21 +281,59 @@ class StagingPool:
         heads = heads or (0, lay.num_kv_heads)
         views = self._region_views.get(heads)
         if views is None:
-            nb, t, h = lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads
-            if lay.kind == CROSS_LAYER:
-                whole = self._words(self._device[0][:lay.region_bytes]).view(
-                    nb, 2 * lay.num_layers, t, h, -1)
-                views = [whole[:, r] for r in range(2 * lay.num_layers)]
-            else:
-                views = [self._words(r[:lay.region_bytes]).view(nb, t, h, -1)
-                         for r in self._device]
-            h0, h1 = heads
-            if heads != (0, h):
-                views = [v[:, :, h0:h1, :] for v in views]
-            views = self._region_views[heads] = views
-            if lay.kind == CROSS_LAYER:  # all regions as one [region][block] view (poolcopy.py)
-                self._stacked_views[heads] = whole.permute(1, 0, 2, 3, 4)[:, :, :, h0:h1, :]
+            views, stacked = self._views_of(self._device, lay, heads)
+            self._region_views[heads] = views
+            if stacked is not None:
+                self._stacked_views[heads] = stacked
         return views
+
+    def _views_of(self, regions: list, lay, heads: tuple[int, int]) -> tuple[list, object]:
+        """``regions`` (flat byte tensors of a cache of layout ``lay``) as the index ops see
+        them: per region [block][token][head][words] of heads ``heads``, and for cross_layer
+        all of them as one [region][block]... view (poolcopy.py), else None."""
+        nb, t, h = lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads
+        h0, h1 = heads
+        if lay.kind == CROSS_LAYER:
+            whole = self._words(regions[0][:lay.region_bytes]).view(nb, 2 * lay.num_layers, t, h, -1)
+            views = [whole[:, r] for r in range(2 * lay.num_layers)]
+            stacked = whole.permute(1, 0, 2, 3, 4)[:, :, :, h0:h1, :]
+        else:
+            views = [self._words(r[:lay.region_bytes]).view(nb, t, h, -1) for r in regions]
+            stacked = None
+        if heads != (0, h):
+            views = [v[:, :, h0:h1, :] for v in views]
+        return views, stacked
+
+    def warm(self) -> None:
+        """A device pool: its gather's and scatter's kernels launched once now, between the pool
+        and a scratch cache of two blocks viewed as the cache is (CUDA loads a kernel at its
+        first launch: on the H100 host a first coalesced request took 37 ms, 16 of them its
+        first scatter, later ones 1.3 ms). Nothing of the cache is read or written; every
+        piece kind of poolcopy.py runs (whole regions and partial ones)."""
+        if self._streams is None or self.layout.num_blocks < 2 * self.device_layout.num_kv_heads:
+            return
+        import torch
+
+        lay = replace(self.device_layout, num_blocks=2)
+        device = self._device[0].device
+        scratch = [torch.zeros(lay.region_bytes, dtype=torch.uint8, device=device)
+                   for _ in range(lay.num_regions)]
+        heads = (0, lay.num_kv_heads)
+        views, stacked = self._views_of(scratch, lay, heads)
+        ids = torch.arange(2, dtype=torch.int64, device=device)
+        run = self._run(0, 2, lay.num_kv_heads)
+        rows = 2 * 2 * lay.num_layers
+        with self._cv:  # the pool's first units, while no request can hold them
+            if self._free[:2 * lay.num_kv_heads] != b"\x01" * (2 * lay.num_kv_heads):
+                return
+            st = self._streams
+            with st.compute_after_caller():
+                for gather in (True, False):
+                    for part in ((0, rows), (1, rows - 1)):  # whole regions; partial ends
+                        copy_rows(views, stacked, run, ids, part, gather)
+                event = st.event()
+                st.record(event, st.compute)
+            wait(event)
 
     def _stacked(self, heads: tuple[int, int]):
         """A cross_layer cache's regions of heads ``heads`` as one [region][block][token][head]

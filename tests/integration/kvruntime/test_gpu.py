@@ -62,6 +62,10 @@ def test_bit_exact_pull_and_push_in_vram(prefill, kind, engine, ids):
                           coalesce="never") as client:
             # the agent chose CUDA IPC for READs before its UCX backend existed
             assert os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY") == "on"
+            # the same-node engine's kernel compiled with the client, not at its first connect
+            assert (client.prewarmed is None) == (engine == "nixl")
+            if engine == "samenode" and _has_triton():
+                assert client.prewarmed.startswith("gather kernel ready"), client.prewarmed
             peer = client.connect("127.0.0.1", ports[0])
             assert peer.info.mem_type == "VRAM"
             assert peer.engine == ("nixl" if engine == "nixl" else "samenode:cuda-ipc")
