@@ -42,6 +42,11 @@ DEFAULT_POOL_BYTES = 256 << 20
 # wire share them): counted as one of the two whole.
 EXPOSED = 1.0
 PROBE_BLOCKS = 32
+# The probe's largest gather, by pool memory: large enough that a device gather's fixed cost
+# (launches, the wait) does not pass for its rate (2 x H100: 32 blocks of 256 KiB measured
+# 50 GB/s, and auto kept 1 GiB of random blocks direct, 4.5 x slower than coalesced), small
+# enough to keep a host connect short
+PROBE_GATHER_BYTES = {"device": 64 << 20, "host": 4 << 20}
 
 
 def check_mode(coalesce) -> str:
@@ -125,12 +130,14 @@ class Model:
     wire_gbps: float  # one descriptor's bytes
     gather_gbps: float  # our gather into the pool (the scatter taken as the same)
     round_trip_us: float  # one side-channel exchange
+    gather_fixed_us: float = 0.0  # what a gather costs whatever its bytes (launches, its wait)
 
     def choose(self, descriptors: int, nbytes: int, pieces: int = 1) -> tuple[bool, str]:
         """Whether a request of ``descriptors`` descriptors and ``nbytes`` bytes goes
         coalesced (in ``pieces``, a round trip each), and why (the two estimates)."""
         direct = descriptors * self.descriptor_us
-        gathered = EXPOSED * nbytes / (self.gather_gbps * 1e3) + pieces * self.round_trip_us
+        gathered = (EXPOSED * nbytes / (self.gather_gbps * 1e3)
+                    + pieces * (self.round_trip_us + self.gather_fixed_us))
         if direct > gathered:
             return True, (f"auto: {descriptors} descriptors x {self.descriptor_us:.2f} us = "
                           f"{direct:.0f} us > {gathered:.0f} us of gathering "
@@ -198,7 +205,8 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
     k = min(PROBE_BLOCKS, theirs.num_blocks // 2)
     units = -(-k * piece // pool.layout.block_bytes)
     ours = client.cache.layout
-    gather_blocks = min(k, ours.num_blocks, pool.units // ours.num_kv_heads)
+    gather_blocks = min(max(k, PROBE_GATHER_BYTES[pool.memory] // ours.block_bytes),
+                        ours.num_blocks // 2, pool.units // ours.num_kv_heads)
     if k < 2 or units > pool.units or gather_blocks < 1:
         return None
     start = pool.try_acquire(max(units, gather_blocks * ours.num_kv_heads))
@@ -220,18 +228,27 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
         whole = np.array([[address, k * piece, device]], dtype=np.uint64)
         t_many = min(read(mine, scattered) for _ in range(3))
         t_one = min(read(one, whole) for _ in range(3))
-        blocks = list(range(0, 2 * gather_blocks, 2))[:gather_blocks]
-        blocks = [b % ours.num_blocks for b in blocks]
-        if len(set(blocks)) != len(blocks):
-            blocks = list(range(gather_blocks))
-        gathers = []
-        for _ in range(3):
-            t = time.perf_counter()
-            pool.gather(blocks, start)
-            gathers.append(time.perf_counter() - t)
-        nbytes = len(blocks) * ours.block_bytes
+        # every other block (scattered, as requests are), at two sizes: the rate from their
+        # difference, the fixed cost from what is left of the small one
+        def gather(n: int) -> float:
+            blocks = list(range(0, 2 * n, 2))
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                pool.gather(blocks, start)
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        small = max(1, gather_blocks // 4)
+        t_small, t_large = gather(small), gather(gather_blocks)
+        extra = (gather_blocks - small) * ours.block_bytes
+        if gather_blocks > small and t_large > t_small:
+            rate = extra / (t_large - t_small)
+            fixed = max(0.0, t_small - small * ours.block_bytes / rate)
+        else:  # too small to tell them apart: all of it counted as rate
+            rate, fixed = gather_blocks * ours.block_bytes / t_large, 0.0
         return Model(max(0.0, (t_many - t_one) / (k - 1) * 1e6), k * piece / t_one / 1e9,
-                     nbytes / min(gathers) / 1e9, round_trip * 1e6)
+                     rate / 1e9, round_trip * 1e6, fixed * 1e6)
     finally:
         pool.release(start, max(units, gather_blocks * ours.num_kv_heads))
 

@@ -1,0 +1,30 @@
+"""coalesce.Model, auto's choice: a request goes through the pools when its descriptors would
+cost more than its gathered bytes, a round trip and a gather's fixed cost per piece. The
+numbers are the 2 x H100 ones that made auto wrong: the connect-time probe gathered 32 blocks
+of 256 KiB, took the fixed cost of launches and a wait for the gather's rate (50 GB/s) and kept
+1 GiB of 4096 random blocks direct (21.5 ms) where coalesced took 4.7 ms."""
+from kvruntime.coalesce import Model
+
+MIB = 1 << 20
+
+
+def test_a_rate_fed_with_the_fixed_cost_keeps_a_large_scattered_request_direct():
+    model = Model(descriptor_us=5.2, wire_gbps=300.0, gather_gbps=50.0, round_trip_us=60.0)
+    chosen, why = model.choose(4096, 1024 * MIB)
+    assert not chosen and "4096 descriptors x 5.20 us" in why
+
+
+def test_the_rate_and_fixed_cost_told_apart_send_it_through_the_pools():
+    model = Model(descriptor_us=5.2, wire_gbps=300.0, gather_gbps=1000.0, round_trip_us=60.0,
+                  gather_fixed_us=150.0)
+    chosen, why = model.choose(4096, 1024 * MIB)
+    assert chosen and why.startswith("auto: 4096 descriptors")
+
+
+def test_the_fixed_cost_is_paid_per_piece_and_keeps_few_descriptors_direct():
+    model = Model(descriptor_us=5.2, wire_gbps=300.0, gather_gbps=1000.0, round_trip_us=60.0,
+                  gather_fixed_us=150.0)
+    assert not model.choose(32, 8 * MIB)[0]  # 166 us of descriptors < 218 of pooling
+    assert model.choose(64, 8 * MIB)[0]
+    assert not model.choose(64, 8 * MIB, pieces=2)[0]  # two round trips and fixed costs
+    assert model.to_dict()["gather_fixed_us"] == 150.0
