@@ -181,13 +181,14 @@ def test_an_exhausted_pool_waits_until_the_deadline_and_fails_with_its_numbers(p
         cache.close()
 
 
-def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(prefill):
-    """Killed after its first chunk's answer: the request fails (the READ's error, the lost
-    side channel or its deadline), our pool's units come back once nothing can write into
-    them, and the destination blocks hold, after the failure is reported, exactly what they
-    held when it was reported."""
+@pytest.mark.parametrize("op", ["pull", "prefill_push"])
+def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(pushing_prefill, op):
+    """Killed after its first chunk's answer (a pull, or a push it started): the request fails
+    (the READ's error, the lost side channel or its deadline), our pool's units come back once
+    nothing can write into them, and the destination blocks hold, after the failure is
+    reported, exactly what they held when it was reported."""
     layout = KVLayout(CROSS_LAYER, 2, 200, 16, 8, 256, "float16")  # 256 KiB blocks
-    with prefill([layout], seed=6, staging_blocks=200) as (proc, ports):
+    with pushing_prefill([layout], seed=6, staging_blocks=200) as (proc, ports, push):
         cache = KVCache.allocate_host(layout)
         cache.fill_value(CANARY)
         with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=200,
@@ -195,11 +196,14 @@ def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(prefill):
             peer = client.connect("127.0.0.1", ports[0])
             src = random.Random(9).sample(range(200), 190)  # 47.5 MiB: 12 chunks
             dst = list(range(190))
-            handle = peer.start_pull(src, dst, timeout=5)
-            job = handle._xfer
+            if op == "pull":
+                handle = peer.start_pull(src, dst, timeout=5)
+            else:
+                handle = start_push(peer, push, client, src, dst, 5)
             until = time.monotonic() + 10
-            while not job._ready and time.monotonic() < until:
+            while not (handle._xfer is not None and handle._xfer._ready) and time.monotonic() < until:
                 handle.poll()
+            assert handle._xfer is not None and handle._xfer._ready, "no chunk was answered"
             proc.kill()
             with pytest.raises(TransferError):
                 handle.wait(15)
@@ -238,40 +242,6 @@ def test_a_pushed_request_waits_for_an_exhausted_pool_until_its_deadline(pushing
             client.pool.release(held, 40)
             res = start_push(peer, push, client, src, dst, 10).wait(10)
             assert res.coalesced and peer.digests(src) == cache.block_digests(dst)
-            assert client.pool.largest_free_run() == client.pool.units
-        cache.close()
-
-
-def test_a_prefill_killed_mid_push_fails_it_and_nothing_lands_after(pushing_prefill):
-    """A push the prefill started, killed after the first chunk's answer: as a pull's, the
-    request fails, our pool's units come back, and nothing lands in the destination blocks
-    after the failure is reported."""
-    layout = KVLayout(CROSS_LAYER, 2, 200, 16, 8, 256, "float16")  # 256 KiB blocks
-    with pushing_prefill([layout], seed=6, staging_blocks=200) as (proc, ports, push):
-        cache = KVCache.allocate_host(layout)
-        cache.fill_value(CANARY)
-        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=200,
-                          timeout=2) as client:
-            peer = client.connect("127.0.0.1", ports[0])
-            src = random.Random(9).sample(range(200), 190)  # 47.5 MiB: 12 chunks
-            dst = list(range(190))
-            handle = start_push(peer, push, client, src, dst, 5)
-            until = time.monotonic() + 10
-            while not (handle._xfer is not None and handle._xfer._ready) and time.monotonic() < until:
-                handle.poll()
-            assert handle._xfer is not None and handle._xfer._ready, "no chunk was answered"
-            proc.kill()
-            with pytest.raises(TransferError):
-                handle.wait(15)
-            reported = cache.block_digests(dst)
-            until = time.monotonic() + 10
-            while not handle.settled and time.monotonic() < until:
-                client.get_settled()
-                time.sleep(0.01)
-            assert handle.settled
-            time.sleep(0.3)
-            client.get_settled()
-            assert cache.block_digests(dst) == reported  # nothing landed after the report
             assert client.pool.largest_free_run() == client.pool.units
         cache.close()
 
