@@ -18,6 +18,7 @@ from .errors import PrefixError, SystemPackagesError
 
 REQUIREMENT = "auditwheel>=6.4,<7"
 _LOWEST, _BEYOND = (6, 4), (7,)
+SOURCE_DATE = 315532800  # 1980-01-01, zip's earliest date
 
 
 def _in_range(version: str) -> bool:
@@ -38,15 +39,18 @@ def check_installed() -> str:
     return found
 
 
-def repair(wheel: Path, out: Path, exclude: list[str], patchelf: str) -> Path:
+def repair(wheel: Path, out: Path, exclude: list[str], library_path: list[Path], patchelf: str) -> Path:
     """`auditwheel repair` of wheel into out (empty); returns the repaired wheel. exclude: SONAMEs
-    left to the host or to another wheel (the accelerator's driver, the CUDA runtime)."""
+    left to the host or to another wheel (the accelerator's driver, the CUDA runtime);
+    library_path: where auditwheel looks for what the files need before the system's directories
+    (after each file's RUNPATH)."""
     cmd = [sys.executable, "-m", "auditwheel", "repair", "--plat", "auto", "-w", str(out), str(wheel)]
     for soname in exclude:
         cmd[4:4] = ["--exclude", soname]
     # auditwheel runs patchelf by name: the one the build checked comes first
-    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(patchelf), os.environ.get("PATH", os.defpath)])}
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(patchelf), os.environ.get("PATH", os.defpath)]),
+           "SOURCE_DATE_EPOCH": str(SOURCE_DATE), "AUDITWHEEL_LD_LIBRARY_PATH": os.pathsep.join(map(str, library_path))}  # zip dates: the same files give the same wheel bytes
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, umask=0o022)  # the directories' modes go into the zip
     made = sorted(out.glob("*.whl"))
     if r.returncode != 0 or len(made) != 1:
         said = [line for line in (r.stderr + r.stdout).splitlines() if line.strip()]

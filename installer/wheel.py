@@ -186,16 +186,14 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
             os.chmod(dst, 0o755)
         elves = sorted([*staged.values(), *(p for p in root.rglob("*") if elf.is_elf(p))])
         builds = _build_dirs(build)
-        for f in elves:
-            # auditwheel finds what a file needs through its RUNPATH: the staged copies; it leaves
-            # the RUNPATH of a file needing nothing from outside the wheel as it was, so that one is cleared
-            dyn = patchelf.dynamic(f)
-            patchelf.set_rpath(f, ":".join([*([str(stage)] if set(dyn.needed) & set(staged) else []),
-                                            *(p for p in dyn.runpath.split(":") if p.startswith("/") and not p.startswith(tuple(builds)))]))
+        needs = {f: patchelf.dynamic(f) for f in elves}
+        outside = wheeldeps.load()
+        from_pip = outside.from_pip({n for dyn in needs.values() for n in dyn.needed})
+        excluded = outside.excluded(from_pip)
+        for f, dyn in needs.items():
+            patchelf.set_rpath(f, _staged_runpath(dyn, f.parent == stage, set(staged), set(excluded), builds))
         unnamed = {(str(f.relative_to(root)) if f.is_relative_to(root) else f.name): said for f in elves
                    if (said := elf.replace_strings(f, [d.encode() for d in builds], ".rodata", NOWHERE))}
-        outside = wheeldeps.load()
-        from_pip = outside.from_pip({n for f in elves for n in patchelf.dynamic(f).needed})
         ucp_soname = privateucx.grafted_name(staged[libucp])
         _write_preload(root / m, {"libs": libs, "ucp_soname": ucp_soname, "env": build.env,
                                   "from_pip": [d.path for d in from_pip]})
@@ -215,7 +213,7 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
         unrepaired.parent.mkdir()
         wheelformat.write(unrepaired, entries, dist_info)
         (Path(tmp) / "repaired").mkdir()
-        repaired = repair.repair(unrepaired, Path(tmp) / "repaired", outside.excluded(from_pip), exe)
+        repaired = repair.repair(unrepaired, Path(tmp) / "repaired", excluded, [stage], exe)
 
         made = Path(tmp) / "made"
         with zipfile.ZipFile(repaired) as zf:
@@ -230,8 +228,23 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
             raise HostError.from_oserror(e, f"writing {dest}") from None
     return {"wheel": str(dest), "tag": "-".join(dest.name[:-len(".whl")].split("-")[-3:]), "requires": requires,
             "from_pip": {d.library: d.requirement for d in from_pip}, "module": m, "version": ver, "ucp": ucp_soname,
-            "grafted": sorted(f.split("/", 1)[1] for f in files if f.startswith(libs + "/") and f.count("/") == 1 and not f.endswith("/")),
-            "unnamed": unnamed, "files": files, "size": dest.stat().st_size}
+            "grafted": sorted(f.split("/", 1)[1] for f in files if f.startswith(libs + "/") and f.count("/") == 1 and f[-1] != "/"),
+            "unnamed": unnamed, "files": [f for f in files if not f.endswith("/")], "size": dest.stat().st_size}
+
+
+def _staged_runpath(dyn: elf.Dynamic, is_staged: bool, staged: set[str], excluded: set[str], builds: list[str]) -> str:
+    """The RUNPATH a file gets before the repair: the build's own directories are left out (the
+    stage takes their place: repair.repair names it to auditwheel, and the staged libraries reach
+    each other by $ORIGIN), other absolute ones stay. auditwheel then replaces the RUNPATH of a
+    file it grafts, or that needs something grafted, with one inside the wheel, and leaves any
+    other file's as it was: such a file's is cleared. Nothing here names the stage's own path, so
+    no file's bytes (the staged ones' hash names them when grafted) depend on where it is, and
+    the same build gives the same wheel."""
+    kept = [p for p in dyn.runpath.split(":") if p.startswith("/") and not p.startswith(tuple(builds))]
+    if is_staged:
+        return ":".join(["$ORIGIN", *kept])
+    grafts = set(dyn.needed) - excluded
+    return ":".join(kept) if any(os.path.exists(os.path.join(d, n)) for d in kept for n in grafts - staged) else ""
 
 
 def _stage(libraries: list[Path], stage: Path, patchelf: elf.Patchelf) -> dict[str, Path]:

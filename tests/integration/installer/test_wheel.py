@@ -100,6 +100,14 @@ def test_wheel_is_well_formed_private_and_relocatable(built, tmp_path):
     assert rodata.count(b"\0/dev/null\0") >= 2
 
 
+def test_the_same_build_gives_the_same_wheel(built, tmp_path):
+    """The grafted names come from the staged libraries' bytes and the zip's dates from
+    SOURCE_DATE_EPOCH: a second wheel of the build is the first, byte for byte."""
+    r = _run([sys.executable, "-m", "installer", "wheel", "--prefix", PREFIX, "-o", str(tmp_path)], cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / built["wheel"].name).read_bytes() == built["wheel"].read_bytes()
+
+
 def _copies_environ(python: str) -> bool:
     """Whether the interpreter's executable holds `environ` by copy relocation (R_X86_64_COPY)."""
     r = _run(["readelf", "-rW", os.path.realpath(python)])

@@ -50,7 +50,7 @@ def test_auditwheel_grafts_under_the_predicted_private_name_and_leaves_the_exclu
                             wheelformat.Entry(f"{dist_info}/METADATA", wheelformat.metadata_text("kvstack-t", "1", "t", [], f"{py.major}.{py.minor}")),
                             wheelformat.Entry(f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack tests"))], dist_info)
     (tmp_path / "out").mkdir()
-    repaired = repair.repair(whl, tmp_path / "out", ["libcuda.so.1"], exe)
+    repaired = repair.repair(whl, tmp_path / "out", ["libcuda.so.1"], [], exe)
     assert "-manylinux" in repaired.name, repaired.name
     with zipfile.ZipFile(repaired) as zf:
         names = set(zf.namelist())
@@ -67,7 +67,7 @@ def test_a_wheel_auditwheel_cannot_repair_is_one_line(tmp_path):
     bad.write_bytes(b"not a zip")
     (tmp_path / "out").mkdir()
     with pytest.raises(wheel.PrefixError, match=r"auditwheel repair refused the wheel \(exit \d+\): "):
-        repair.repair(bad, tmp_path / "out", [], exe)
+        repair.repair(bad, tmp_path / "out", [], [], exe)
 
 
 @pytest.mark.parametrize("version, ok", [("6.4.0", True), ("6.8.2", True), ("6.10", True), ("6.3.9", False),
