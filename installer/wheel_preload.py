@@ -17,7 +17,8 @@ module's __init__. Standalone: it imports nothing from kvstack.
   (<libs>/plugins); the wheel made the build's own directories, compiled into libucs, name
   nothing (installer/wheel.py), so nothing is looked up where the build was.
 - A library the wheel takes from another wheel it requires (the cuda build's libcudart from
-  nvidia-cuda-runtime, in site-packages/nvidia/cu13/lib) is loaded from there first: a NEEDED
+  nvidia-cuda-runtime, in site-packages/nvidia/cu13/lib) is loaded from there first (the
+  site-packages of this wheel, else the first directory on sys.path that has it): a NEEDED
   entry naming its SONAME then takes the loaded copy in every file, the grafted ones too, whose
   RUNPATHs auditwheel resets to the wheel's own directory.
 - The platform's runtime settings (what env.sh exports for it) are set unless already set.
@@ -25,6 +26,7 @@ module's __init__. Standalone: it imports nothing from kvstack.
 CONFIG is filled in when the wheel is made."""
 import ctypes
 import os
+import sys
 
 CONFIG = {}  # filled in by `python -m installer wheel`: {"libs": ..., "ucp_soname": ..., "env": {...}, "from_pip": [...]}
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,8 +64,11 @@ def setup(config=None, libs_dir=LIBS, site=SITE):
         os.environ.setdefault(key, value)
     os.environ["NIXL_UCX_DEEPBIND"] = "0"
     for path in config.get("from_pip", []):
-        if os.path.exists(os.path.join(site, path)):  # else the loader names it when a library needs it
-            ctypes.CDLL(os.path.join(site, path))
+        # beside this package, else in any directory on sys.path (a venv seeing another's
+        # site-packages through a .pth); found nowhere, the loader names it when a library needs it
+        found = next((f for d in [site, *sys.path] if d and os.path.exists(f := os.path.join(d, path))), None)
+        if found:
+            ctypes.CDLL(found)
     if config.get("ucp_soname"):
         os.environ.setdefault("NIXL_UCX_EXPECTED_SONAME", config["ucp_soname"])
 

@@ -49,9 +49,10 @@ def site(tmp_path):
     return site
 
 
-def _run(site, config) -> subprocess.CompletedProcess:
+def _run(site, config, path=()) -> subprocess.CompletedProcess:
     code = textwrap.dedent(f"""
         import ctypes, importlib.util, sys
+        sys.path += {[str(p) for p in path]!r}
         spec = importlib.util.spec_from_file_location("preload_under_test", {str(wheel.PRELOAD_SOURCE)!r})
         preload = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(preload)
@@ -69,6 +70,17 @@ def test_the_preload_loads_the_cuda_runtime_from_its_wheel_for_a_file_without_ru
     assert r.returncode == 0, r.stderr
     version, loaded = r.stdout.split()
     assert version == "13050" and loaded == str(site / "nvidia/cu13/lib/libcudart.so.13")
+
+
+def test_the_runtime_is_found_in_another_site_packages_on_sys_path(site, tmp_path):
+    """A venv that sees another's site-packages through a .pth (ci/cuda-wheel-check.sh's fresh venv
+    over the host's torch venv): nvidia-cuda-runtime is there, not beside the wheel."""
+    other = tmp_path / "torch-venv-site-packages"
+    other.mkdir()
+    (site / "nvidia").rename(other / "nvidia")
+    r = _run(site, {"from_pip": ["nvidia/cu13/lib/libcudart.so.13"]}, path=[other])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["13050", str(other / "nvidia/cu13/lib/libcudart.so.13")]
 
 
 def test_without_the_preload_the_file_does_not_reach_the_wheels_runtime(site):
