@@ -112,7 +112,8 @@ def _publish_parser() -> argparse.ArgumentParser:
 def _wheel_parser() -> argparse.ArgumentParser:
     whl = Parser(prog="python -m installer wheel", description="Make a relocatable wheel of NIXL's Python module from "
                   "the verified build --prefix points to: UCX (private SONAMEs), its modules and NIXL's plugins inside, "
-                  "every RUNPATH $ORIGIN-relative; `pip install` it anywhere, no env.sh needed.")
+                  "grafted and tagged manylinux by auditwheel repair, every RUNPATH $ORIGIN-relative; `pip install` it "
+                  "anywhere, no env.sh needed.")
     whl.add_argument("--prefix", type=Path, default=None)
     whl.add_argument("-o", "--output", type=Path, default=Path("."), metavar="DIR", help="where the wheel goes (default: .)")
     _common(whl)
