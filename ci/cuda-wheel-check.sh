@@ -10,12 +10,14 @@
 # libtool .deb unpacks with dpkg -x where none is installed). CI has no GPU: this runs on a GPU
 # host, its figures go to BENCHMARKS.md.
 #
-# The wheel requires numpy and nvidia-cuda-runtime==13.* (its libcudart.so.13, reached by a
-# RUNPATH into site-packages/nvidia/cu13/lib): pip installs it with its dependencies and no index
+# The wheel requires numpy and nvidia-cuda-runtime==13.* (its libcudart.so.13, loaded by the
+# wheel's preload from site-packages/nvidia/cu13/lib): pip installs it with its dependencies and no index
 # (GPU hosts here are offline), so they must already be in the fresh venv's view — python3's
 # site-packages, seen through a .pth (torch's cu13 wheels require the same nvidia-cuda-runtime) —
 # or be wheels in KVSTACK_WHEELS (default: .whl/ of this checkout, where it exists). The script
-# says which it took, and the wheel's tag and requirements.
+# says which it took, and the wheel's tag and requirements. Making the wheel needs auditwheel
+# (the installer extra's range) in python3: installed from KVSTACK_WHEELS where python3 lacks it
+# (auditwheel, pyelftools and packaging wheels: pip download them on a connected host).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mirror=$(realpath "${1:?usage: bash ci/cuda-wheel-check.sh MIRROR [OUTDIR] [DEVICE_IDS...]}")
@@ -34,6 +36,12 @@ rc=$?; tail -8 "$out/install.log"; ((rc == 0)) || { echo "install failed (exit $
 cp "$prefix/manifest.json" "$out/manifest.json"
 
 step "wheel"
+carried=${KVSTACK_WHEELS:-.whl}
+links=(); [ -d "$carried" ] && links=(--find-links "$carried")
+aw=$(python3 -c 'import tomllib; print(next(r for r in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["installer"] if r.startswith("auditwheel")))')
+python3 -c 'import auditwheel' 2>/dev/null ||
+  python3 -m pip install -q --disable-pip-version-check --no-index "${links[@]}" "$aw" || {
+  echo "python3 has no $aw and $carried holds none: pip download -d .whl '$aw' pyelftools packaging, and carry .whl/ here"; exit 1; }
 python3 -m installer wheel --prefix "$prefix" -o "$wheels" || exit 1
 
 step "the build removed: $prefix, its builds, the installer's cache"
@@ -53,8 +61,6 @@ t=$SECONDS
 python3 -m venv "$venv" || exit 1
 site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 "$venv/bin/python" -c 'import site, sys; open(site.getsitepackages()[0] + "/kvstack-torch.pth", "w").write(sys.argv[1])' "$site"
-carried=${KVSTACK_WHEELS:-.whl}
-links=(); [ -d "$carried" ] && links=(--find-links "$carried")
 "$venv/bin/pip" install --disable-pip-version-check --no-index "${links[@]}" "$whl" >"$out/pip.log" 2>&1 || {
   tail -5 "$out/pip.log"
   echo "pip install failed: what the wheel requires is neither in $site nor in $carried; on a connected host:" \

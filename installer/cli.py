@@ -112,7 +112,8 @@ def _publish_parser() -> argparse.ArgumentParser:
 def _wheel_parser() -> argparse.ArgumentParser:
     whl = Parser(prog="python -m installer wheel", description="Make a relocatable wheel of NIXL's Python module from "
                   "the verified build --prefix points to: UCX (private SONAMEs), its modules and NIXL's plugins inside, "
-                  "every RUNPATH $ORIGIN-relative; `pip install` it anywhere, no env.sh needed.")
+                  "grafted and tagged manylinux by auditwheel repair, every RUNPATH $ORIGIN-relative; `pip install` it "
+                  "anywhere, no env.sh needed.")
     whl.add_argument("--prefix", type=Path, default=None)
     whl.add_argument("-o", "--output", type=Path, default=Path("."), metavar="DIR", help="where the wheel goes (default: .)")
     _common(whl)
@@ -238,12 +239,11 @@ def _publish(args) -> int:
 def _wheel(args) -> int:
     out = wheel.make(args.prefix or planmod.default_prefix(), args.output)
     print(f"{out['wheel']} ({out['size'] / 1e6:.1f} MB, {len(out['files'])} files, module {out['module']}, "
-          f"tag {out['tag']}: {out['tag_why']})")
-    for what in ("ucx", "nixl"):
-        print(f"  private {what.upper()}: " + ", ".join(f"{k} -> {v}" for k, v in out[what].items()))
+          f"tag {out['tag']}: auditwheel --plat auto)")
+    print(f"  grafted by auditwheel: {', '.join(out['grafted'])}")
     print("  requires: " + ", ".join(out["requires"]))
     for library, requirement in out["from_pip"].items():
-        print(f"  {library}: from {requirement} (RUNPATH into its directory in site-packages)")
+        print(f"  {library}: from {requirement} (loaded from its directory in site-packages by the preload)")
     for file, strings in out["unnamed"].items():
         print(f"  {file}: compiled-in {', '.join(strings)} -> {wheel.NOWHERE.decode()}")
     return 0

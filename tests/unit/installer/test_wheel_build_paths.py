@@ -103,4 +103,4 @@ def test_preload_never_deep_binds(monkeypatch):
     assert os.environ["NIXL_UCX_EXPECTED_SONAME"] == "libucp-kvstack-01234567.so.0"
     assert os.environ["KVRUNTIME_KV_BUFFER"] == "device"
     code = wheel.PRELOAD_SOURCE.read_text().split('"""')[2]
-    assert "RTLD_DEEPBIND" not in code and "mode=" not in code  # it loads no library itself
+    assert "RTLD_DEEPBIND" not in code and "mode=" not in code  # what it loads (from_pip), it loads plainly

