@@ -5,7 +5,8 @@
 #
 #   bash ci/cuda-wheel-check.sh MIRROR [OUTDIR] [DEVICE_IDS...]     (default ids: 0 1, else 0 0)
 #
-# MIRROR holds every pinned archive (../shared/mirror). The python3 on PATH needs the installer's
+# MIRROR holds every pinned archive (../shared/mirror). KVSTACK_BUILT_PREFIX names a cuda build
+# already made on this host instead (it is removed like one made here). The python3 on PATH needs the installer's
 # dependencies (.[installer]) and torch with CUDA; the host needs autotools and libtool (Debian's
 # libtool .deb unpacks with dpkg -x where none is installed). CI has no GPU: this runs on a GPU
 # host, its figures go to BENCHMARKS.md.
@@ -29,10 +30,18 @@ if (($#)); then ids=("$@"); elif [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -ge 2 
 step() { printf '=== %s (+%ss)\n' "$1" "$SECONDS"; }
 SECONDS=0
 
-step "build: python -m installer --platform cuda from $mirror"
-python3 -m installer --platform cuda --mirror "$mirror" --recipe-overlay "$mirror/asio-overlay.toml" \
-  --prefix "$prefix" --cache-dir "$cache" --system-packages ignore >"$out/install.log" 2>&1
-rc=$?; tail -8 "$out/install.log"; ((rc == 0)) || { echo "install failed (exit $rc): $out/install.log"; exit "$rc"; }
+if [ -n "${KVSTACK_BUILT_PREFIX:-}" ]; then
+  # a verified cuda build of this checkout already on the host (made the same way): taken as
+  # the build, and removed with its builds and the installer's default cache like one made here
+  prefix=$(realpath -s "$KVSTACK_BUILT_PREFIX") cache=${XDG_CACHE_HOME:-$HOME/.cache}/kvstack
+  step "build: the one at $prefix (KVSTACK_BUILT_PREFIX)"
+  [ -e "$prefix/manifest.json" ] || { echo "$prefix holds no finished build"; exit 1; }
+else
+  step "build: python -m installer --platform cuda from $mirror"
+  python3 -m installer --platform cuda --mirror "$mirror" --recipe-overlay "$mirror/asio-overlay.toml" \
+    --prefix "$prefix" --cache-dir "$cache" --system-packages ignore >"$out/install.log" 2>&1
+  rc=$?; tail -8 "$out/install.log"; ((rc == 0)) || { echo "install failed (exit $rc): $out/install.log"; exit "$rc"; }
+fi
 cp "$prefix/manifest.json" "$out/manifest.json"
 
 step "wheel"
