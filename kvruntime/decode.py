@@ -44,6 +44,7 @@ from .registration import Registration
 from .releases import Pending, ReleaseSender
 from .samenode import ENGINES, Batch, SharedJob, host_copy_streams
 from .staged import StagedPull
+from . import native
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import head_rows
@@ -391,6 +392,9 @@ class DecodeClient:
         self.cache = cache
         self.kv_buffer = o.kv_buffer
         self.secret = o.secret
+        # the C block-id reader built or loaded now (native.py), not by a first request (on
+        # 2 x H100 its load was 1 of a first same-node pull's 2 ms; a build takes seconds)
+        log.debug("native id reader: %s", native.status())
         self.timeout = o.timeout
         self.engine = engine
         self.coalesce = coalescing.check_mode(o.coalesce)

@@ -50,6 +50,7 @@ from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
 from .stages import Stages
 from . import coalesce as coalescing
+from . import native
 from .staging import StagingPool, resolve_kv_buffer
 from .transports import offered_transports
 from .tp import HeadSlice, direct_slice
@@ -123,6 +124,9 @@ class PrefillServer:
         coalescing.check_mode(o.coalesce)
         self.cache = cache
         self.kv_buffer = o.kv_buffer
+        # the C block-id reader built or loaded now (native.py), not by a first request (on
+        # 2 x H100 its load was 1 of a first same-node pull's 2 ms; a build takes seconds)
+        log.debug("native id reader: %s", native.status())
         self.staging: StagingPool | None = None
         # the pool staged requests are gathered into: the host-staged one, or a direct
         # server's for its decodes' coalesced requests (coalesce.py; none for "never")
