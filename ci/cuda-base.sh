@@ -48,7 +48,7 @@ git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | d
       miss "libcudart.so to link (UCX --with-cuda, NIXL -lcudart): $(head -1 rt.err)"
     printf "#include <cuda.h>\nint main(void) { CUuuid u; return cuDeviceGetUuid(&u, 0); }\n" > drv.c
     if ! gcc drv.c -I/usr/local/cuda/include -L/usr/local/cuda/lib64 -L/usr/local/cuda/lib64/stubs -lcuda -o drv 2>drv.err; then
-      miss "libcuda.so, the driver API link library (UCX configure: AC_CHECK_LIB cuda cuDeviceGetUuid; NIXL links -lcuda): NVIDIA ships it only with the driver or as the CUDA toolkit lib64/stubs/libcuda.so; no CUDA wheel on PyPI carries it and Debian has it only in non-free (libcuda1, the driver)"
+      miss "libcuda.so, the driver API link library (UCX configure: AC_CHECK_LIB cuda cuDeviceGetUuid; NIXL links -lcuda): NVIDIA ships it only with the driver or as the CUDA toolkit lib64/stubs/libcuda.so; no CUDA wheel on PyPI carries it and Debian has it only with the driver in non-free (libcuda1), which the base does not list"
     fi
     if /usr/local/cuda/bin/nvcc --version > nvcc.txt 2>&1; then
       echo "nvcc: $(grep -o "release [0-9.]*" nvcc.txt)"
