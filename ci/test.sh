@@ -80,13 +80,15 @@ if pinned_wait CPU; then
   (. _work/pinned/env.sh && run_pytest wheel -m build tests/integration/installer/test_wheel.py "$@")
 fi
 
+# join_job PID LOG WHAT: wait for a background job, show its log whole, stop here if it failed
+join_job() {
+  local rc=0; wait "$1" || rc=$?
+  cat "$2"
+  if [ "$rc" != 0 ]; then echo "error: $3 failed (exit $rc; its last lines above, its log: $2)" >&2; exit 1; fi
+}
+
 step "pinned builds (their log)"
-rc=0; wait "$builds" || rc=$?
-cat "$builds_log"
-if [ "$rc" != 0 ]; then
-  echo "error: the pinned builds failed (exit $rc; the installer's last lines above, its log: $builds_log)" >&2
-  exit 1
-fi
+join_job "$builds" "$builds_log" "the pinned builds"
 # their prefixes for the tests that follow (KVSTACK_PINNED_PREFIX_*, KVSTACK_WHEEL_PREFIX)
 . _work/pinned/env.sh
 
@@ -96,11 +98,6 @@ rmdir "$tmp"
 
 if [ "$containers" = 1 ]; then
   step "container step (its log)"
-  rc=0; wait "${jobs_[1]}" || rc=$?
-  cat "$containers_log"
-  if [ "$rc" != 0 ]; then
-    echo "error: the container step failed (exit $rc; its last lines above, its log: $containers_log)" >&2
-    exit 1
-  fi
+  join_job "${jobs_[1]}" "$containers_log" "the container step"
 fi
 trap - EXIT
