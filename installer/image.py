@@ -23,6 +23,12 @@ BASE_IMAGES = {
     "xpu": "intel/oneapi-basekit:2025.1.0-0-devel-ubuntu24.04",  # carries the Level Zero loader
 }
 PLATFORMS = tuple(BASE_IMAGES)
+# What a platform's build loads at run time from the distribution, for a base that lacks it (the
+# Debian base CI makes; intel/oneapi-basekit carries its own loader): Debian's packages, and the
+# library whose presence (ldconfig -p) makes them unneeded. The build stage's verification runs it too.
+RUNTIME_PACKAGES = {
+    "xpu": ("libze1", "libze_loader.so.1"),  # Level Zero's loader: UCX's ze modules link it
+}
 CONTAINERFILE = "Containerfile"
 MIRROR_DIR = "_work/image-mirror"  # inside the build context; the Containerfile copies it when present
 CA_FILE = "_work/image-ca.crt"
@@ -107,6 +113,8 @@ def build_args(req: ImageRequest) -> dict[str, str]:
             "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0",
             "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0",
             "WITH_BINARY_CACHE": "1" if req.binary_cache else "0"}
+    pkgs, lib = RUNTIME_PACKAGES.get(req.platform, ("", ""))
+    args.update(RUNTIME_PACKAGES=pkgs, RUNTIME_LIBRARY=lib)
     args.update(req.extra_args)
     return args
 
@@ -139,7 +147,7 @@ def base_is_local(client, ref: str) -> bool:
 
 def stage_context(req: ImageRequest, checkout: Path) -> None:
     """Put the optional mirror, overlays, wheels, binary cache and CA bundle where the Containerfile
-    looks for them (wheels, mirror and cache files hard-linked where the filesystem allows: no copy
+    looks for them (the CA file and the wheels' directory always: it copies them by name) (wheels, mirror and cache files hard-linked where the filesystem allows: no copy
     of GBs)."""
     import shutil  # noqa: PLC0415
     unstage_context(checkout)
@@ -153,9 +161,9 @@ def stage_context(req: ImageRequest, checkout: Path) -> None:
         odir.mkdir(parents=True)
         for i, o in enumerate(req.overlays):
             shutil.copyfile(o, odir / f"{i:02d}-{o.name}")
+    wdir = checkout / WHEEL_DIR  # the Containerfile copies it before the checkout, empty or not
+    wdir.mkdir(parents=True)
     if req.wheels:
-        wdir = checkout / WHEEL_DIR
-        wdir.mkdir(parents=True)
         for w in sorted(req.wheels.glob("*.whl")):
             _link_or_copy(w, wdir / w.name)
     if req.binary_cache:

@@ -8,7 +8,10 @@ and the cpu image is built on the debootstrapped base (ci/base-image.sh) from th
 CI made (ci/pinned-builds.sh; KVSTACK_PINNED_PREFIX_CPU names it, the image tests skip without it):
 its binary cache, which the build stage installs from, relocated and verified there
 (ci/image-inputs.sh). Inside the image, `installer verify` (all three levels) and `kvruntime
-selftest` must pass on that build's UCX and NIXL."""
+selftest` must pass on that build's UCX and NIXL. The xpu image the same way from the pinned xpu
+build (KVSTACK_PINNED_PREFIX_XPU): no Intel GPU here, so its loaded level runs under the Level
+Zero null driver the build carries, with Debian's Level Zero loader (libze1) in the image, and the
+selftest moves host memory through that build's NIXL and UCX."""
 import json
 import os
 import shutil
@@ -25,7 +28,8 @@ pytestmark = pytest.mark.integration
 docker = pytest.importorskip("docker")
 ROOT = Path(image.__file__).resolve().parent.parent
 BASE = "kvstack-base:bookworm"
-TAG = "kvstack:cpu-ci"  # the tag CI's container step builds: the same request here reuses its layers
+TAG = "kvstack:cpu-ci"  # the tags CI's container step builds: the same requests here reuse their layers
+XPU_TAG = "kvstack:xpu-ci"
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
@@ -77,21 +81,22 @@ def test_missing_base_without_registry_is_one_line_and_leaves_no_containers(daem
     assert {c.id for c in client.containers.list(all=True)} == before
 
 
-@pytest.fixture(scope="module")
-def cpu_image(daemon, tmp_path_factory):
-    """The cpu image as CI's container step builds it (same inputs, same checkout as context)."""
+def _ci_image(daemon, tmp_path_factory, platform: str, tag: str):
+    """The PLATFORM image as CI's container step builds it (same inputs, same checkout as context):
+    (client, result, log lines, the pinned build's manifest)."""
     client, host = daemon
-    prefix = os.environ.get("KVSTACK_PINNED_PREFIX_CPU")
+    var = f"KVSTACK_PINNED_PREFIX_{platform.upper()}"
+    prefix = os.environ.get(var)
     if not prefix or not (Path(prefix) / "manifest.json").is_file():
-        pytest.skip("KVSTACK_PINNED_PREFIX_CPU names no pinned cpu build (ci/pinned-builds.sh makes it)")
+        pytest.skip(f"{var} names no pinned {platform} build (ci/pinned-builds.sh makes it)")
     env = dict(os.environ, DOCKER_HOST=host)
     if not image.base_is_local(client, BASE):
         subprocess.run(["bash", "ci/base-image.sh", BASE], cwd=ROOT, env=env, check=True, timeout=1200)
-    inputs = tmp_path_factory.mktemp("image-inputs")
-    r = subprocess.run(["bash", "ci/image-inputs.sh", str(inputs), prefix], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    req = image.request("cpu", TAG, BASE, str(inputs / "mirror"), str(HOST_CA) if HOST_CA.is_file() else None,
+    inputs = tmp_path_factory.mktemp(f"image-inputs-{platform}")
+    for args in (["ci/image-inputs.sh", str(inputs), prefix], ["ci/image-wheels.sh", str(inputs / "wheels")]):
+        r = subprocess.run(["bash", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+    req = image.request(platform, tag, BASE, str(inputs / "mirror"), str(HOST_CA) if HOST_CA.is_file() else None,
                         [str(p) for p in sorted((inputs / "overlays").glob("*.toml"))], str(inputs / "wheels"),
                         binary_cache=str(inputs / "cache"))
     before = {c.id for c in client.containers.list(all=True)}
@@ -99,6 +104,16 @@ def cpu_image(daemon, tmp_path_factory):
     res = image.build(client, req, ROOT, lines.append)
     assert {c.id for c in client.containers.list(all=True)} == before  # intermediate ones removed
     return client, res, lines, json.loads((Path(prefix) / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def cpu_image(daemon, tmp_path_factory):
+    return _ci_image(daemon, tmp_path_factory, "cpu", TAG)
+
+
+@pytest.fixture(scope="module")
+def xpu_image(daemon, tmp_path_factory):
+    return _ci_image(daemon, tmp_path_factory, "xpu", XPU_TAG)
 
 
 def _run(client, tag: str, script: str, caps=("SYS_PTRACE",)) -> tuple[int, str]:
@@ -166,3 +181,26 @@ def test_kvruntime_selftest_moves_bytes_between_two_processes_inside_the_image(c
     assert {"nixl", "samenode", "host_staged"} <= engines, engines
     assert any(m["mode"].startswith("host/") and m["mode"].endswith("/staged") for m in passed)
     assert all(m["digest_ok"] for m in passed) and sum(m.get("bytes", 0) for m in passed) > 0
+
+
+def test_xpu_image_verifies_under_the_null_driver_and_moves_bytes_inside(xpu_image):
+    client, res, _, built = xpu_image
+    assert res["manifest"]["build_id"] == built["build_id"] and list(res["manifest"]["phases"]) == ["binary-cache"]
+    rc, out = _run(client, XPU_TAG, "python -m installer verify --prefix /opt/kvstack --json")
+    report = json.loads(out)
+    assert rc == 0 and report["ok"], out[-3000:]
+    levels = report["levels"]
+    assert {name: lvl["status"] for name, lvl in levels.items()} == {"built": "passed", "loaded": "passed", "moved": "passed"}
+    loaded = {c["check"]: c for c in levels["loaded"]["checks"]}
+    # ze through Level Zero's null driver (no Intel GPU here): the transport and the memory domain
+    assert loaded["transport ze_copy"]["ok"] is True and loaded["memory domain ze_cpy"]["ok"] is True, loaded
+    # host memory moved through the build's NIXL; the xpu modes are not checked (torch sees no xpu), never passed
+    moved = levels["moved"]["checks"]
+    assert all(c["ok"] is True for c in moved if "xpu/" not in c["check"]) and any("host/" in c["check"] for c in moved)
+    assert all(c["ok"] is None and "no xpu device" in c["detail"] for c in moved if "xpu/" in c["check"])
+    rc, out = _run(client, XPU_TAG, "python -m kvruntime selftest --json")
+    report = json.loads(out)
+    assert rc == 0 and report["ok"], (report.get("error"), out[-3000:])
+    assert report["nixl_module"] == "nixl_xpu" and report["nixl_module_file"].startswith("/opt/kvstack.builds/")
+    passed = [m for m in report["modes"] if m["status"] == "passed"]
+    assert any(m.get("engine", "").startswith("nixl") for m in passed) and all(m["digest_ok"] for m in passed)

@@ -11,8 +11,10 @@ def test_default_base_image_per_platform():
         assert req.base_image == image.BASE_IMAGES[p]
         assert req.tag == f"kvstack:{p}"
         args = image.build_args(req)
+        pkgs, lib = ("libze1", "libze_loader.so.1") if p == "xpu" else ("", "")
         assert args == {"PLATFORM": p, "VARIANT": "", "BASE_IMAGE": image.BASE_IMAGES[p], "WITH_MIRROR": "0", "WITH_CA": "0",
-                        "WITH_OVERLAYS": "0", "WITH_WHEELS": "0", "WITH_BINARY_CACHE": "0"}
+                        "WITH_OVERLAYS": "0", "WITH_WHEELS": "0", "WITH_BINARY_CACHE": "0",
+                        "RUNTIME_PACKAGES": pkgs, "RUNTIME_LIBRARY": lib}
     assert "cuda" in image.BASE_IMAGES["cuda"] and "devel" in image.BASE_IMAGES["cuda"]
 
 
@@ -24,7 +26,7 @@ def test_mirror_and_ca_map_to_args(tmp_path):
     req = image.request("cpu", "me/kv:1", "local/debian:12", str(tmp_path / "m"), str(ca))
     assert image.build_args(req) == {"PLATFORM": "cpu", "VARIANT": "", "BASE_IMAGE": "local/debian:12",
                                      "WITH_MIRROR": "1", "WITH_CA": "1", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0",
-                                     "WITH_BINARY_CACHE": "0"}
+                                     "WITH_BINARY_CACHE": "0", "RUNTIME_PACKAGES": "", "RUNTIME_LIBRARY": ""}
 
 
 def test_a_binary_cache_maps_to_its_arg_and_one_without_a_build_is_one_line(tmp_path):
@@ -73,6 +75,17 @@ def test_containerfile_declares_the_mapped_args():
     text = (Path(image.__file__).resolve().parent.parent / image.CONTAINERFILE).read_text()
     for arg in image.build_args(image.request("cpu")):
         assert f"ARG {arg}" in text, arg
+    # the runtime stage installs the platform's runtime packages too (each stage declares its ARGs)
+    runtime = text[text.index(" AS runtime"):]
+    assert "ARG RUNTIME_PACKAGES" in runtime and "ARG RUNTIME_LIBRARY" in runtime
+
+
+def test_staged_context_always_has_the_ca_file_and_the_wheels_directory(tmp_path):
+    """The Containerfile copies both by name before the checkout (its platform-free layers)."""
+    image.stage_context(image.request("cpu"), tmp_path)
+    assert (tmp_path / image.CA_FILE).read_text() == "" and not any((tmp_path / image.WHEEL_DIR).iterdir())
+    image.unstage_context(tmp_path)
+    assert not (tmp_path / image.WHEEL_DIR).exists() and not (tmp_path / image.CA_FILE).exists()
 
 
 def test_no_daemon_names_the_variable(monkeypatch):
