@@ -325,7 +325,7 @@ class StagingPool:
                    for _ in range(lay.num_regions)]
         heads = (0, lay.num_kv_heads)
         views, stacked = self._views_of(scratch, lay, heads)
-        ids = torch.arange(2, dtype=torch.int64, device=device)
+        ids = self.ids([0, 1])  # through the requests' own upload
         run = self._run(0, 2, lay.num_kv_heads)
         rows = 2 * 2 * lay.num_layers
         with self._cv:  # the pool's first units, while no request can hold them
