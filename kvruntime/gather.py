@@ -149,7 +149,7 @@ class BlockGather:
         for s, d in zip(src_regions, dst_regions):
             (sw, words), (dw, _) = (_word_view(s[: src_blocks * chunk_bytes], chunk_bytes),
                                     _word_view(d[: dst_blocks * chunk_bytes], chunk_bytes))
-            tile = 2048 if words >= 2048 else _next_power_of_2(words)
+            tile = _tile(words)
             self._launches.append((sw, dw, words, tile, -(-words // tile)))
         # the torch fallback's [block][bytes] views
         self._rows = [(s[: src_blocks * chunk_bytes].view(src_blocks, chunk_bytes),
@@ -290,7 +290,7 @@ class HeadGather:
         (s0, s1), (d0, _d1) = heads.src, heads.dst
         width = (s1 - s0) * self.head_words
         total = self.rows * width
-        tile = min(2048, _next_power_of_2(total))
+        tile = _tile(total)
         _gather_heads[(n, -(-total // tile))](
             src, dst, ids, n, self.src_block, self.dst_block, self.src_row, self.dst_row,
             s0 * self.head_words, d0 * self.head_words, width, total, TILE=tile, num_warps=8)
@@ -313,7 +313,7 @@ def prewarm(cache) -> str:
         chunk = cache.layout.chunk_bytes
         flat = tensors[0].reshape(-1).view(torch.uint8)
         sw, words = _word_view(flat[:chunk], chunk)
-        tile = 2048 if words >= 2048 else _next_power_of_2(words)
+        tile = _tile(words)
         with torch.cuda.device(device):
             ids = torch.zeros(64, dtype=torch.int64, device=device)
             scratch = torch.empty(words, dtype=sw.dtype, device=device)
@@ -325,6 +325,11 @@ def prewarm(cache) -> str:
     except Exception as exc:
         log.info("prewarming the Triton gather failed (%s): a connect compiles it", exc)
         return f"not prewarmed: {exc}"
+
+
+def _tile(words: int) -> int:
+    """Words one program copies: the next power of 2, at most 2048."""
+    return min(2048, _next_power_of_2(words))
 
 
 def _next_power_of_2(n: int) -> int:
