@@ -79,21 +79,30 @@ class _Launches:
     hooks are set (a profiler), or this Triton's compiled kernels look otherwise, every launch
     goes through the JIT."""
 
-    def __init__(self):
+    def __init__(self, kernel=None):
+        self._jit = kernel if kernel is not None else _gather_blocks
         self._kernels: dict = {}
         self.direct = 0  # launches that skipped the JIT (tests read it)
 
     def launch(self, region: int, grid: tuple, stream: int, args: tuple, tile: int) -> None:
-        key = (region, args[3] % 16 == 0)
+        key = (region, _specialization(args))
         kernel = self._kernels.get(key)
         if kernel is not None and not _launch_hooks_set():
             kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
                        *args, tile)
             self.direct += 1
             return
-        compiled = _gather_blocks[grid](*args, TILE=tile, num_warps=8)
+        compiled = self._jit[grid](*args, TILE=tile, num_warps=8)
         if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) and compiled.function:
             self._kernels[key] = compiled
+
+
+def _specialization(args: tuple) -> tuple:
+    """What Triton's JIT specializes a kernel on, of each argument: an integer's being 1,
+    divisible by 16, or wider than 32 bits; a tensor's address divisible by 16. Launches whose
+    arguments agree on all of it run the same compiled kernel."""
+    return tuple((a == 1, a % 16 == 0, -(1 << 31) <= a < (1 << 31)) if isinstance(a, int)
+                 else a.data_ptr() % 16 == 0 for a in args)
 
 
 def _word_view(flat, chunk_bytes: int):
@@ -265,44 +274,58 @@ class HeadGather:
             why = enable_peer_access(self.device, other)
             if why:
                 raise RuntimeError(f"no peer access {self.device} -> {other}: {why}")
+        self.stream = stream
+        # block ids up as BlockGather's go (no allocation a request), and the kernel launched
+        # without Triton's JIT after its first launch a region (_Launches)
+        self._uploads = cudart.IdUploads(self.device, stream)
+        self._kernels = _Launches(_gather_heads)
 
     def warm(self, heads) -> None:
-        """The kernel compiled (or loaded) at connect, launched once into a scratch block."""
-        import torch
+        """The kernel compiled (or loaded) at connect, launched once a region into a scratch
+        block, for both specializations of the destination ids' offset (as BlockGather's)."""
+        import numpy as np
 
-        scratch = torch.empty(self.dst_block, dtype=self.dst[0].dtype, device=self.device)
-        self._launch(self.src[0], scratch, torch.zeros(2, dtype=torch.int64, device=self.device),
-                     1, heads)
-        torch.cuda.current_stream(self.device).synchronize()
+        scratch = self.dst[0].new_empty(self.dst_block)
+        for n in (16, 17):  # the destination ids at 16 and at 18
+            ids, (_, dst_at) = self._uploads.upload(np.zeros(n, dtype=np.int64),
+                                                    np.zeros(n, dtype=np.int64))
+            for region, src in enumerate(self.src):
+                self._launch(region, src, scratch, ids, 1, dst_at, heads)
+        self.stream.synchronize()
 
     def copy(self, src_ids, dst_ids, heads) -> None:
+        """Queue the copy on the stream (the caller made it current)."""
         import numpy as np
-        import torch
 
-        n = len(src_ids)
-        ids = torch.from_numpy(np.concatenate([np.asarray(src_ids, dtype=np.int64),
-                                               np.asarray(dst_ids, dtype=np.int64)]))
-        ids = ids.to(self.device, non_blocking=False)
-        for src, dst in zip(self.src, self.dst):
-            self._launch(src, dst, ids, n, heads)
+        ids, (_, dst_at) = self._uploads.upload(np.asarray(src_ids, dtype=np.int64),
+                                                np.asarray(dst_ids, dtype=np.int64))
+        for region, (src, dst) in enumerate(zip(self.src, self.dst)):
+            self._launch(region, src, dst, ids, len(src_ids), dst_at, heads)
 
-    def _launch(self, src, dst, ids, n: int, heads) -> None:
+    def _launch(self, region: int, src, dst, ids, n: int, dst_at: int, heads) -> None:
         (s0, s1), (d0, _d1) = heads.src, heads.dst
         width = (s1 - s0) * self.head_words
         total = self.rows * width
         tile = _tile(total)
-        _gather_heads[(n, -(-total // tile))](
-            src, dst, ids, n, self.src_block, self.dst_block, self.src_row, self.dst_row,
-            s0 * self.head_words, d0 * self.head_words, width, total, TILE=tile, num_warps=8)
+        self._kernels.launch(region, (n, -(-total // tile)), self.stream.cuda_stream,
+                             (src, dst, ids, dst_at, self.src_block, self.dst_block, self.src_row,
+                              self.dst_row, s0 * self.head_words, d0 * self.head_words, width,
+                              total), tile)
 
 
 def prewarm(cache) -> str:
     """At a decode client's start, what its first same-node connect would otherwise pay:
-    Triton imported (~0.2 s) and the gather kernel compiled or loaded from Triton's per-host
-    cache for this cache's blocks (~0.5 s on the H100 host, hashing Triton's own sources
-    once per process), launched once into a scratch block on the cache's GPU. A connect then
-    finds the kernel in the JIT's cache (H100: a first same-node connect took 727 ms, later
-    ones 54). Returns what was done, for the log; never raises (the connect compiles then)."""
+    the CUDA runtime loaded and the process's first pinned allocation made (the id uploads',
+    cudart.prepare_uploads), Triton imported (~0.2 s) and the gather kernel compiled or
+    loaded from Triton's per-host cache for this cache's blocks (~0.5 s on the H100 host,
+    hashing Triton's own sources once per process), launched once into a scratch block on
+    the cache's GPU. A connect then finds the kernel in the JIT's cache (H100: a first
+    same-node connect took 727 ms, later ones 54). Returns what was done, for the log; never
+    raises (the connect pays it then)."""
+    try:
+        cudart.prepare_uploads()
+    except Exception as exc:
+        log.info("preparing the id uploads failed (%s): a connect pays it", exc)
     if triton is None:
         return "no Triton: gathers take torch's index ops"
     try:

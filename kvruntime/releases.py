@@ -52,7 +52,7 @@ class ReleaseSender:
             with self._lock:  # not while a flush takes the dict
                 self._due.setdefault(peer, time.monotonic())
         if not self._wake.is_set():  # the backstop sleeps: the first release since wakes it
-            self._start()
+            self.start()
             self._wake.set()
 
     def flush(self) -> None:
@@ -63,7 +63,8 @@ class ReleaseSender:
             for peer in peers:
                 peer.flush()  # logs, never raises
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """The backstop's thread (asleep until a release is due); once."""
         if self._thread is None and not self._closed:
             with self._lock:
                 if self._thread is None:
@@ -109,6 +110,9 @@ class Pending:
         self._ids: list[str] = []
         self._lock = threading.Lock()
         self._flush_lock = threading.Lock()
+        # the backstop's thread started with the first peer, not by a first request (a
+        # thread's start cost that request ~0.1 ms and the GIL while it began)
+        sender.start()
 
     def add(self, request_ids: list) -> None:
         with self._lock:

@@ -310,32 +310,42 @@ class StagingPool:
         return views, stacked
 
     def warm(self) -> None:
-        """A device pool: its gather's and scatter's kernels launched once now, between the pool
-        and a scratch cache of two blocks viewed as the cache is (CUDA loads a kernel at its
-        first launch: on the H100 host a first coalesced request took 37 ms, 16 of them its
-        first scatter, later ones 1.3 ms). Nothing of the cache is read or written; every
-        piece kind of poolcopy.py runs (whole regions and partial ones)."""
-        if self._streams is None or self.layout.num_blocks < 2 * self.device_layout.num_kv_heads:
+        """A device pool: its gather's and scatter's kernels launched once now (CUDA loads a
+        kernel at its first launch: on the H100 host a first coalesced request took 37 ms, 16
+        of them its first scatter, then 17 ms, 13 of them the prefill's first gather, later
+        ones 1.3 ms). torch's index_select picks its kernel by the number of ids (at most 16,
+        or more) and by the cache's size (32- or 64-bit offsets), so the gathers read the
+        cache itself, as requests do, at both counts (nothing of it is written); the scatters
+        write a scratch cache of two blocks viewed as the cache is. Every piece kind of
+        poolcopy.py runs (whole regions and partial ones)."""
+        lay, h = self.device_layout, self.device_layout.num_kv_heads
+        k = min(32, lay.num_blocks, self.units // h)
+        if self._streams is None or k < 2:
             return
         import torch
 
-        lay = replace(self.device_layout, num_blocks=2)
+        scratch_lay = replace(lay, num_blocks=2)
         device = self._device[0].device
-        scratch = [torch.zeros(lay.region_bytes, dtype=torch.uint8, device=device)
-                   for _ in range(lay.num_regions)]
-        heads = (0, lay.num_kv_heads)
-        views, stacked = self._views_of(scratch, lay, heads)
-        ids = self.ids([0, 1])  # through the requests' own upload
-        run = self._run(0, 2, lay.num_kv_heads)
-        rows = 2 * 2 * lay.num_layers
+        scratch = [torch.zeros(scratch_lay.region_bytes, dtype=torch.uint8, device=device)
+                   for _ in range(scratch_lay.num_regions)]
+        heads = (0, h)
+        scratch_views, scratch_stacked = self._views_of(scratch, scratch_lay, heads)
+        counts = sorted({2, k})
+        # through the requests' own upload: reading blocks 0..n-1, writing scratch blocks 0, 1
+        uploads = [(n, self.ids(list(range(n))), self.ids([i % 2 for i in range(n)]))
+                   for n in counts]
         with self._cv:  # the pool's first units, while no request can hold them
-            if self._free[:2 * lay.num_kv_heads] != b"\x01" * (2 * lay.num_kv_heads):
+            if self._free[:k * h] != b"\x01" * (k * h):
                 return
             st = self._streams
             with st.compute_after_caller():
-                for gather in (True, False):
+                for n, gather_ids, scatter_ids in uploads:
+                    rows = 2 * lay.num_layers * n
+                    run = self._run(0, n, h)
                     for part in ((0, rows), (1, rows - 1)):  # whole regions; partial ends
-                        copy_rows(views, stacked, run, ids, part, gather)
+                        copy_rows(self._regions(heads), self._stacked(heads), run, gather_ids,
+                                  part, True)
+                        copy_rows(scratch_views, scratch_stacked, run, scatter_ids, part, False)
                 event = st.event()
                 st.record(event, st.compute)
             wait(event)
