@@ -13,7 +13,7 @@
 # KVSTACK_PINNED_PREFIX_CPU, _XPU, _XPU_IPC, and KVSTACK_WHEEL_PREFIX (the cpu one).
 # The cache directory _work/pinned/cache serves every build of the run (sources, build tools,
 # autoconf results; compiled objects through ccache, below); a re-run with nothing changed builds
-# nothing.
+# nothing. The installer removes each build's source and build trees once it is finished.
 # Usage: ci/pinned-builds.sh (KVSTACK_MIRROR overrides ../shared/mirror; PY the installer's python)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,11 +27,14 @@ if [ ! -f "$mirror/SHA256SUMS" ] || [ ! -f "$mirror/asio-overlay.toml" ]; then
 fi
 mkdir -p "$out"
 # The three builds compile much the same code (Abseil is the same source and flags in each: ~100 s a
-# build on 2 cores): with ccache (ci/test.sh installs it) a later build takes an identical compile's
-# object from an earlier one. For one build's work directory to match another's, ccache's base_dir
-# hands the compiler paths under _work/pinned relative to its directory: __FILE__ strings in these
-# builds (UCX's, e.g. "../../../../src/ucx/src/ucs/async/async.c") are relative, so they are not
-# byte for byte the build of an uncached install with the same build id (CI compares none).
+# build on 2 cores; NIXL the same in all three but for the UCX headers its UCX plugin includes):
+# with ccache (ci/test.sh installs it) a later build takes an identical compile's object from an
+# earlier one. Each build compiles inside its own build directory (installer/plan.py: WORK), and
+# ccache's base_dir hands the compiler paths under _work/pinned relative to its directory, so a
+# dependency's headers are ../../../ucx/include in every build whatever its prefix and id:
+# __FILE__ strings in these builds (UCX's, e.g. "../../src/ucx/src/ucs/async/async.c") are relative,
+# so they are not byte for byte the build of an uncached install with the same build id (CI
+# compares none).
 if [ -d /usr/lib/ccache ] && command -v ccache >/dev/null; then
   export PATH=/usr/lib/ccache:$PATH CCACHE_DIR=$out/ccache CCACHE_BASEDIR=$out
 fi
@@ -69,5 +72,3 @@ done
 if [ -n "${CCACHE_DIR:-}" ]; then
   echo "--- ccache: $(ccache --print-stats | awk '$1 ~ /^(direct_cache_hit|preprocessed_cache_hit|cache_miss)$/ {printf "%s %s ", $1, $2}')"
 fi
-# the builds' source and build trees (~250 MB each): nothing reads them once a build is installed
-rm -rf "$out/cache/work"

