@@ -15,6 +15,7 @@ from .errors import KVRuntimeError
 from .plan import make_plan
 
 log = logging.getLogger(__name__)
+EXPIRED_KEPT_S = 600.0  # how long an expired request's late unstage is recognized
 
 
 class Stages:
@@ -36,6 +37,9 @@ class Stages:
         # request released, once the gather has stopped reading the blocks)
         self._gathering: set = set()
         self._early: dict = {}  # -> its unstage's "more"
+        # requests released by expiry, (agent, request) -> when: a late unstage releases
+        # nothing more (their blocks may be the caller's again by then)
+        self._expired: dict = {}
         self._lock = threading.Lock()
 
     @property
@@ -175,6 +179,8 @@ class Stages:
         more = message.get("more") is True
         key = (agent, request, _piece(message))
         with self._lock:
+            if (agent, request) in self._expired:
+                return  # freed and released when it expired
             staged = self._staged.pop(key, None)
             if staged is None and key in self._gathering:
                 self._early[key] = more
@@ -189,12 +195,26 @@ class Stages:
         self._wake()  # queued requests may fit now
 
     def expire(self) -> None:
+        """Runs whose decode never unstaged them (it died, or lost its connection), well after
+        their deadline (its READs have been aborted by then): freed, and the request released
+        like an unstaged one, so a push the prefill started gives its caller's blocks back."""
         now = time.monotonic()
-        for key, (start, n, expiry) in list(self._staged.items()):
-            if now > expiry and self._staged.pop(key, None) is not None:
-                log.warning("staged request %s of %s was never unstaged; its pool blocks are "
-                            "freed", key[1], key[0])
-                self.pool.release(start, n)
+        expired = []
+        with self._lock:
+            for key, (start, n, expiry) in list(self._staged.items()):
+                if now > expiry:
+                    del self._staged[key]
+                    expired.append((key, start, n))
+                    self._expired[key[:2]] = now
+            for old in [k for k, at in self._expired.items() if now - at > EXPIRED_KEPT_S]:
+                del self._expired[old]
+        for (agent, request, _piece_), start, n in expired:
+            log.warning("staged request %s of %s was never unstaged; its pool blocks are freed "
+                        "and the request released", request, agent)
+            self.pool.release(start, n)
+            self._release(agent, request)
+        if expired:
+            self._wake()  # queued requests may fit now
 
 
 def _heads(value, num_heads: int) -> tuple[int, int]:

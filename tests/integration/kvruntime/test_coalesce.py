@@ -220,6 +220,51 @@ def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(pushing_p
         cache.close()
 
 
+def _decode_that_dies_mid_request(port: int, layout, request: str) -> None:
+    """A decode process: a coalesced pull through the pools, killed (SIGKILL, by itself) once
+    its first chunk is answered: it never unstages."""
+    import os
+    import signal
+
+    cache = KVCache.allocate_host(layout)
+    client = DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=200)
+    peer = client.connect("127.0.0.1", port)
+    handle = peer.start_pull(list(range(0, 190)), list(range(190)), request_id=request, timeout=1)
+    until = time.monotonic() + 10
+    while not (handle._xfer is not None and handle._xfer._ready) and time.monotonic() < until:
+        handle.poll()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_decode_killed_mid_request_has_the_prefills_run_freed_and_released():
+    """The decode process dies after the prefill answered its first chunk, so no "unstage"
+    comes: well after the request's deadline the prefill frees its pool's run and releases the
+    request (get_released names it), as an unstaged one: a prefill's blocks never stay taken
+    by a decode that is gone."""
+    import multiprocessing
+
+    from kvruntime.prefill import PrefillServer
+
+    layout = KVLayout(CROSS_LAYER, 2, 200, 16, 8, 256, "float16")  # 256 KiB blocks
+    cache = KVCache.allocate_host(layout)
+    cache.fill_random(3)
+    with PrefillServer(cache, coalesce="always", staging_blocks=200) as server:
+        child = multiprocessing.get_context("spawn").Process(
+            target=_decode_that_dies_mid_request, args=(server.address[1], layout, "gone-1"))
+        child.start()
+        child.join(60)
+        assert child.exitcode == -9, child.exitcode
+        released, until = [], time.monotonic() + 20  # deadline 1 s, then the 5 s expiry
+        while not released and time.monotonic() < until:
+            released = [r for _agent, r in server.get_released() if r == "gone-1"]
+            time.sleep(0.1)
+        assert released == ["gone-1"]
+        assert server.pool.largest_free_run() == server.pool.units
+        time.sleep(0.5)
+        assert not [r for _agent, r in server.get_released() if r == "gone-1"]  # once only
+    cache.close()
+
+
 def test_a_pushed_request_waits_for_an_exhausted_pool_until_its_deadline(pushing_prefill):
     """A push the prefill starts, through the pools, while the decode's pool is held: it fails
     at its deadline with the pool's numbers and nothing lands; once the pool is free the same
