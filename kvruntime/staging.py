@@ -38,6 +38,7 @@ import math
 import threading
 import time
 from dataclasses import replace
+from functools import cached_property
 
 from . import native
 from .bounce import SLOT_BYTES, BounceRing, _TorchStreams, pieces
@@ -154,24 +155,39 @@ class StagingPool:
         self._pinned = False
         if memory == "host" and on_device and tensors[0].device.type == "cuda":
             self._pin()
-        self._pool = _byte_regions(self.cache)[0]
-        self._device = _byte_regions(device_cache)
         self._ring = None
         self._streams = None  # a device pool's stream and events (bounce._TorchStreams)
         self._scatters = None  # a host cache's scatters run on a thread of their own
         self._region_views: dict = {}  # (h0, h1) -> the regions' views of those heads
         self._stacked_views: dict = {}  # (h0, h1) -> cross_layer: them all as one view
-        self._pool_words = self._words(self._pool)  # views made once: a request's prologue
-        self._head_words = layout.head_dim * layout.element_bytes // self._pool_words.element_size()
-        dev = self._device[0].device
         if memory == "device":
-            self._streams = _TorchStreams(dev)
-        elif dev.type != "cpu":  # copies pipelined through device bounce slots (bounce.py)
+            self._streams = _TorchStreams(tensors[0].device)
+        elif on_device:  # copies pipelined through device bounce slots (bounce.py)
             row = layout.tokens_per_block * layout.num_kv_heads * self._head_words
-            self._ring = BounceRing(dev, self._pool_words.dtype,
+            self._ring = BounceRing(tensors[0].device, self._pool_words.dtype,
                                     max(row, bounce_bytes // self._pool_words.element_size()))
-        else:  # host memory both sides: C copies of the pieces (native.py), no torch op
+        else:  # host memory both sides: C copies of the pieces (native.py), no torch op (a
+            # host prefill or decode never imports torch for its pool: 2-9 s of its start)
             self._bases, self._strides = _region_bases(device_cache)
+
+    # torch's views of the pool and the cache, made on first use (device pools, the bounce
+    # ring, and the index ops' tests on CPU tensors), once: a request's prologue
+    @cached_property
+    def _pool(self):
+        return _byte_regions(self.cache)[0]
+
+    @cached_property
+    def _device(self):
+        return _byte_regions(self.device_cache)
+
+    @cached_property
+    def _pool_words(self):
+        return self._words(self._pool)
+
+    @cached_property
+    def _head_words(self) -> int:
+        lay = self.device_layout
+        return lay.head_dim * lay.element_bytes // self._pool_words.element_size()
 
     def _pin(self) -> None:
         """Page-lock the pool for CUDA copies (without it a copy to pageable memory is staged
@@ -374,14 +390,15 @@ class StagingPool:
         device pool's are uploaded here, once for all the chunks of a request (16 uploads of
         a 4096-block request cost ~0.3 ms, a fifth of its GiB's READ on an H100)."""
         import numpy as np
+
+        if self._streams is None:
+            return np.asarray(blocks, dtype=np.int64)
         import torch
 
         # a tensor is already on the device (numpy 2's arrays have a ``device`` too: "cpu")
-        if self._streams is not None and isinstance(blocks, torch.Tensor):
+        if isinstance(blocks, torch.Tensor):
             return blocks
         ids = np.asarray(blocks, dtype=np.int64)
-        if self._streams is None:
-            return ids
         with self._streams.compute_after_caller():
             return self._streams.upload(ids)
 
