@@ -95,6 +95,12 @@ bash ci/second-host.sh kvstack-base:bookworm "$KVSTACK_PINNED_PREFIX_CPU" "$whee
 step "containers: cpu image from the Containerfile (python -m installer image; the build from its binary cache)"
 image cpu "$KVSTACK_PINNED_PREFIX_CPU" kvstack:cpu-ci
 
+# the same requests again through the Docker SDK (every layer from the cache), then inside the
+# image: installer verify (all three levels), with and without CAP_SYS_PTRACE, kvruntime
+# selftest, no compiler in the runtime stage; while the xpu build still compiles
+step "containers: installer image through the Docker SDK, verify and selftest inside the cpu image (tests/integration/containers, all but xpu's)"
+"$PY" -m pytest -p no:cacheprovider -q --basetemp "$d/pytest-cpu" -k "not xpu" tests/integration/containers
+
 step "containers: waits for the pinned xpu build"
 pinned_wait XPU || { echo "error: no pinned xpu build (ci/pinned-builds.sh, a step of ci/test.sh, makes it): the xpu image needs it" >&2; exit 1; }
 . _work/pinned/env.sh
@@ -102,10 +108,8 @@ pinned_wait XPU || { echo "error: no pinned xpu build (ci/pinned-builds.sh, a st
 step "containers: xpu image from the Containerfile (the build from its binary cache, Level Zero's loader from Debian)"
 image xpu "$KVSTACK_PINNED_PREFIX_XPU" kvstack:xpu-ci
 
-# the same requests again through the Docker SDK (every layer from the cache), then inside the
-# images: installer verify (all three levels; xpu's loaded level under the Level Zero null driver
-# the build carries), with and without CAP_SYS_PTRACE, kvruntime selftest, no compiler in the runtime stage
-step "containers: installer image through the Docker SDK, verify and selftest inside the cpu and xpu images (tests/integration/containers)"
-"$PY" -m pytest -p no:cacheprovider -q --basetemp "$d/pytest" tests/integration/containers
+# the same for the xpu image (its loaded level under the Level Zero null driver the build carries)
+step "containers: installer image through the Docker SDK, verify and selftest inside the xpu image (tests/integration/containers, xpu's)"
+"$PY" -m pytest -p no:cacheprovider -q --basetemp "$d/pytest-xpu" -k xpu tests/integration/containers
 
 step "containers: done"
