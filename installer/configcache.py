@@ -24,10 +24,14 @@ import json
 import os
 import shutil
 import subprocess
+import tarfile
+import time
 from pathlib import Path
 
 
 SITE_FILE = "kvstack-config.site"
+AUTOGEN_MARK = ".kvstack-autogen-start"  # in a source tree while its autogen.sh runs
+AUTOTOOLS = ("autoconf", "autoheader", "automake", "aclocal", "libtoolize", "m4", "autoreconf")
 CACHE_FILE = "config.cache"
 ENV_READ = ("CC", "CXX", "CPP", "CXXCPP", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "LIBS", "PATH",
             "PKG_CONFIG", "PKG_CONFIG_PATH", "PKG_CONFIG_LIBDIR", "LD_LIBRARY_PATH", "CUDA_HOME", "LC_ALL")
@@ -115,3 +119,81 @@ def _compiler_identity(name: str, env: dict[str, str]) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return f"{os.path.realpath(exe)} (does not run)"
     return f"{os.path.realpath(exe)}\n{r.stdout}{r.stderr}"
+
+
+# -- autogen.sh's outputs ---------------------------------------------------------------------
+# A source without configure (git archives: UCX's) runs autogen.sh first, ~30 s single-threaded
+# on 2 cores. What it writes depends only on the source and the autotools, so the files it wrote
+# (configure, Makefile.in, aclocal.m4, libtool's and automake's scripts) are kept per (source pin,
+# autotools, package state) and a later build of the same source — another platform, or a run
+# after a failed one — lays them over its fresh tree instead of running it (same files, later
+# times than the sources', so make never re-runs autoconf).
+
+def autogen_key(source_pin: str, env: dict[str, str]) -> str | None:
+    packages = _package_state()
+    if packages is None:
+        return None
+    tools = {t: _tool_identity(t, env) for t in AUTOTOOLS}
+    material = {"source": source_pin, "packages": packages, "tools": tools}
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def autogen_restore(cache_dir: Path, src_dir: Path, key_: str | None) -> str:
+    """Before autogen.sh: lay its kept outputs over ``src_dir`` (its configure then exists and
+    the step is skipped), or mark the tree so that what the step writes can be kept after."""
+    if (src_dir / "configure").exists():
+        return "the source has its configure: autogen.sh does not run"
+    if key_ is None:
+        return "no cache: the host's package database (dpkg, rpm) was not found"
+    entry = _autogen_entry(cache_dir, key_)
+    if entry.is_file():
+        from .extract import extract_safely
+
+        try:
+            with tarfile.open(entry, "r:gz") as tf:
+                extract_safely(tf, tf.getmembers(), src_dir)
+            return f"autogen.sh's outputs from {entry}"
+        except (tarfile.TarError, OSError, EOFError) as e:  # a damaged entry: autogen.sh runs
+            for name in ("configure",):
+                (src_dir / name).unlink(missing_ok=True)
+            entry.unlink(missing_ok=True)
+            return f"the kept outputs {entry} could not be used ({e}): removed, autogen.sh runs"
+    (src_dir / AUTOGEN_MARK).write_text(f"{time.time_ns()}\n")
+    return f"no entry {entry} yet: autogen.sh runs and what it writes is kept"
+
+
+def autogen_keep(cache_dir: Path, src_dir: Path, key_: str | None) -> str:
+    """After autogen.sh: the files it wrote or changed (newer than the mark), kept under the key
+    (atomically)."""
+    mark = src_dir / AUTOGEN_MARK
+    if key_ is None or not mark.is_file():
+        return "nothing to keep"
+    since = int(mark.read_text().strip() or 0)
+    mark.unlink()
+    entry = _autogen_entry(cache_dir, key_)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.with_name(f".{entry.name}.{os.getpid()}.tmp")
+    count = 0
+    with tarfile.open(tmp, "w:gz", compresslevel=1) as tf:
+        for path in sorted(src_dir.rglob("*")):
+            st = path.lstat()
+            if (path.is_symlink() or path.is_file()) and st.st_mtime_ns >= since:
+                tf.add(path, arcname=path.relative_to(src_dir).as_posix(), recursive=False)
+                count += 1
+    os.replace(tmp, entry)
+    return f"{count} files autogen.sh wrote kept as {entry}"
+
+
+def _autogen_entry(cache_dir: Path, key_: str) -> Path:
+    return cache_dir / "autogen" / f"{key_}.tar.gz"
+
+
+def _tool_identity(name: str, env: dict[str, str]) -> str | None:
+    exe = shutil.which(name, path=env.get("PATH"))
+    if exe is None:
+        return None
+    try:
+        r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30, env=env)
+    except (OSError, subprocess.SubprocessError):
+        return f"{os.path.realpath(exe)} (does not run)"
+    return f"{os.path.realpath(exe)}\n{(r.stdout or r.stderr).strip().splitlines()[:1]}"

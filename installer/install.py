@@ -365,6 +365,16 @@ def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: 
     def autoconf_cache_keep(build_dir: Path) -> str:
         return configcache.save(plan.cache_dir, build_dir, autoconf_key())
 
+    def autogen_key() -> str | None:
+        pin = plan.sources[comp.source]
+        return configcache.autogen_key(pin.get("sha256") or pin.get("commit", ""), env)
+
+    def autogen_cache_restore(src_dir: Path) -> str:
+        return configcache.autogen_restore(plan.cache_dir, Path(src_dir), autogen_key())
+
+    def autogen_cache_keep(src_dir: Path) -> str:
+        return configcache.autogen_keep(plan.cache_dir, Path(src_dir), autogen_key())
+
     def closure_targets(build_dir: Path, modules: str) -> str:
         return pkgconfig.plan_targets(Path(build_dir), modules.split(","), env)
 
@@ -373,6 +383,7 @@ def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: 
 
     return {"stage-subprojects": stage_subprojects, "copy-tree": copy_tree, "write-pkgconfig": write_pkgconfig,
             "autoconf-cache-restore": autoconf_cache_restore, "autoconf-cache-keep": autoconf_cache_keep,
+            "autogen-cache-restore": autogen_cache_restore, "autogen-cache-keep": autogen_cache_keep,
             "pkgconfig-closure": closure_targets, "pkgconfig-install": closure_install}
 
 

@@ -1,4 +1,5 @@
-"""Autotools (UCX): autogen.sh when the tree has no configure (git archives), an out-of-tree
+"""Autotools (UCX): autogen.sh when the tree has no configure (git archives; what it writes kept
+per source and autotools, installer/configcache.py), an out-of-tree
 configure with every feature stated explicitly — its check results kept per toolchain
 (installer/configcache.py) — then make and make install, of the whole tree, or only of the
 recipe's `make_dirs` / `install_dirs` / `install_targets`."""
@@ -14,7 +15,9 @@ def steps(comp) -> list[Step]:
     configure = [str(src / "configure"), f"--prefix={comp.install_dir}",
                  *flags("with", spec.get("with", {})), *flags("enable", spec.get("enable", {})),
                  *spec.get("configure_args", [])]
-    out = [Step("configure", "autogen", ("./autogen.sh",), cwd=src, unless_exists=src / "configure"),
+    out = [Step("configure", "autogen-cache", action="autogen-cache-restore", args={"src_dir": src}),
+           Step("configure", "autogen", ("./autogen.sh",), cwd=src, unless_exists=src / "configure"),
+           Step("configure", "autogen-cache-keep", action="autogen-cache-keep", args={"src_dir": src}),
            Step("configure", "autoconf-cache", action="autoconf-cache-restore", args={"build_dir": build}),
            Step("configure", "configure", tuple(configure), cwd=build, env={"CONFIG_SITE": str(build / SITE_FILE)}),
            Step("configure", "autoconf-cache-keep", action="autoconf-cache-keep", args={"build_dir": build})]

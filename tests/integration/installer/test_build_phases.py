@@ -322,8 +322,8 @@ def test_a_failing_component_stops_the_one_building_beside_it(world, installed, 
 
 def test_side_by_side_and_one_at_a_time_give_the_same_bytes(world, installed, tmp_path):
     """The same build id into the same prefix, built one component after another and then side by
-    side from nothing but the cache directory (sources, autoconf results): every installed file
-    has the same bytes."""
+    side from nothing but the cache directory (sources, autogen.sh's outputs, autoconf results):
+    every installed file has the same bytes."""
     prefix = tmp_path / "kv"
     r = _install(world, prefix, "--component-jobs", "1")
     assert r.returncode == 0, r.stderr
@@ -342,6 +342,10 @@ def test_side_by_side_and_one_at_a_time_give_the_same_bytes(world, installed, tm
     # configure answered from the autoconf results the first build kept, and changed no byte
     steps = {s["step"]: s for s in second["phases"]["configure"]["components"]["hello-autotools"]["steps"]}
     assert steps["autoconf-cache"]["result"].startswith("cached results from ")
+    # autogen.sh's outputs too, kept by the build that first ran it
+    assert steps["autogen-cache"]["result"].startswith("autogen.sh's outputs from ")
+    assert steps["autogen"]["skipped"] == "configure exists"
+    assert steps["autogen-cache-keep"]["result"] == "nothing to keep"
     assert "(cached)" in Path(steps["configure"]["log"]).read_text()
     same = buildcompare.compare(serial, prefix)
     assert same.identical, buildcompare.render(same, serial, prefix)
