@@ -46,7 +46,7 @@ def key(configure_argv: list[str], source_pin: str, env: dict[str, str]) -> str 
     args = [a for a in configure_argv[1:] if not a.startswith("--prefix=")]
     material = {"args": args, "source": source_pin, "packages": packages, "dirs": _with_dirs(args),
                 "env": {k: env.get(k) for k in ENV_READ},
-                "compilers": {c: _compiler_identity(c, env) for c in (env.get("CC"), env.get("CXX"), *COMPILERS) if c}}
+                "compilers": {c: _identity(c, env) for c in (env.get("CC"), env.get("CXX"), *COMPILERS) if c}}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -110,12 +110,14 @@ def _with_dirs(args: list[str]) -> dict[str, list]:
     return out
 
 
-def _compiler_identity(name: str, env: dict[str, str]) -> str | None:
+def _identity(name: str, env: dict[str, str], ask: str = "-v") -> str | None:
+    """Which ``name`` on the build's PATH, and what it says of itself (``ask``: a compiler's
+    ``-v``, a tool's ``--version``)."""
     exe = shutil.which(name.split()[0], path=env.get("PATH"))
     if exe is None:
         return None
     try:
-        r = subprocess.run([exe, "-v"], capture_output=True, text=True, timeout=30, env=env)
+        r = subprocess.run([exe, ask], capture_output=True, text=True, timeout=30, env=env)
     except (OSError, subprocess.SubprocessError):
         return f"{os.path.realpath(exe)} (does not run)"
     return f"{os.path.realpath(exe)}\n{r.stdout}{r.stderr}"
@@ -133,7 +135,7 @@ def autogen_key(source_pin: str, env: dict[str, str]) -> str | None:
     packages = _package_state()
     if packages is None:
         return None
-    tools = {t: _tool_identity(t, env) for t in AUTOTOOLS}
+    tools = {t: _identity(t, env, "--version") for t in AUTOTOOLS}
     material = {"source": source_pin, "packages": packages, "tools": tools}
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
 
@@ -186,14 +188,3 @@ def autogen_keep(cache_dir: Path, src_dir: Path, key_: str | None) -> str:
 
 def _autogen_entry(cache_dir: Path, key_: str) -> Path:
     return cache_dir / "autogen" / f"{key_}.tar.gz"
-
-
-def _tool_identity(name: str, env: dict[str, str]) -> str | None:
-    exe = shutil.which(name, path=env.get("PATH"))
-    if exe is None:
-        return None
-    try:
-        r = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30, env=env)
-    except (OSError, subprocess.SubprocessError):
-        return f"{os.path.realpath(exe)} (does not run)"
-    return f"{os.path.realpath(exe)}\n{(r.stdout or r.stderr).strip().splitlines()[:1]}"
