@@ -70,14 +70,14 @@ def _launch_hooks_set() -> bool:
 
 
 class _Launches:
-    """Compiled gather kernels launched directly. A call through Triton's JIT binds the
-    arguments, specializes them and looks the kernel up again every time (~40 µs a launch on
-    the H100 VM's CPU, more than the GPU time of a 32 MiB gather). The kernel one JIT launch
-    returns is kept per region and per the one argument property that varies between
-    requests (the destination ids' offset divisible by 16: Triton specializes on it; the
-    pointers and sizes of a region do not change), and later launches go to it. Where launch
-    hooks are set (a profiler), or this Triton's compiled kernels look otherwise, every launch
-    goes through the JIT."""
+    """Compiled kernels (``kernel``: the block gather by default, or the head-slice one)
+    launched directly. A call through Triton's JIT binds the arguments, specializes them and
+    looks the kernel up again every time (~40 µs a launch on the H100 VM's CPU, more than the
+    GPU time of a 32 MiB gather). The kernel one JIT launch returns is kept per region and
+    per what Triton specialized its arguments on (_specialization: between requests of a
+    region that is the destination ids' offset divisible by 16 or not), and later launches
+    go to it. Where launch hooks are set (a profiler), or this Triton's compiled kernels look
+    otherwise, every launch goes through the JIT."""
 
     def __init__(self, kernel=None):
         self._jit = kernel if kernel is not None else _gather_blocks
@@ -303,7 +303,7 @@ class HeadGather:
             self._launch(region, src, dst, ids, len(src_ids), dst_at, heads)
 
     def _launch(self, region: int, src, dst, ids, n: int, dst_at: int, heads) -> None:
-        (s0, s1), (d0, _d1) = heads.src, heads.dst
+        (s0, s1), (d0, _) = heads.src, heads.dst
         width = (s1 - s0) * self.head_words
         total = self.rows * width
         tile = _tile(total)
