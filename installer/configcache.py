@@ -156,12 +156,13 @@ def autogen_restore(cache_dir: Path, src_dir: Path, key_: str | None) -> str:
                 extract_safely(tf, tf.getmembers(), src_dir)
             return f"autogen.sh's outputs from {entry}"
         except (tarfile.TarError, OSError, EOFError) as e:  # a damaged entry: autogen.sh runs
-            for name in ("configure",):
-                (src_dir / name).unlink(missing_ok=True)
+            (src_dir / "configure").unlink(missing_ok=True)  # and rewrites what it laid down
             entry.unlink(missing_ok=True)
-            return f"the kept outputs {entry} could not be used ({e}): removed, autogen.sh runs"
+            said = f"the kept outputs {entry} could not be used ({e}): removed"
+    else:
+        said = f"no entry {entry} yet"
     (src_dir / AUTOGEN_MARK).write_text(f"{time.time_ns()}\n")
-    return f"no entry {entry} yet: autogen.sh runs and what it writes is kept"
+    return f"{said}: autogen.sh runs and what it writes is kept"
 
 
 def autogen_keep(cache_dir: Path, src_dir: Path, key_: str | None) -> str:

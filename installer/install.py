@@ -234,7 +234,8 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
 
 
 def _moved(value, old: str, new: str):
-    """``value`` (the phases' records) with every path under ``old`` named under ``new``."""
+    """``value`` (a manifest's records: phases, verification) with every path under ``old``
+    named under ``new``."""
     if isinstance(value, dict):
         return {k: _moved(v, old, new) for k, v in value.items()}
     if isinstance(value, list):

@@ -48,3 +48,32 @@ def test_no_key_means_no_cache_file(tmp_path):
     assert configcache.restore(tmp_path, tmp_path / "b", None).startswith("no cache")
     assert "cache_file" not in (tmp_path / "b" / configcache.SITE_FILE).read_text()
     assert configcache.save(tmp_path, tmp_path / "b", None) == "nothing to keep"
+
+
+def test_autogen_outputs_are_kept_laid_over_a_fresh_tree_and_a_damaged_entry_is_made_again(tmp_path):
+    """What autogen.sh wrote (files newer than the mark) is kept under the key and laid over the
+    next fresh tree, whose configure then exists; an entry that cannot be read is removed and
+    the next autogen.sh's outputs are kept in its place."""
+    cache, key_ = tmp_path / "cache", "k" * 24
+    src = tmp_path / "a"
+    src.mkdir()
+    (src / "configure.ac").write_text("AC_INIT\n")
+    assert configcache.autogen_restore(cache, src, key_).startswith("no entry ")
+    (src / "configure").write_text("#!/bin/sh\n")  # what "autogen.sh" writes
+    assert configcache.autogen_keep(cache, src, key_).startswith("1 files autogen.sh wrote kept as ")
+    fresh = tmp_path / "b"
+    fresh.mkdir()
+    assert configcache.autogen_restore(cache, fresh, key_).startswith("autogen.sh's outputs from ")
+    assert (fresh / "configure").read_text() == "#!/bin/sh\n"
+    assert configcache.autogen_keep(cache, fresh, key_) == "nothing to keep"
+    entry = next((cache / "autogen").iterdir())
+    entry.write_bytes(b"not a tar")
+    damaged = tmp_path / "c"
+    damaged.mkdir()
+    said = configcache.autogen_restore(cache, damaged, key_)
+    assert "could not be used" in said and said.endswith("autogen.sh runs and what it writes is kept")
+    (damaged / "configure").write_text("#!/bin/sh\n")
+    assert configcache.autogen_keep(cache, damaged, key_).startswith("1 files autogen.sh wrote kept as ")
+    again = tmp_path / "d"
+    again.mkdir()
+    assert configcache.autogen_restore(cache, again, key_).startswith("autogen.sh's outputs from ")
