@@ -37,11 +37,17 @@ MODES = ("auto", "always", "never")
 # A direct side's pool when the caller sizes none: this many bytes of blocks (at most the
 # cache). A request larger than either side's pool moves in pieces (staged.py).
 DEFAULT_POOL_BYTES = 256 << 20
-# Of a coalesced request's gather and scatter, how much the pipeline leaves exposed (the
-# first chunk's gather and the last one's scatter; on a host with few cores the copies and the
-# wire share them): counted as one of the two whole.
-EXPOSED = 1.0
-PROBE_BLOCKS = 32
+# Of a coalesced request's gather and scatter, how much the pipeline leaves exposed, by the
+# pools' memory. Device pools: the copies run on the GPUs beside the wire, the first chunk's
+# gather and the last one's scatter stay exposed: counted as one of the two whole. Host pools:
+# the copies take the cores and the memory bandwidth the wire's own copies (cma) need, so
+# nothing hides them: both counted (cpu-2, 64 MiB of 4096 random 16 KiB blocks: coalesced
+# 45-57 ms against 15-26 direct, and with one counted auto took coalesced in one run of two).
+EXPOSED = {"device": 1.0, "host": 2.0}
+# The probe's scattered READ, in pieces, by pool memory. Host memory: enough pieces that a
+# UCX thread's wake-up (ucx_threads, on by default for host memory) does not pass for their
+# cost (cpu-2 with 32: 106 us a descriptor in one connect, 3.3 in the next)
+PROBE_BLOCKS = {"device": 32, "host": 256}
 # The probe's largest gather, by pool memory: large enough that a device gather's fixed cost
 # (launches, the wait) does not pass for its rate (2 x H100: 32 blocks of 256 KiB measured
 # 50 GB/s, and auto kept 1 GiB of random blocks direct, 4.5 x slower than coalesced), small
@@ -131,12 +137,13 @@ class Model:
     gather_gbps: float  # our gather into the pool (the scatter taken as the same)
     round_trip_us: float  # one side-channel exchange
     gather_fixed_us: float = 0.0  # what a gather costs whatever its bytes (launches, its wait)
+    exposed: float = EXPOSED["device"]  # of the gather and the scatter, how much counts
 
     def choose(self, descriptors: int, nbytes: int, pieces: int = 1) -> tuple[bool, str]:
         """Whether a request of ``descriptors`` descriptors and ``nbytes`` bytes goes
         coalesced (in ``pieces``, a round trip each), and why (the two estimates)."""
         direct = descriptors * self.descriptor_us
-        gathered = (EXPOSED * nbytes / (self.gather_gbps * 1e3)
+        gathered = (self.exposed * nbytes / (self.gather_gbps * 1e3)
                     + pieces * (self.round_trip_us + self.gather_fixed_us))
         if direct > gathered:
             return True, (f"auto: {descriptors} descriptors x {self.descriptor_us:.2f} us = "
@@ -202,7 +209,7 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
     pool, client = route.pool, peer.client
     theirs = peer.info.layout  # what NIXL sees of the peer: its cache's layout
     piece = theirs.chunk_bytes
-    k = min(PROBE_BLOCKS, theirs.num_blocks // 2)
+    k = min(PROBE_BLOCKS[pool.memory], theirs.num_blocks // 2)
     units = -(-k * piece // pool.layout.block_bytes)
     ours = client.cache.layout
     gather_blocks = min(max(k, PROBE_GATHER_BYTES[pool.memory] // ours.block_bytes),
@@ -248,7 +255,7 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
         else:  # too small to tell them apart: all of it counted as rate
             rate, fixed = gather_blocks * ours.block_bytes / t_large, 0.0
         return Model(max(0.0, (t_many - t_one) / (k - 1) * 1e6), k * piece / t_one / 1e9,
-                     rate / 1e9, round_trip * 1e6, fixed * 1e6)
+                     rate / 1e9, round_trip * 1e6, fixed * 1e6, EXPOSED[pool.memory])
     finally:
         pool.release(start, max(units, gather_blocks * ours.num_kv_heads))
 
