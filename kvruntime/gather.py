@@ -26,6 +26,10 @@ log = logging.getLogger("kvruntime")
 
 # Up to this many runs, per-run copy_ beats building index lists.
 RUN_COPY_MAX = 8
+# Bytes of a head slice one program copies, and the warps that copy them: 8-128 KiB with 4-32
+# warps ran within 3% of this across 2 x H100 (GPU time of the bench's slices)
+HEAD_TILE_BYTES = 16384
+HEAD_WARPS = 8
 
 try:  # Triton is optional: CUDA builds of torch carry it
     import triton
@@ -44,17 +48,21 @@ try:  # Triton is optional: CUDA builds of torch carry it
 
     @triton.jit
     def _gather_heads(src, dst, ids, dst_at, src_block, dst_block, src_row, dst_row, s_off,
-                      d_off, width, total, TILE: tl.constexpr):
-        # one program: TILE words of one block's head slice, seen as [token row][width words]
+                      d_off, width, rows, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+        # one program: ROWS token rows x WIDTH words of one block's head slice, a row's words on
+        # the inner axis (WIDTH: the slice's width padded to a power of 2, masked), so that no
+        # index is divided per element and Triton sees the addresses contiguous: 16 bytes a
+        # thread where the offsets and the width are divisible by 16 words. GPU time across
+        # 2 x H100: 0.90-0.94 of a peer copy_ of the same bytes, as the 1-D kernel with its
+        # e // width was (NVLink bounds it there, not the instructions); on one GPU 1-2% faster
         i = tl.program_id(0)
-        e = tl.program_id(1) * TILE + tl.arange(0, TILE)
         s = tl.load(ids + i).to(tl.int64)
         d = tl.load(ids + dst_at + i).to(tl.int64)
-        r = e // width
-        w = e - r * width
-        mask = e < total
-        v = tl.load(src + s * src_block + r * src_row + s_off + w, mask=mask)
-        tl.store(dst + d * dst_block + r * dst_row + d_off + w, v, mask=mask)
+        r = (tl.program_id(1) * ROWS + tl.arange(0, ROWS))[:, None]
+        w = (tl.program_id(2) * WIDTH + tl.arange(0, WIDTH))[None, :]
+        mask = (r < rows) & (w < width)
+        v = tl.load(src + s * src_block + s_off + r * src_row + w, mask=mask)
+        tl.store(dst + d * dst_block + d_off + r * dst_row + w, v, mask=mask)
 except Exception:  # ImportError, or a Triton that cannot compile here
     triton = None
 
@@ -70,29 +78,35 @@ def _launch_hooks_set() -> bool:
 
 
 class _Launches:
-    """Compiled kernels (``kernel``: the block gather by default, or the head-slice one)
-    launched directly. A call through Triton's JIT binds the arguments, specializes them and
-    looks the kernel up again every time (~40 µs a launch on the H100 VM's CPU, more than the
-    GPU time of a 32 MiB gather). The kernel one JIT launch returns is kept per region and
-    per what Triton specialized its arguments on (_specialization: between requests of a
-    region that is the destination ids' offset divisible by 16 or not), and later launches
-    go to it. Where launch hooks are set (a profiler), or this Triton's compiled kernels look
+    """Compiled kernels (``kernel``: the block gather by default, or the head-slice one, with
+    ``warps`` warps a program) launched directly. A call through Triton's JIT binds the
+    arguments, specializes them and looks the kernel up again every time (~40 µs a launch on
+    the H100 VM's CPU, more than the GPU time of a 32 MiB gather). The kernel one JIT launch
+    returns is kept per region, per what Triton specialized its arguments on
+    (_specialization: between requests of a region that is the destination ids' offset
+    divisible by 16 or not) and per the constexpr arguments' values (a compiled kernel has
+    them built in: the head kernel's tile follows the head slice), and later launches go to
+    it. Where launch hooks are set (a profiler), or this Triton's compiled kernels look
     otherwise, every launch goes through the JIT."""
 
-    def __init__(self, kernel=None):
+    def __init__(self, kernel=None, warps: int = 8):
         self._jit = kernel if kernel is not None else _gather_blocks
+        self._warps = warps
         self._kernels: dict = {}
         self.direct = 0  # launches that skipped the JIT (tests read it)
 
-    def launch(self, region: int, grid: tuple, stream: int, args: tuple, tile: int) -> None:
-        key = (region, _specialization(args))
+    def launch(self, region: int, grid: tuple, stream: int, args: tuple, consts: tuple) -> None:
+        """``grid``: two or three axes; ``consts``: the kernel's constexpr arguments, in the
+        kernel's order after ``args`` (a compiled kernel takes them positionally too)."""
+        key = (region, _specialization(args), consts)
         kernel = self._kernels.get(key)
         if kernel is not None and not _launch_hooks_set():
-            kernel.run(grid[0], grid[1], 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                       *args, tile)
+            x, y, z = (*grid, 1)[:3]
+            kernel.run(x, y, z, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                       *args, *consts)
             self.direct += 1
             return
-        compiled = self._jit[grid](*args, TILE=tile, num_warps=8)
+        compiled = self._jit[grid](*args, *consts, num_warps=self._warps)
         if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) and compiled.function:
             self._kernels[key] = compiled
 
@@ -193,7 +207,7 @@ class BlockGather:
                                                                device=self.device)
                     for dst_at in (16, 18):
                         kernels.launch(region, (1, tiles), stream,
-                                       (sw, scratch[words, dw.dtype], ids, dst_at, words), tile)
+                                       (sw, scratch[words, dw.dtype], ids, dst_at, words), (tile,))
                 self.stream.synchronize()
         except Exception as exc:  # the first request compiles it then, or falls back
             log.info("warming the Triton gather failed (%s): the first request compiles it", exc)
@@ -223,7 +237,7 @@ class BlockGather:
                     self._kernels = _Launches()
                 stream = self.stream.cuda_stream
                 for region, (sw, dw, words, tile, tiles) in enumerate(self._launches):
-                    self._kernels.launch(region, (n, tiles), stream, (sw, dw, ids, dst_at, words), tile)
+                    self._kernels.launch(region, (n, tiles), stream, (sw, dw, ids, dst_at, words), (tile,))
                 return "triton"
             except Exception as exc:  # e.g. a source on another device Triton refuses
                 log.warning("Triton gather unavailable (%s); using torch index ops", exc)
@@ -264,6 +278,7 @@ class HeadGather:
             t.data_ptr() % n == 0 for t in (*src_regions, *dst_regions)))
         dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[size]
         self.head_words = de // size
+        self.tile_words = HEAD_TILE_BYTES // size
         self.src = [t[:theirs.region_bytes].view(dtype) for t in src_regions]
         self.dst = [t[:ours.region_bytes].view(dtype) for t in dst_regions]
         self.src_row = theirs.num_kv_heads * self.head_words
@@ -278,7 +293,7 @@ class HeadGather:
         # block ids up as BlockGather's go (no allocation a request), and the kernel launched
         # without Triton's JIT after its first launch a region (_Launches)
         self._uploads = cudart.IdUploads(self.device, stream)
-        self._kernels = _Launches(_gather_heads)
+        self._kernels = _Launches(_gather_heads, HEAD_WARPS)
 
     def warm(self, heads) -> None:
         """The kernel compiled (or loaded) at connect, launched once a region into a scratch
@@ -305,12 +320,12 @@ class HeadGather:
     def _launch(self, region: int, src, dst, ids, n: int, dst_at: int, heads) -> None:
         (s0, s1), (d0, _) = heads.src, heads.dst
         width = (s1 - s0) * self.head_words
-        total = self.rows * width
-        tile = _tile(total)
-        self._kernels.launch(region, (n, -(-total // tile)), self.stream.cuda_stream,
+        rows, words = _head_tile(self.rows, width, self.tile_words)
+        self._kernels.launch(region, (n, -(-self.rows // rows), -(-width // words)),
+                             self.stream.cuda_stream,
                              (src, dst, ids, dst_at, self.src_block, self.dst_block, self.src_row,
                               self.dst_row, s0 * self.head_words, d0 * self.head_words, width,
-                              total), tile)
+                              self.rows), (rows, words))
 
 
 def prewarm(cache) -> str:
@@ -353,6 +368,13 @@ def prewarm(cache) -> str:
 def _tile(words: int) -> int:
     """Words one program copies: the next power of 2, at most 2048."""
     return min(2048, _next_power_of_2(words))
+
+
+def _head_tile(rows: int, width: int, tile_words: int) -> tuple:
+    """(token rows, words of a row) one program of the head kernel copies: a row's slice
+    whole, padded to a power of 2, up to ``tile_words``, and as many rows as fill the rest."""
+    words = min(tile_words, _next_power_of_2(width))
+    return min(max(1, tile_words // words), _next_power_of_2(rows)), words
 
 
 def _next_power_of_2(n: int) -> int:

@@ -279,6 +279,50 @@ def test_mixed_tp_direct_in_vram(pushing_prefill, p, d, op, engine, ids):
             cache.close()
 
 
+@pytest.mark.parametrize("ids", _pairs(), ids=lambda p: f"cuda{p[0]}-to-cuda{p[1]}")
+@pytest.mark.parametrize("head_dim,dtype,heads,src_heads,dst_heads,tile", [
+    (128, "float16", (4, 8), (0, 4), (4, 8), 16384),  # the bench's: 16-byte accesses
+    (128, "float16", (4, 8), (0, 4), (4, 8), 512),    # a row wider than a program's tile
+    (24, "float16", (6, 3), (1, 4), (0, 3), 16384),   # a row padded to a power of 2, masked
+    (3, "int8", (4, 2), (2, 4), (0, 2), 16384),       # byte words
+], ids=["wide", "split-rows", "padded", "bytes"])
+def test_head_gather_kernel_copies_the_slice_and_nothing_else(monkeypatch, ids, head_dim, dtype,
+                                                              heads, src_heads, dst_heads, tile):
+    """HeadGather's kernel alone (30 token rows a block: no power of 2), from the source's GPU:
+    the slice's heads of every destination block equal the source's, and every other byte of
+    the destination is as it was; a second request launches the compiled kernel directly."""
+    if not _has_triton():
+        pytest.skip("the head kernel is Triton's")
+    import torch
+
+    from kvruntime import gather
+    from kvruntime.tp import HeadSlice
+
+    monkeypatch.setattr(gather, "HEAD_TILE_BYTES", tile)
+    theirs = KVLayout(CROSS_LAYER, 3, 40, 5, heads[0], head_dim, dtype)
+    ours = KVLayout(CROSS_LAYER, 3, 24, 5, heads[1], head_dim, dtype)
+    gen = torch.Generator().manual_seed(head_dim)
+    src = torch.randint(0, 256, (theirs.region_bytes,), dtype=torch.uint8, generator=gen)
+    dst = torch.randint(0, 256, (ours.region_bytes,), dtype=torch.uint8, generator=gen)
+    src, dst = src.to(f"cuda:{ids[0]}"), dst.to(f"cuda:{ids[1]}")
+    want = dst.clone()
+    s_ids, d_ids = [3, 0, 39, 17, 5], [23, 1, 0, 9, 22]
+    slice_ = HeadSlice(0, src_heads, dst_heads)
+    stream = torch.cuda.Stream(device=ids[0])
+    with torch.cuda.device(ids[0]), torch.cuda.stream(stream):
+        hg = gather.HeadGather([src], [dst], theirs, ours, stream)
+        hg.warm(slice_)
+        for _ in range(2):
+            hg.copy(s_ids, d_ids, slice_)
+        stream.synchronize()
+    assert hg._kernels.direct > 0
+    de, rows = head_dim * theirs.element_bytes, 3 * 2 * 5
+    (s0, s1), (d0, d1) = src_heads, dst_heads
+    want.view(24, rows, heads[1], de)[d_ids, :, d0:d1] = (
+        src.view(40, rows, heads[0], de)[s_ids][:, :, s0:s1].to(want.device))
+    assert torch.equal(dst, want)
+
+
 def test_connect_reads_back_the_lanes_ucx_chose_for_vram(prefill):
     """The connect-time probe makes UCX select the protocol for VRAM before any KV moves; the
     lanes it logged are read back, and device memory is not on TCP (else connect refuses)."""
