@@ -14,40 +14,11 @@ import threading
 import uuid
 
 from .binding import NixlBinding, as_str, load_nixl
-from .errors import KVRuntimeError, NixlError, TransportError
+from .errors import NixlError, TransportError
 from . import ucxlog
 from .transports import apply_ucx_settings, forced_by_user
 
 log = logging.getLogger(__name__)
-
-
-# NIXL's UCX thread pool for a decode whose NIXL moves host memory: over cma a READ's copies
-# run inside the reading process, one core each (process_vm_readv), while the prefill sits idle.
-# Spread over two threads a READ of 4096 random 16 KiB blocks went 0.47 -> 0.75 of the
-# contiguous request on the 2-core CI host (a staged 1 GiB 243 -> 109 ms with 4 on a 16-core
-# one). A prefill keeps none by default: NIXL 1.5.1 segfaulted in its get_new_notifs with
-# threads on both sides across the CPU suite (commit 8e95a24), never with them on a decode's.
-UCX_READ_THREADS = 4
-
-
-def ucx_threads(requested, role: str, nixl_memory: str, cpus: int) -> tuple[int, str]:
-    """NIXL's UCX threads for this side, and why — pure. ``requested`` (None: choose) wins;
-    a decode whose NIXL moves host memory (``nixl_memory`` "cpu": a host cache or a
-    host-staged pool) on a host of 2 cores or more takes one a core, at most
-    ``UCX_READ_THREADS``; anything else none (the caller's own polls progress)."""
-    if requested is not None:
-        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
-            raise KVRuntimeError(f"ucx_threads must be 0 or more, or None (choose), got "
-                                 f"{requested!r}")
-        return requested, "yours"
-    if role != "decode":
-        return 0, "a prefill's READs are the decode's: its NIXL calls progress in its own loop"
-    if nixl_memory != "cpu":
-        return 0, f"NIXL moves {nixl_memory} memory here: its copies are the device's"
-    if cpus < 2:
-        return 0, "one core: the copies run in the caller's polls"
-    n = min(cpus, UCX_READ_THREADS)
-    return n, f"host memory over cma on {cpus} cores: a READ's copies over {n} threads"
 
 
 def unique_name(role: str) -> str:
