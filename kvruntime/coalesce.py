@@ -42,7 +42,8 @@ DEFAULT_POOL_BYTES = 256 << 20
 # gather and the last one's scatter stay exposed: counted as one of the two whole. Host pools:
 # the copies take the cores and the memory bandwidth the wire's own copies (cma) need, so
 # nothing hides them: both counted (cpu-2, 64 MiB of 4096 random 16 KiB blocks: coalesced
-# 45-57 ms against 15-26 direct, and with one counted auto took coalesced in one run of two).
+# 37-57 ms against 23-26 direct, 15-19 over 2 UCX threads; with one counted, auto took
+# coalesced in one run of two).
 EXPOSED = {"device": 1.0, "host": 2.0}
 # The probe's scattered READ, in pieces, by pool memory. Host memory: enough pieces that a
 # UCX thread's wake-up (ucx_threads) or a scheduler's hiccup on a host of few cores does not
