@@ -33,9 +33,9 @@ def test_the_fixed_cost_is_paid_per_piece_and_keeps_few_descriptors_direct():
 def test_host_pools_count_both_copies_and_keep_cma_requests_direct():
     """cpu-2's probe (64 MiB of 4096 random 16 KiB blocks, cma over 2 UCX threads): direct
     took 15-19 ms (23-25 on no threads), coalesced 37-57 (its gather, READ and scatter share
-    the two cores). With
-    one of the two copies counted, auto went coalesced; counting both keeps it direct, and a
-    per_layer request of 32768 descriptors (direct 70 ms, coalesced 44) still goes through."""
+    the two cores). With one of the two copies counted, auto went coalesced; counting both
+    keeps it direct, and a per_layer request of 32768 descriptors (direct 70 ms, coalesced 44)
+    still goes through."""
     host = dict(descriptor_us=3.07, wire_gbps=6.0, gather_gbps=9.4, round_trip_us=590.0,
                 exposed=2.0)
     assert not Model(**host).choose(4096, 64 * MIB)[0]
