@@ -79,7 +79,11 @@ class StagedPull(CopyJob):
         self._local: int | None = None
         self._ready: list[tuple[int, int]] = []  # row ranges the prefill has gathered
         self._chunks: list[_Chunk] = []
-        self._dst = self.route.pool.ids(self._dst_ids[lo:hi])  # once for the chunks' scatters
+        # the destination ids on a device pool's device, once for the chunks' scatters:
+        # uploaded once the first READ is posted (take), not before the stage frame goes out,
+        # where its 100-150 µs (2 x H100) delayed every piece's first answer
+        self._dst_blocks = self._dst_ids[lo:hi]
+        self._dst = None
         self._message = messages.STAGE.build(
             request=self.request_id, src=frames.pack_ids(self._src_ids[lo:hi]),
             deadline=self._deadline_wall, **self._piece_field(),
@@ -153,6 +157,8 @@ class StagedPull(CopyJob):
             except KVRuntimeError as exc:
                 self._fail(str(exc))
                 return self.state
+            if self._dst is None:  # while the first READ runs
+                self._dst = pool.ids(self._dst_blocks)
         for chunk in self._chunks:
             if chunk.scattered:
                 continue
