@@ -133,6 +133,9 @@ class FewReads:
 # test suite, and the pinned NIXL 1.4.0's wheel, threads on the decode alone, in a decode
 # during selftest on CI's second host (a container).
 HOST_COPY_STREAMS, HOST_COPY_MIN_CPUS = 4, 8
+# A connect runs a request's path this many times (PrefillPeer.rehearse), each moving this
+# many blocks in as many runs (more than gather.RUN_COPY_MAX: the kernel's path) into scratch
+REHEARSALS, REHEARSAL_BLOCKS = 3, 12
 
 
 def host_copy_streams(cpus: int, requested: int | None) -> tuple[int, str]:
@@ -257,6 +260,7 @@ class CopyJob:
 
 class _HostJob(CopyJob):
     engine = "samenode:process_vm_readv"
+    keep = None  # a scratch target the reads write into, held while the job is
 
     def __init__(self, op, plan, futures: list[Future]):
         super().__init__(op, plan)
@@ -416,14 +420,31 @@ class HostEngine:
     def start(self, op: str, plan: TransferPlan, heads=None) -> _HostJob:
         if heads is not None:
             raise SameNodeUnavailable("the host-memory engine copies whole blocks only")
+        return self._start(op, plan, self.local)
+
+    def _start(self, op: str, plan: TransferPlan, target, keep=None) -> _HostJob:
+        """``plan``'s runs into the regions starting at ``target`` (our cache's, or scratch:
+        ``keep`` is held by the job until it is dropped)."""
         # one piece per (run, region): whole runs, addresses from the run arrays
         chunk = np.uint64(self.layout.chunk_bytes)
         src = plan.run_src.astype(np.uint64) * chunk
         dst = plan.run_dst.astype(np.uint64) * chunk
-        local = (self.local[:, None] + dst).reshape(-1)  # region-major: order does not matter
+        local = (target[:, None] + dst).reshape(-1)  # region-major: order does not matter
         remote = (self.remote[:, None] + src).reshape(-1)
         lengths = np.tile(plan.run_count.astype(np.uint64) * chunk, len(self.local))
-        return self.read(op, plan, local, remote, lengths)
+        job = self.read(op, plan, local, remote, lengths)
+        job.keep = keep
+        return job
+
+    def scratch_request(self):
+        """``(plan, start)``: ``start()`` begins a request of ``plan`` through this engine's
+        own path, reading the peer's blocks into a scratch buffer of ours, never the cache
+        (PrefillPeer.rehearse)."""
+        k = min(REHEARSAL_BLOCKS, self.layout.num_blocks)
+        scratch = ctypes.create_string_buffer(k * self.layout.chunk_bytes)
+        target = np.full(len(self.local), ctypes.addressof(scratch), dtype=np.uint64)
+        plan = _scratch_plan(self.layout, k)
+        return plan, lambda: self._start("READ", plan, target, scratch)
 
     def read(self, op: str, plan: TransferPlan, local, remote, lengths) -> _HostJob:
         """Start copying the peer's ``remote[i]`` into our ``local[i]``, ``lengths[i]`` bytes
@@ -506,7 +527,30 @@ class CudaEngine:
                 except Exception as exc:  # the first request compiles it then
                     log.info("warming the head-slice kernel failed: %s", exc)
 
+    def scratch_request(self):
+        """``(plan, start)`` as HostEngine's: the gather kernel writes into a scratch
+        allocation on our GPU, through the engine's own id uploads and compiled kernels
+        (nothing new allocated but the scratch, nothing compiled). None for a head-slice
+        engine (its kernel's warm-up is warm_heads)."""
+        if self.gather is None:
+            return None
+        import torch
+
+        from .gather import BlockGather
+
+        k = min(REHEARSAL_BLOCKS, self.layout.num_blocks)
+        chunk = self.layout.chunk_bytes
+        scratch = torch.empty(k * chunk, dtype=torch.uint8, device=self.device)
+        gather = BlockGather(self.remote, [scratch] * len(self.remote), chunk,
+                             self.layout.num_blocks, k, self.stream)
+        gather._uploads, gather._kernels = self.gather._uploads, self.gather._kernels
+        plan = _scratch_plan(self.layout, k)
+        return plan, lambda: self._start("READ", plan, None, gather)
+
     def start(self, op: str, plan: TransferPlan, heads=None) -> _CudaJob:
+        return self._start(op, plan, heads, self.gather)
+
+    def _start(self, op: str, plan: TransferPlan, heads, gather) -> _CudaJob:
         with self._lock:
             # our stream sees what the caller's stream did to the cache before this request
             # (the runtime's own calls: torch's cost 5-40 µs each on the H100 VM, and a small
@@ -515,7 +559,7 @@ class CudaEngine:
             with cudart.StreamScope(self.stream, self.device.index) as scope:
                 scope.after_caller(self._caller, self._handle)
                 if heads is None:
-                    self.gather.copy(plan)
+                    gather.copy(plan)
                 else:
                     self._copy_heads(plan, heads)
                 event = (self._spare.pop() if self._spare else cudart.Event()).record(self._handle)
@@ -548,6 +592,19 @@ class CudaEngine:
                 torch.cuda.synchronize(device)
         self.remote = []
         self.gather = None
+
+
+def _scratch_plan(layout: KVLayout, k: int) -> TransferPlan:
+    """A plan of ``k`` runs of one block each, from blocks spread over the peer's cache into
+    blocks 0..k-1 of a scratch of ``k`` blocks (our own planner's code: it is rehearsed too)."""
+    from dataclasses import replace
+
+    from .plan import Planner
+
+    src = np.linspace(0, layout.num_blocks - 1, k).astype(np.int64)
+    if k > 1 and np.any(np.diff(src) < 2):  # a cache of few blocks: runs merge, still a plan
+        src = np.arange(k)
+    return Planner(layout, replace(layout, num_blocks=k)).plan(src, np.arange(k))
 
 
 def visible_gpus() -> dict:

@@ -515,6 +515,33 @@ def test_the_peers_gpu_is_found_by_uuid_when_it_numbers_gpus_otherwise(prefill, 
 
 @pytest.mark.parametrize("ids", _pairs(), ids=lambda p: f"cuda{p[0]}-to-cuda{p[1]}")
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
+def test_the_cuda_engine_rehearses_into_scratch_at_connect(prefill, kind, ids):
+    """The connect runs a pull's path on the same-node CUDA engine (PrefillPeer.rehearse) with
+    its copies into scratch: every block of the decode cache keeps its canary through the
+    connect, the rehearsal launched the engine's compiled kernels directly (Triton), and the
+    first pull is bit-exact."""
+    layout = small(kind)
+    with prefill([layout], seed=24, device="cuda", device_id=ids[0]) as (_proc, ports):
+        cache = KVCache.allocate_device(layout, "cuda", ids[1])
+        cache.fill_value(0x5A)
+        canary = cache.block_digest(0)
+        with DecodeClient(cache, device_kind="cuda", engine="samenode") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.engine == "samenode:cuda-ipc"
+            assert cache.block_digests(range(64)) == [canary] * 64
+            kernels = peer.samenode.gather._kernels
+            if _has_triton():
+                assert kernels is not None and kernels.direct > 0
+            src, dst = list(range(0, 40, 2)), list(range(30, 50))  # 20 runs: the kernel
+            peer.pull(src, dst, timeout=30)
+            assert peer.digests(src) == cache.block_digests(dst)
+            others = sorted(set(range(64)) - set(dst))
+            assert cache.block_digests(others) == [canary] * len(others)
+        cache.close()
+
+
+@pytest.mark.parametrize("ids", _pairs(), ids=lambda p: f"cuda{p[0]}-to-cuda{p[1]}")
+@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
 def test_coalesced_pulls_and_pushes_through_vram_pools_are_bit_exact(prefill, kind, ids):
     """NIXL forced, coalesce="always": both sides' staging pools in VRAM (coalesce.py), the
     gather and scatter torch index ops on the device; blocks not named keep their canary."""

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvruntime import frames, messages
-from kvruntime.decode import DecodeClient
+from kvruntime.decode import DecodeClient, PrefillPeer
 from kvruntime.errors import KVRuntimeError, PlanError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
@@ -106,6 +106,39 @@ def test_forced_samenode_moves_scattered_blocks_in_one_request(prefill, kind, st
             assert peer.digests(src) == cache.block_digests(dst)
             with pytest.raises(PlanError, match="outside"):
                 peer.start_pull([64])
+        cache.close()
+
+
+def test_the_connect_rehearses_the_request_path_without_touching_the_cache(prefill,
+                                                                           monkeypatch):
+    """The connect runs a pull's path (PrefillPeer.rehearse: a first request as fast as the
+    third), the engine reading into scratch: every block of the cache keeps its canary through
+    the connect, the rehearsals' reads went through the reader threads, the prefill was asked
+    to release nothing, and the first real pull is bit-exact."""
+    import kvruntime.samenode as samenode
+
+    reads = []
+    real = samenode.read_remote
+    monkeypatch.setattr(samenode, "read_remote", lambda *a: reads.append(a) or real(*a))
+    released = []
+    real_release = PrefillPeer.release_later
+    monkeypatch.setattr(PrefillPeer, "release_later",
+                        lambda self, ids: released.extend(ids) or real_release(self, ids))
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=22) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0x5A)
+        canary = cache.block_digest(0)
+        with DecodeClient(cache, engine="samenode") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            rehearsed = [a for a in reads if len(a[3]) > 1]  # the proof's read is one range
+            assert len(rehearsed) == samenode.REHEARSALS
+            assert released == []  # the rehearsals' (real ones release the request's id)
+            assert cache.block_digests(range(layout.num_blocks)) == [canary] * layout.num_blocks
+            src, dst = [5, 1, 40], [2, 30, 7]
+            peer.pull(src, dst, timeout=20, request_id="first")
+            assert peer.digests(src) == cache.block_digests(dst)
+            assert released == ["first"]
         cache.close()
 
 
