@@ -260,7 +260,6 @@ class CopyJob:
 
 class _HostJob(CopyJob):
     engine = "samenode:process_vm_readv"
-    keep = None  # a scratch target the reads write into, held while the job is
 
     def __init__(self, op, plan, futures: list[Future]):
         super().__init__(op, plan)
@@ -420,31 +419,20 @@ class HostEngine:
     def start(self, op: str, plan: TransferPlan, heads=None) -> _HostJob:
         if heads is not None:
             raise SameNodeUnavailable("the host-memory engine copies whole blocks only")
-        return self._start(op, plan, self.local)
-
-    def _start(self, op: str, plan: TransferPlan, target, keep=None) -> _HostJob:
-        """``plan``'s runs into the regions starting at ``target`` (our cache's, or scratch:
-        ``keep`` is held by the job until it is dropped)."""
         # one piece per (run, region): whole runs, addresses from the run arrays
         chunk = np.uint64(self.layout.chunk_bytes)
         src = plan.run_src.astype(np.uint64) * chunk
         dst = plan.run_dst.astype(np.uint64) * chunk
-        local = (target[:, None] + dst).reshape(-1)  # region-major: order does not matter
+        local = (self.local[:, None] + dst).reshape(-1)  # region-major: order does not matter
         remote = (self.remote[:, None] + src).reshape(-1)
         lengths = np.tile(plan.run_count.astype(np.uint64) * chunk, len(self.local))
-        job = self.read(op, plan, local, remote, lengths)
-        job.keep = keep
-        return job
+        return self.read(op, plan, local, remote, lengths)
 
     def scratch_request(self):
-        """``(plan, start)``: ``start()`` begins a request of ``plan`` through this engine's
-        own path, reading the peer's blocks into a scratch buffer of ours, never the cache
-        (PrefillPeer.rehearse)."""
-        k = min(REHEARSAL_BLOCKS, self.layout.num_blocks)
-        scratch = ctypes.create_string_buffer(k * self.layout.chunk_bytes)
-        target = np.full(len(self.local), ctypes.addressof(scratch), dtype=np.uint64)
-        plan = _scratch_plan(self.layout, k)
-        return plan, lambda: self._start("READ", plan, target, scratch)
+        """None: no rehearsal (PrefillPeer.rehearse) for host copies. Their first request
+        costs what later ones do, the copy dominating (cpu-2, 16 MiB of random blocks: 0.99-1.14x
+        the median with or without one), and rehearsing took 6-11 ms of every connect there."""
+        return None
 
     def read(self, op: str, plan: TransferPlan, local, remote, lengths) -> _HostJob:
         """Start copying the peer's ``remote[i]`` into our ``local[i]``, ``lengths[i]`` bytes
@@ -528,7 +516,8 @@ class CudaEngine:
                     log.info("warming the head-slice kernel failed: %s", exc)
 
     def scratch_request(self):
-        """``(plan, start)`` as HostEngine's: the gather kernel writes into a scratch
+        """``(plan, start)``: ``start()`` begins a request of ``plan`` through this engine's
+        own path (PrefillPeer.rehearse), the gather kernel writing into a scratch
         allocation on our GPU, through the engine's own id uploads and compiled kernels
         (nothing new allocated but the scratch, nothing compiled). None for a head-slice
         engine (its kernel's warm-up is warm_heads)."""

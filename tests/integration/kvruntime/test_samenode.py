@@ -111,15 +111,34 @@ def test_forced_samenode_moves_scattered_blocks_in_one_request(prefill, kind, st
 
 def test_the_connect_rehearses_the_request_path_without_touching_the_cache(prefill,
                                                                            monkeypatch):
-    """The connect runs a pull's path (PrefillPeer.rehearse: a first request as fast as the
-    third), the engine reading into scratch: every block of the cache keeps its canary through
-    the connect, the rehearsals' reads went through the reader threads, the prefill was asked
-    to release nothing, and the first real pull is bit-exact."""
+    """PrefillPeer.rehearse: the connect runs a pull's path (plan, handle, engine start, polls,
+    wait) REHEARSALS times on the engine's scratch request. The engine that rehearses is the
+    CUDA one, which cannot run here (no GPU: test_gpu.py checks it), and the host engine does
+    not (its first request costs what later ones do); so the real host engine is given a
+    scratch request of the CUDA engine's shape: its own reads of the peer's blocks, into a
+    scratch buffer. Every block of the cache keeps its canary through the connect, each
+    rehearsal read, the prefill was asked to release nothing, and the first pull is
+    bit-exact and released."""
+    import numpy as np
+
     import kvruntime.samenode as samenode
 
-    reads = []
-    real = samenode.read_remote
-    monkeypatch.setattr(samenode, "read_remote", lambda *a: reads.append(a) or real(*a))
+    started = []
+
+    def scratch_request(engine):
+        k, chunk = 12, np.uint64(engine.layout.chunk_bytes)
+        scratch = ctypes.create_string_buffer(k * engine.layout.chunk_bytes)
+        plan = samenode._scratch_plan(engine.layout, k)
+        local = ctypes.addressof(scratch) + plan.run_dst.astype(np.uint64) * chunk
+        remote = engine.remote[0] + plan.run_src.astype(np.uint64) * chunk
+        lengths = plan.run_count.astype(np.uint64) * chunk
+
+        def start():
+            started.append(scratch)
+            return engine.read("READ", plan, local, remote, lengths)
+        return plan, start
+
+    monkeypatch.setattr(samenode.HostEngine, "scratch_request", scratch_request)
     released = []
     real_release = PrefillPeer.release_later
     monkeypatch.setattr(PrefillPeer, "release_later",
@@ -131,10 +150,10 @@ def test_the_connect_rehearses_the_request_path_without_touching_the_cache(prefi
         canary = cache.block_digest(0)
         with DecodeClient(cache, engine="samenode") as client:
             peer = client.connect("127.0.0.1", ports[0])
-            rehearsed = [a for a in reads if len(a[3]) > 1]  # the proof's read is one range
-            assert len(rehearsed) == samenode.REHEARSALS
-            assert released == []  # the rehearsals' (real ones release the request's id)
+            assert len(started) == samenode.REHEARSALS
+            assert all(s.raw != bytes(len(s.raw)) for s in started)  # the peer's bytes read
             assert cache.block_digests(range(layout.num_blocks)) == [canary] * layout.num_blocks
+            assert released == [] and client.in_flight == 0
             src, dst = [5, 1, 40], [2, 30, 7]
             peer.pull(src, dst, timeout=20, request_id="first")
             assert peer.digests(src) == cache.block_digests(dst)
