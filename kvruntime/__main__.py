@@ -293,8 +293,10 @@ def main(argv=None) -> int:
     b.add_argument("--split", type=_positive_int, nargs="+", default=None,
                    help="pieces per contiguous run (parallel descriptors; default: one per "
                         "copy stream for host memory, else 1)")
-    b.add_argument("--ucx-threads", type=_at_least(0), default=0,
-                   help="NIXL UCX engine threads")
+    b.add_argument("--ucx-threads", type=_at_least(0), default=None,
+                   help="NIXL UCX engine threads (default: the decode's, by what NIXL moves, "
+                        "the cores and /dev/shm: host memory one a core up to 4; the "
+                        "prefill's 0)")
     b.add_argument("--host-streams", type=_positive_int, default=None,
                    help="same-node engine's reader threads for host memory (default: 4 on "
                         "hosts of 8 cores or more, else 1)")

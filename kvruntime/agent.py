@@ -14,11 +14,61 @@ import threading
 import uuid
 
 from .binding import NixlBinding, as_str, load_nixl
-from .errors import NixlError, TransportError
+from .errors import KVRuntimeError, NixlError, TransportError
 from . import ucxlog
 from .transports import apply_ucx_settings, forced_by_user
 
 log = logging.getLogger(__name__)
+
+
+# NIXL's UCX thread pool for a decode whose NIXL moves host memory: over cma a READ's copies
+# run inside the reading process, one core each (process_vm_readv), while the prefill sits idle.
+# Spread over two threads a READ of 4096 random 16 KiB blocks went 0.47 -> 0.75 of the
+# contiguous request on the 2-core CI host (a staged 1 GiB 243 -> 109 ms with 4 on a 16-core
+# one). A prefill keeps none by default: NIXL 1.5.1 segfaulted in its get_new_notifs with
+# threads on both sides across the CPU suite (commit 8e95a24), never with them on a decode's.
+UCX_READ_THREADS = 4
+# Each UCX worker keeps a ~4 MiB receive pool in /dev/shm (posix), and the thread pool is a
+# worker a thread: one agent took 5 / 9 / 13 / 21 MiB with 0 / 1 / 2 / 4 threads. A container's
+# /dev/shm is 64 MiB unless sized (docker's default), which a TP group's decodes on threads
+# outgrew (CI's second host: 4 decode ranks of 3 workers and their prefills, ~68 MB), and a full
+# /dev/shm crashed UCX 1.22 (transports.py). So threads are chosen only with this much free.
+UCX_THREADS_MIN_SHM = 256 << 20
+
+
+def shm_free(path: str = "/dev/shm") -> int | None:
+    """Bytes free in /dev/shm (None: none there), where UCX's shared memory lives."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def ucx_threads(requested, role: str, nixl_memory: str, cpus: int,
+                shm: int | None) -> tuple[int, str]:
+    """NIXL's UCX threads for this side, and why — pure. ``requested`` (None: choose) wins;
+    a decode whose NIXL moves host memory (``nixl_memory`` "cpu": a host cache or a
+    host-staged pool) on a host of 2 cores or more, with ``UCX_THREADS_MIN_SHM`` of /dev/shm
+    free (``shm`` bytes), takes one a core, at most ``UCX_READ_THREADS``; anything else none
+    (the caller's own polls progress)."""
+    if requested is not None:
+        if isinstance(requested, bool) or not isinstance(requested, int) or requested < 0:
+            raise KVRuntimeError(f"ucx_threads must be 0 or more, or None (choose), got "
+                                 f"{requested!r}")
+        return requested, "yours"
+    if role != "decode":
+        return 0, "a prefill's READs are the decode's: its NIXL calls progress in its own loop"
+    if nixl_memory != "cpu":
+        return 0, f"NIXL moves {nixl_memory} memory here: its copies are the device's"
+    if cpus < 2:
+        return 0, "one core: the copies run in the caller's polls"
+    if shm is None or shm < UCX_THREADS_MIN_SHM:
+        have = "no /dev/shm" if shm is None else f"{shm >> 20} MiB free in /dev/shm"
+        return 0, (f"{have} (< {UCX_THREADS_MIN_SHM >> 20} MiB; a container's default is 64: "
+                   f"--shm-size): each UCX thread's worker takes ~4 MiB of it")
+    n = min(cpus, UCX_READ_THREADS)
+    return n, f"host memory over cma on {cpus} cores: a READ's copies over {n} threads"
 
 
 def unique_name(role: str) -> str:
@@ -69,8 +119,12 @@ class Agent:
         try:
             self.nixl.create_backend("UCX", params)
         except Exception as exc:
-            raise NixlError(f"NIXL could not create its UCX backend: {exc} (UCX needs a "
-                            f"working loopback interface and an active-message transport)"
+            shm = shm_free()
+            room = "no /dev/shm" if shm is None else f"{shm >> 20} MiB free in /dev/shm"
+            with_threads = f" with {ucx_threads} UCX threads" if ucx_threads else ""
+            raise NixlError(f"NIXL could not create its UCX backend{with_threads}: {exc} (UCX "
+                            f"needs a working loopback interface, an active-message transport, "
+                            f"and ~4 MiB of /dev/shm a worker, one more a UCX thread: {room})"
                             ) from exc
         self.telemetry = hasattr(self.nixl, "get_xfer_telemetry")
         _ = api

@@ -46,9 +46,9 @@ DEFAULT_POOL_BYTES = 256 << 20
 # coalesced in one run of two).
 EXPOSED = {"device": 1.0, "host": 2.0}
 # The probe's scattered READ, in pieces, by pool memory. Host memory: enough pieces that a
-# UCX thread's wake-up (ucx_threads) or a scheduler's hiccup on a host of few cores does not
-# pass for their cost (cpu-2 with 32 and 2 UCX threads: 106 us a descriptor in one connect,
-# 3.3 in the next)
+# UCX thread's wake-up (agent.ucx_threads: a decode's host memory) or a scheduler's hiccup on
+# a host of few cores does not pass for their cost (cpu-2 with 32 and 2 UCX threads: 106 us a
+# descriptor in one connect, 3.3 in the next)
 PROBE_BLOCKS = {"device": 32, "host": 256}
 # The probe's largest gather, by pool memory: large enough that a device gather's fixed cost
 # (launches, the wait) does not pass for its rate (2 x H100: 32 blocks of 256 KiB measured

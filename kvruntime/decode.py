@@ -32,7 +32,7 @@ from dataclasses import replace
 
 from . import coalesce as coalescing
 from . import engines, frames, messages, pushed
-from .agent import Agent, unique_name
+from .agent import Agent, shm_free, ucx_threads, unique_name
 from .channel import PeerChannel
 from .errors import KVRuntimeError, PeerError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
@@ -452,7 +452,11 @@ class DecodeClient:
         # the same-node engine's reader threads for host memory (None: by this host's cores)
         self.host_streams, self.host_streams_reason = host_copy_streams(
             len(os.sched_getaffinity(0)), host_streams)
-        self.agent = Agent(o.name or unique_name("decode"), o.binding, nixl_memory, o.ucx_threads)
+        # NIXL's UCX threads (None: by what NIXL moves here, this host's cores and /dev/shm)
+        threads, self.ucx_threads_reason = ucx_threads(
+            o.ucx_threads, "decode", nixl_memory, len(os.sched_getaffinity(0)),
+            shm_free())
+        self.agent = Agent(o.name or unique_name("decode"), o.binding, nixl_memory, threads)
         self._probe = engines.LaneProbe(self.agent, cache, self.draining, o.timeout)
         try:
             if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache

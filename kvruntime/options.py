@@ -41,8 +41,8 @@ class Options:
     """Settings of both sides. ``binding``: a loaded NIXL module (binding.py; None: found by
     name); ``secret``: the handshake's shared secret (None: no authentication, loopback
     only); ``timeout``: seconds for a connect, a frame, a control call; ``ucx_threads``:
-    NIXL's progress threads (0: the caller's polls progress); ``device_kind``: "cpu",
-    "cuda" or "xpu" (which UCX settings apply); ``name``: the NIXL agent's name (None: a
+    NIXL's UCX threads (0: the caller's polls progress; None: chosen, agent.ucx_threads);
+    ``device_kind``: "cpu", "cuda" or "xpu" (which UCX settings apply); ``name``: the NIXL agent's name (None: a
     unique one); ``kv_buffer``: "direct" or "host_staged" (None: by the device kind);
     ``staging_blocks``: host-staged pool size in blocks (0: the cache's); ``tp_rank``: this
     side's tensor-parallel rank; ``coalesce``: "auto", "always" or "never", whether a NIXL
@@ -52,7 +52,7 @@ class Options:
     binding: object = None
     secret: bytes | None = None
     timeout: float = 5.0
-    ucx_threads: int = 0
+    ucx_threads: int | None = None
     device_kind: str = "cpu"
     name: str | None = None
     kv_buffer: str | None = None

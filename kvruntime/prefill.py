@@ -26,6 +26,7 @@ decode's failed request; a departed decode's agent is removed once its WRITEs ha
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 import time
@@ -33,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from . import frames, messages
-from .agent import Agent, unique_name
+from .agent import Agent, shm_free, ucx_threads, unique_name
 from .channel import Channel
 from .errors import KVRuntimeError, PeerError
 from .handshake import PeerInfo, serve_handshake
@@ -146,8 +147,10 @@ class PrefillServer:
         self._closed = False
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
         nixl_memory = "cpu" if o.kv_buffer == "host_staged" else o.device_kind
-        self.agent = Agent(o.name or unique_name("prefill"), o.binding, nixl_memory,
-                           o.ucx_threads)
+        threads, self.ucx_threads_reason = ucx_threads(
+            o.ucx_threads, "prefill", nixl_memory, len(os.sched_getaffinity(0)),
+            shm_free())
+        self.agent = Agent(o.name or unique_name("prefill"), o.binding, nixl_memory, threads)
         try:
             if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
                 self.staging = StagingPool(cache.layout,

@@ -127,11 +127,8 @@ class FewReads:
 # Host memory between two processes of one host moves by process_vm_readv, one stream ~5.6 GB/s
 # on the H100 host (16 cores; its memcpy 10.4 GB/s). The same-node engine splits a request's
 # bytes over this many reader threads on hosts with the cores for it (1 GiB: 5.3 -> 19 GB/s
-# there). NIXL's own UCX thread pool (``ucx_threads``, cma over several workers: a staged 1 GiB
-# 243 -> 109 ms there; 4096 random 16 KiB blocks 1.5x faster on 2 cores) stays opt-in: with
-# it, NIXL 1.5.1 (nixl-cu12) segfaulted in get_new_notifs during a refused handshake in the
-# test suite, and the pinned NIXL 1.4.0's wheel, threads on the decode alone, in a decode
-# during selftest on CI's second host (a container).
+# there). NIXL's own UCX thread pool does the same for a decode's NIXL READs of host memory
+# (agent.ucx_threads), where /dev/shm has room for its workers.
 HOST_COPY_STREAMS, HOST_COPY_MIN_CPUS = 4, 8
 # A connect runs a request's path this many times (PrefillPeer.rehearse), each moving this
 # many blocks in as many runs (more than gather.RUN_COPY_MAX: the kernel's path) into scratch

@@ -18,6 +18,13 @@ UCX reads its environment when NIXL creates the backend, so this runs first. Rul
   hosts still use tcp/IB, which stay enabled. With CUDA memory (2 x H100, 2026-11-25) the first
   connect's handshake took 30 -> 10 ms (one GPU) and 56 -> 32 ms (NVLink), and a push the
   prefill starts, whose notification is an active message, lost ~70 µs at 64 MiB on one GPU.
+- With posix in play (host and CUDA memory): ``UCX_POSIX_SHM_MIN_SIZE=0``. Every UCX worker
+  keeps a receive pool in /dev/shm (~4 MiB; NIXL's UCX threads add a worker each), and UCX's
+  posix memory domain offers shared memory only while /dev/shm has this much free (16 MiB by
+  default). Below it a worker made later falls back to memory without a handle, which UCX 1.22
+  dereferences (``uct_mm_iface_recv_desc_init``): a SIGSEGV in NIXL's create_backend, seen in a
+  container's 64 MiB /dev/shm (docker's default) with a TP group's decodes on UCX threads. At 0
+  a full /dev/shm is an error NIXL reports.
 - Host memory: ``UCX_CMA_SEG_SIZE=4M``. cma moves one segment per UCX progress call; with
   512 KiB segments a 1 GiB pull is 2048 process_vm_readv calls. Measured on the 2-core host
   (1 GiB cross_layer pull vs same-run memmove, 7 runs each): 512 KiB 0.80 median, 4 MiB 0.85,
@@ -52,6 +59,7 @@ ALIASES = {"all": AM_PEER_FAILURE | set(SHM_AM), "sm": set(SHM_AM), "shm": set(S
 CMA_SEG_SETTING, CMA_SEG_SIZE = "UCX_CMA_SEG_SIZE", "4M"
 DEVICE_KINDS = ("cpu", "cuda", "xpu")
 SHM_AM_SETTING = "UCX_POSIX_ERROR_HANDLING"
+SHM_MIN_SETTING = "UCX_POSIX_SHM_MIN_SIZE"
 _TRUE = {"y", "yes", "on", "1", "true"}
 
 
@@ -98,6 +106,8 @@ def usable_am(env: Mapping[str, str]) -> set[str]:
 # Why each setting is made (reported beside the settings: bench's ucx_policy).
 REASONS = {
     SHM_AM_SETTING: "NIXL's active messages over posix shared memory instead of tcp on one host",
+    SHM_MIN_SETTING: "a full /dev/shm is UCX's error, not a crash (a worker's receive pool "
+                     "without a memory handle: a SIGSEGV in UCX 1.22)",
     CMA_SEG_SETTING: "host memory moves by cma in 4 MiB segments (512 KiB: 2048 calls per GiB)",
     "UCX_MEMTYPE_CACHE": "Intel GPU memory is not seen through UCX's memory-type cache",
     "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "a pull (READ) of CUDA memory takes CUDA IPC, not tcp "
@@ -189,6 +199,7 @@ def ucx_settings(device_kind: str, env: Mapping[str, str],
         want["UCX_TLS"] = tls
     if device_kind in ("cpu", "cuda") and "posix" in admitted_am(env):
         want[SHM_AM_SETTING] = "y"
+        want[SHM_MIN_SETTING] = "0"
     if device_kind == "cpu" and admitted(env, {"cma"}):
         want[CMA_SEG_SETTING] = CMA_SEG_SIZE
     if device_kind == "xpu":

@@ -33,7 +33,7 @@ class BenchConfig:
     layouts: list = field(default_factory=lambda: ["cross_layer", "per_layer"])
     ops: list = field(default_factory=lambda: ["pull", "push"])  # and "prefill_push"
     splits: list = field(default_factory=lambda: [None])  # None: the client's read_split
-    ucx_threads: int = 0
+    ucx_threads: int | None = None  # None: each side chooses (agent.ucx_threads)
     host_streams: int | None = None  # None: the client chooses (samenode.host_copy_streams)
     huge_pages: bool = True
     iters: int = 5
@@ -150,7 +150,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                     "coalesce_model": (peer.coalesce_model.to_dict() if peer.coalesce_model
                                        else None),
                     "staged_copy": peer.staged_copy,
-                    "ucx_threads": client.agent.ucx_threads,
+                    "ucx_threads": [client.agent.ucx_threads, client.ucx_threads_reason],
                     "host_streams": [client.host_streams, client.host_streams_reason]}
                 for op in cfg.ops:
                     for pattern in cfg.patterns:

@@ -177,7 +177,7 @@ class DecodeProcesses:
 
 
 def decode_worker(pipe, layout_spec: dict, port: int, options: dict, engine: str,
-                  ucx_threads: int, host_streams, requests: list, reference) -> None:
+                  ucx_threads: int | None, host_streams, requests: list, reference) -> None:
     """A decode process of ``run_inflight``: connects, pulls its first request once (warm-up),
     makes its reference copy (``reference``: the bench's device, device ids, page setting,
     and the bytes of its share) and says ready; then per ``("go", at, how)`` waits for the

@@ -57,7 +57,7 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
             cache.fill_random(seed + i)
             fixed = options.get("ports") or []
             server = PrefillServer(cache, binding=binding, secret=options.get("secret"),
-                                   ucx_threads=options.get("ucx_threads", 0),
+                                   ucx_threads=options.get("ucx_threads"),
                                    device_kind=device_of(options),
                                    port=fixed[i] if i < len(fixed) else 0,
                                    kv_buffer=(options.get("kv_buffers")

@@ -34,15 +34,22 @@ def test_agent_names_as_str():
     assert as_str(b"agent") == "agent" and as_str("agent") == "agent"
 
 
+# with posix in play, /dev/shm's floor for UCX's shared memory goes to 0 (transports.py)
+SHM_MIN = {"UCX_POSIX_SHM_MIN_SIZE": "0"}
+
+
 def test_ucx_settings():
-    host = {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M"}
+    host = {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M", **SHM_MIN}
     assert ucx_settings("cpu", {}) == host
     assert ucx_settings("xpu", {}) == {"UCX_MEMTYPE_CACHE": "n"}
     # CUDA memory: NIXL's active messages over posix too (measured: 2 x H100, transports.py)
     assert ucx_settings("cuda", {}) == {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
-                                        "UCX_POSIX_ERROR_HANDLING": "y"}
+                                        "UCX_POSIX_ERROR_HANDLING": "y", **SHM_MIN}
     assert ucx_settings("cuda", {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
-                                 "UCX_POSIX_ERROR_HANDLING": "y"}) == {}
+                                 "UCX_POSIX_ERROR_HANDLING": "y", **SHM_MIN}) == {}
+    # posix in play with the user's error handling: /dev/shm's floor still goes
+    assert ucx_settings("cuda", {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
+                                 "UCX_POSIX_ERROR_HANDLING": "y"}) == SHM_MIN
     assert ucx_settings("cuda", {"UCX_TLS": "tcp,cuda_ipc,cuda_copy"}) == {
         "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}  # posix not in play: not set
     with pytest.raises(TransportError, match="no active-message transport"):
@@ -52,9 +59,10 @@ def test_ucx_settings():
     # tcp only: posix is not in play, so its setting is not added (UCX would warn it unused)
     assert ucx_settings("cpu", {"UCX_TLS": "tcp,cma"}) == {"UCX_CMA_SEG_SIZE": "4M"}
     assert ucx_settings("cpu", {"UCX_TLS": "tcp"}) == {}
-    assert ucx_settings("cpu", {"UCX_TLS": "^cma"}) == {"UCX_POSIX_ERROR_HANDLING": "y"}
+    assert ucx_settings("cpu", {"UCX_TLS": "^cma"}) == {"UCX_POSIX_ERROR_HANDLING": "y", **SHM_MIN}
     assert ucx_settings("cpu", {"UCX_TLS": "sm,tcp"}) == host  # sm includes cma
-    assert ucx_settings("cpu", {"UCX_CMA_SEG_SIZE": "64M"}) == {"UCX_POSIX_ERROR_HANDLING": "y"}
+    assert ucx_settings("cpu", {"UCX_CMA_SEG_SIZE": "64M"}) == {"UCX_POSIX_ERROR_HANDLING": "y",
+                                                                **SHM_MIN}
     # device memory: no host-memory settings
     assert "UCX_CMA_SEG_SIZE" not in ucx_settings("cuda", {})
     assert "UCX_CMA_SEG_SIZE" not in ucx_settings("xpu", {})
@@ -102,10 +110,10 @@ def test_shared_memory_am_needs_error_handling():
     assert usable_am({"UCX_TLS": "tcp,posix"}) == {"tcp"}
     # host memory: kvruntime turns posix error handling on, so posix alone is enough
     assert ucx_settings("cpu", {"UCX_TLS": "posix,cma"}) == {"UCX_POSIX_ERROR_HANDLING": "y",
-                                                              "UCX_CMA_SEG_SIZE": "4M"}
+                                                              "UCX_CMA_SEG_SIZE": "4M", **SHM_MIN}
     # CUDA memory too; xpu keeps UCX's AM choice: shared memory alone is refused with the reason
     assert ucx_settings("cuda", {"UCX_TLS": "posix,cuda_ipc,cuda_copy"}) == {
-        "UCX_POSIX_ERROR_HANDLING": "y", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}
+        "UCX_POSIX_ERROR_HANDLING": "y", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on", **SHM_MIN}
     with pytest.raises(TransportError, match="UCX_POSIX_ERROR_HANDLING=y"):
         ucx_settings("xpu", {"UCX_TLS": "posix,ze_ipc,ze_copy"})
     with pytest.raises(TransportError, match="UCX_SYSV_ERROR_HANDLING=y"):
@@ -117,7 +125,7 @@ def test_shared_memory_am_needs_error_handling():
 
 def test_user_choices_are_kept():
     # an explicit "n" is the user's call: not overridden (tcp still carries AM)
-    seg = {"UCX_CMA_SEG_SIZE": "4M"}
+    seg = {"UCX_CMA_SEG_SIZE": "4M", **SHM_MIN}  # posix is still in play: its floor goes
     assert ucx_settings("cpu", {"UCX_POSIX_ERROR_HANDLING": "n"}) == seg
     assert ucx_settings("cpu", {"UCX_MM_ERROR_HANDLING": "n"}) == seg
     # but an explicit "n" with no other AM transport is impossible, and said so
@@ -129,11 +137,12 @@ def test_apply_and_report():
     env = {"UCX_TLS": "tcp,posix,cma", "PATH": "/bin"}
     added = apply_ucx_settings("cpu", env)
     log_file = env["UCX_LOG_FILE"]  # UCX's log goes where kvruntime reads it (ucxlog.py)
-    assert added == {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M",
+    assert added == {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M", **SHM_MIN,
                      "UCX_LOG_FILE": log_file, "UCX_PROTO_INFO": "y",
                      "KVRUNTIME_UCX_LOG": env["KVRUNTIME_UCX_LOG"]}
     assert apply_ucx_settings("cpu", env) == {}  # already there: nothing added twice
     assert ucx_environment(env) == {"UCX_CMA_SEG_SIZE": "4M", "UCX_POSIX_ERROR_HANDLING": "y",
+                                    **SHM_MIN,
                                     "UCX_TLS": "tcp,posix,cma", "UCX_LOG_FILE": log_file,
                                     "UCX_PROTO_INFO": "y"}
 
@@ -151,9 +160,9 @@ def test_apply_and_report():
     # the user's UCX_TLS wins
     ("xpu", {"UCX_TLS": "ze_copy,tcp"}, {"tcp", "ze_copy", "ze_ipc"}, {"UCX_MEMTYPE_CACHE": "n"}),
     ("cuda", {}, {"tcp", "posix", "cuda_ipc", "cuda_copy"},
-     {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on", "UCX_POSIX_ERROR_HANDLING": "y"}),
+     {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on", "UCX_POSIX_ERROR_HANDLING": "y", **SHM_MIN}),
     ("cpu", {}, {"tcp", "posix", "cma"},
-     {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M"}),
+     {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_CMA_SEG_SIZE": "4M", **SHM_MIN}),
 ])
 def test_policy_table(device, env, offered, want):
     assert ucx_settings(device, env, offered) == want
