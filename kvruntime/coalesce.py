@@ -41,10 +41,13 @@ DEFAULT_POOL_BYTES = 256 << 20
 # pools' memory. Device pools: the copies run on the GPUs beside the wire, the first chunk's
 # gather and the last one's scatter stay exposed: counted as one of the two whole. Host pools:
 # the copies take the cores and the memory bandwidth the wire's own copies (cma) need, so
-# nothing hides them: both counted (cpu-2, 64 MiB of 4096 random 16 KiB blocks: coalesced
-# 37-57 ms against 23-26 direct, 15-19 over 2 UCX threads; with one counted, auto took
-# coalesced in one run of two).
-EXPOSED = {"device": 1.0, "host": 2.0}
+# nothing hides them, and they slow the wire's copies as much: three counted, at no more than
+# the wire's rate (a cold copy: the probe's 4 MiB gather runs from the cache, 15-20 GB/s on
+# cpu-2 against the wire's 7-12). cpu-2, 64 MiB of 4096 random 16 KiB blocks: coalesced 35-52
+# ms against 8-12 contiguous, 27-40 ms of copies, 3-4 cold copies of the bytes; direct 14-17
+# over 2 UCX threads. With two counted at the probe's rate auto took coalesced in two connects
+# of three.
+EXPOSED = {"device": 1.0, "host": 3.0}
 # The probe's scattered READ, in pieces, by pool memory. Host memory: enough pieces that a
 # UCX thread's wake-up (agent.ucx_threads: a decode's host memory) or a scheduler's hiccup on
 # a host of few cores does not pass for their cost (cpu-2 with 32 and 2 UCX threads: 106 us a
@@ -233,8 +236,18 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
         def read(local_rows, remote_rows) -> float:
             return _read(peer, local_rows, remote_rows, peer.info.mem_type)
 
-        one = np.array([[at, k * piece, local.device_id]], dtype=np.uint64)
-        whole = np.array([[address, k * piece, device]], dtype=np.uint64)
+        # the same bytes in one range, cut as a request's run is (PrefillPeer.read_split: a
+        # descriptor a UCX thread for host memory): with the scattered READ spread over the
+        # threads and this one on a single thread, their difference took in the hand-offs
+        # (cpu-2, 2 threads: 7.4-8.0 us a descriptor in two connects of three, against 1.8
+        # for a request's 4096)
+        n = max(1, min(k // 2, client.agent.ucx_threads if pool.memory == "host" else 1))
+        cut = np.linspace(0, k * piece, n + 1).astype(np.uint64)
+        lengths = np.diff(cut)
+        one = np.stack([at + cut[:-1], lengths,
+                        np.full(n, local.device_id, dtype=np.uint64)], axis=1)
+        whole = np.stack([address + cut[:-1], lengths,
+                          np.full(n, device, dtype=np.uint64)], axis=1)
         t_many = min(read(mine, scattered) for _ in range(3))
         t_one = min(read(one, whole) for _ in range(3))
         # every other block (scattered, as requests are), at two sizes: the rate from their
@@ -256,7 +269,10 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
             fixed = max(0.0, t_small - small * ours.block_bytes / rate)
         else:  # too small to tell them apart: all of it counted as rate
             rate, fixed = gather_blocks * ours.block_bytes / t_large, 0.0
-        return Model(max(0.0, (t_many - t_one) / (k - 1) * 1e6), k * piece / t_one / 1e9,
+        wire = k * piece / t_one
+        if pool.memory == "host":  # a request's bytes are cold: no faster than the wire's copy
+            rate = min(rate, wire)
+        return Model(max(0.0, (t_many - t_one) / (k - n) * 1e6), wire / 1e9,
                      rate / 1e9, round_trip * 1e6, fixed * 1e6, EXPOSED[pool.memory])
     finally:
         pool.release(start, max(units, gather_blocks * ours.num_kv_heads))

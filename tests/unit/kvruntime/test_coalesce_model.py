@@ -3,7 +3,7 @@ cost more than its gathered bytes, a round trip and a gather's fixed cost per pi
 numbers are the 2 x H100 ones that made auto wrong: the connect-time probe gathered 32 blocks
 of 256 KiB, took the fixed cost of launches and a wait for the gather's rate (50 GB/s) and kept
 1 GiB of 4096 random blocks direct (21.5 ms) where coalesced took 4.7 ms."""
-from kvruntime.coalesce import Model
+from kvruntime.coalesce import EXPOSED, Model
 
 MIB = 1 << 20
 
@@ -30,14 +30,19 @@ def test_the_fixed_cost_is_paid_per_piece_and_keeps_few_descriptors_direct():
     assert model.to_dict()["gather_fixed_us"] == 150.0
 
 
-def test_host_pools_count_both_copies_and_keep_cma_requests_direct():
-    """cpu-2's probe (64 MiB of 4096 random 16 KiB blocks, cma over 2 UCX threads): direct
-    took 15-19 ms (23-25 on no threads), coalesced 37-57 (its gather, READ and scatter share
-    the two cores). With one of the two copies counted, auto went coalesced; counting both
-    keeps it direct, and a per_layer request of 32768 descriptors (direct 70 ms, coalesced 44)
-    still goes through."""
-    host = dict(descriptor_us=3.07, wire_gbps=6.0, gather_gbps=9.4, round_trip_us=590.0,
-                exposed=2.0)
+def test_host_pools_count_three_copies_and_keep_cma_requests_direct():
+    """cpu-2 (64 MiB of 4096 random 16 KiB blocks, cma over 2 UCX threads): direct took 14-17
+    ms, coalesced 35-52 (its gather, READ and scatter share the two cores). Probes of three
+    connects: 2.3 us a descriptor with the gather at 18.6 GB/s from the cache (auto went
+    coalesced with two copies counted), and 3.07 at 9.4. Three copies at no more than the
+    wire's rate keep both direct, and a per_layer request of 32768 descriptors (direct 70 ms,
+    coalesced 44) still goes through."""
+    assert EXPOSED["host"] == 3.0
+    hot = dict(descriptor_us=2.31, wire_gbps=7.98, gather_gbps=7.98, round_trip_us=490.0,
+               exposed=3.0)  # the probe's 18.6 GB/s capped at the wire's 7.98
+    assert not Model(**hot).choose(4096, 64 * MIB)[0]
+    assert Model(**{**hot, "gather_gbps": 18.6, "exposed": 2.0}).choose(4096, 64 * MIB)[0]
+    host = dict(descriptor_us=3.07, wire_gbps=6.0, gather_gbps=6.0, round_trip_us=590.0,
+                exposed=3.0)
     assert not Model(**host).choose(4096, 64 * MIB)[0]
-    assert Model(**{**host, "exposed": 1.0}).choose(4096, 64 * MIB)[0]
     assert Model(**host).choose(32768, 64 * MIB)[0]
