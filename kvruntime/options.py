@@ -42,10 +42,10 @@ class Options:
     name); ``secret``: the handshake's shared secret (None: no authentication, loopback
     only); ``timeout``: seconds for a connect, a frame, a control call; ``ucx_threads``:
     NIXL's UCX threads (0: the caller's polls progress; None: chosen, agent.ucx_threads);
-    ``device_kind``: "cpu", "cuda" or "xpu" (which UCX settings apply); ``name``: the NIXL agent's name (None: a
-    unique one); ``kv_buffer``: "direct" or "host_staged" (None: by the device kind);
-    ``staging_blocks``: host-staged pool size in blocks (0: the cache's); ``tp_rank``: this
-    side's tensor-parallel rank; ``coalesce``: "auto", "always" or "never", whether a NIXL
+    ``device_kind``: "cpu", "cuda" or "xpu" (which UCX settings apply); ``name``: the NIXL
+    agent's name (None: a unique one); ``kv_buffer``: "direct" or "host_staged" (None: by the
+    device kind); ``staging_blocks``: host-staged pool size in blocks (0: the cache's);
+    ``tp_rank``: this side's tensor-parallel rank; ``coalesce``: "auto", "always" or "never", whether a NIXL
     request of many runs goes through both sides' staging pools (coalesce.py; "never" on a
     prefill: it keeps no pool)."""
 
