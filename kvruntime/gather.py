@@ -148,6 +148,7 @@ class BlockGather:
         self.src = src_regions
         self.dst = dst_regions
         self.chunk = chunk_bytes
+        self.src_blocks = src_blocks
         self.stream = stream
         self.device = stream.device
         self._ptrs = [(s.data_ptr(), d.data_ptr()) for s, d in zip(src_regions, dst_regions)]
@@ -212,6 +213,15 @@ class BlockGather:
         except Exception as exc:  # the first request compiles it then, or falls back
             log.info("warming the Triton gather failed (%s): the first request compiles it", exc)
             self._kernels = None
+
+    def into(self, dst_regions: list, dst_blocks: int) -> "BlockGather":
+        """This gather writing into ``dst_regions`` (``dst_blocks`` blocks each) instead, its
+        id uploads and compiled kernels shared: nothing allocated, nothing compiled (a
+        same-node connect's rehearsal into scratch, samenode.py)."""
+        other = BlockGather(self.src, dst_regions, self.chunk, self.src_blocks, dst_blocks,
+                            self.stream)
+        other._uploads, other._kernels = self._uploads, self._kernels
+        return other
 
     def copy(self, plan) -> str:
         """Queue the copy of ``plan``'s blocks on the stream; returns the method."""

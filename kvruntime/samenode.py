@@ -522,14 +522,10 @@ class CudaEngine:
             return None
         import torch
 
-        from .gather import BlockGather
-
         k = min(REHEARSAL_BLOCKS, self.layout.num_blocks)
-        chunk = self.layout.chunk_bytes
-        scratch = torch.empty(k * chunk, dtype=torch.uint8, device=self.device)
-        gather = BlockGather(self.remote, [scratch] * len(self.remote), chunk,
-                             self.layout.num_blocks, k, self.stream)
-        gather._uploads, gather._kernels = self.gather._uploads, self.gather._kernels
+        scratch = torch.empty(k * self.layout.chunk_bytes, dtype=torch.uint8,
+                              device=self.device)
+        gather = self.gather.into([scratch] * len(self.remote), k)
         plan = _scratch_plan(self.layout, k)
         return plan, lambda: self._start("READ", plan, None, gather)
 
