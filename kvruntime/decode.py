@@ -85,6 +85,7 @@ class PrefillPeer:
         # through the pools (staging.py): a host-staged peer's requests, or a direct NIXL
         # peer's coalesced ones (coalesce.py), and the model auto chooses by
         self.route = None
+        self._rehearsal = None  # a failed rehearsal's scratch (rehearse)
         self.coalesce_model = None
         self.coalesce_reason = "not a NIXL peer"  # why requests may (not) go coalesced
 
@@ -294,6 +295,9 @@ class PrefillPeer:
                 handle.uses_peer = False
                 handle.wait()
         except Exception as exc:
+            # a copy that missed its deadline may still write into the scratch: kept as long
+            # as the engine, whose close waits for the devices before anything is let go
+            self._rehearsal = scratch
             log.info("%s: rehearsing the request path failed: %s", self.name, exc)
 
     def make_handle(self, op, request_id, plan, timeout, t0) -> TransferHandle:
@@ -403,7 +407,7 @@ class PrefillPeer:
         for engine in (self.samenode, self.pool_engine):
             if engine is not None:  # opened memory lives exactly as long as the peer
                 engine.close()
-        self.samenode = self.pool_engine = None
+        self.samenode = self.pool_engine = self._rehearsal = None
         self.client.forget(self)
 
 

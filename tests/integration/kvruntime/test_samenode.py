@@ -161,6 +161,36 @@ def test_the_connect_rehearses_the_request_path_without_touching_the_cache(prefi
         cache.close()
 
 
+def test_a_failed_rehearsal_is_logged_and_the_connect_stands(prefill, monkeypatch, caplog):
+    """A rehearsal whose copy fails (here: the engine's scratch request raises at its start,
+    standing in for a device error the CUDA engine could meet) is logged, never fatal: the
+    connect and the first pull go on, and its scratch is kept until the peer closes (a copy
+    that missed its deadline could still write into it)."""
+    import logging
+
+    import kvruntime.samenode as samenode
+
+    def scratch_request(engine):
+        def start():
+            raise KVRuntimeError("the scratch copy could not start")
+        return samenode._scratch_plan(engine.layout, 4), start
+
+    monkeypatch.setattr(samenode.HostEngine, "scratch_request", scratch_request)
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=25) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with caplog.at_level(logging.INFO, logger="kvruntime.decode"):
+            with DecodeClient(cache, engine="samenode") as client:
+                peer = client.connect("127.0.0.1", ports[0])
+                assert "rehearsing the request path failed" in caplog.text
+                assert peer._rehearsal is not None and client.in_flight == 0
+                peer.pull([3, 4], [9, 20], timeout=20)
+                assert peer.digests([3, 4]) == cache.block_digests([9, 20])
+                peer.close()
+                assert peer._rehearsal is None
+        cache.close()
+
+
 def test_samenode_pull_releases_the_blocks_on_the_prefill():
     from kvruntime.prefill import PrefillServer
 
