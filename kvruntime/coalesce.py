@@ -236,12 +236,12 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
         def read(local_rows, remote_rows) -> float:
             return _read(peer, local_rows, remote_rows, peer.info.mem_type)
 
-        # the same bytes in one range, cut as a request's run is (PrefillPeer.read_split: a
+        # the same bytes in one range, cut as a request's run is (PrefillPeer.split_runs: a
         # descriptor a UCX thread for host memory): with the scattered READ spread over the
         # threads and this one on a single thread, their difference took in the hand-offs
         # (cpu-2, 2 threads: 7.4-8.0 us a descriptor in two connects of three, against 1.8
         # for a request's 4096)
-        n = max(1, min(k // 2, client.agent.ucx_threads if pool.memory == "host" else 1))
+        n = max(1, min(k // 2, peer.split_runs(1)))
         cut = np.linspace(0, k * piece, n + 1).astype(np.uint64)
         lengths = np.diff(cut)
         one = np.stack([at + cut[:-1], lengths,

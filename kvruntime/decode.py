@@ -158,13 +158,18 @@ class PrefillPeer:
         return self._start_staged(handle, new=False)
 
     def read_split(self, plan: TransferPlan) -> int:
-        """Pieces per run for a READ of ``plan`` when the caller names none: NIXL spreads a
-        request's descriptors over its UCX threads but cannot split one, so host memory with
-        several copy streams gets at least one descriptor per stream; anything else 1."""
+        """Pieces per run for a READ of ``plan`` when the caller names none (``split_runs``)."""
+        return self.split_runs(plan.descriptor_count)
+
+    def split_runs(self, descriptors: int) -> int:
+        """Pieces per run for a READ of ``descriptors`` runs: NIXL spreads a request's
+        descriptors over its UCX threads but cannot split one, so host memory with several
+        copy streams gets at least one descriptor per stream; anything else 1 (the coalesce
+        probe cuts its one-range READ by this too)."""
         threads = self.client.agent.ucx_threads
         if threads < 2 or self.client.cache.mem_type != "DRAM" or self.head_slice is not None:
             return 1
-        return -(-threads // plan.descriptor_count)
+        return -(-threads // descriptors)
 
     def _post_read(self, handle: TransferHandle, split: int | None) -> TransferHandle:
         reg = self.client.registration
