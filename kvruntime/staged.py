@@ -80,7 +80,7 @@ class StagedPull(CopyJob):
         self._ready: list[tuple[int, int]] = []  # row ranges the prefill has gathered
         self._chunks: list[_Chunk] = []
         # the destination ids on a device pool's device, once for the chunks' scatters:
-        # uploaded once the first READ is posted (take), not before the stage frame goes out,
+        # uploaded once the first READ is posted, not before the stage frame goes out,
         # where its 100-150 µs (2 x H100) delayed every piece's first answer
         self._dst_blocks = self._dst_ids[lo:hi]
         self._dst = None
