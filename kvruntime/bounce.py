@@ -110,6 +110,10 @@ class _TorchStreams:
 
         return torch.from_numpy(ids).to(self.device, non_blocking=True)
 
+    def upload_owned(self, ids):
+        """The same, a tensor of its own however long the work reading it is queued after."""
+        return self.upload(ids)
+
 
 class _CudaStreams(_TorchStreams):
     """The same on CUDA, with the ring's own calls (events, waits, copies, block id uploads)
@@ -153,6 +157,15 @@ class _CudaStreams(_TorchStreams):
         buf, _ = self._ids.upload(ids)  # at offset 0
         return buf[:len(ids)]
 
+    def upload_owned(self, ids):
+        return self._ids.upload_owned(ids)
+
+
+def streams(device) -> _TorchStreams:
+    """A device's streams: through the CUDA runtime on CUDA (where it loads), else torch's."""
+    return (_CudaStreams if device.type == "cuda" and cudart.runtime() is not None
+            else _TorchStreams)(device)
+
 
 class BounceRing:
     """``slots`` device buffers of ``slot_words`` words of ``dtype``, a compute stream for the
@@ -163,8 +176,7 @@ class BounceRing:
         import torch
 
         self.slot_words = slot_words
-        self.streams = (_CudaStreams if device.type == "cuda" and cudart.runtime() is not None
-                        else _TorchStreams)(device)
+        self.streams = streams(device)
         self._buf = torch.empty(slots, slot_words, dtype=dtype, device=device)
         self._filled = self.streams.events(slots)
         self._free = self.streams.events(slots)  # passed: slot s may be rewritten

@@ -189,16 +189,43 @@ class IdUploads:
                 host[o:o + len(a)] = a
             with StreamScope(self._stream):
                 return torch.from_numpy(host).to(self.device, non_blocking=True), at
-        i, self._next = self._next, (self._next + 1) % self.SLOTS
-        if self._used[i]:
-            self._sent[i].synchronize()  # its last upload has left the host buffer
+        i = self._take()
         host = self._host_np[i]
         for a, o in zip(arrays, at):
             host[o:o + len(a)] = a
-        copy_async(self._dev_ptrs[i], self._host_ptrs[i], total * 8, self._handle)
+        self._send(i, self._dev_ptrs[i], total)
+        return self._dev_slots[i], at
+
+    def upload_owned(self, array):
+        """An int64 numpy array -> a device tensor of its own, for work queued on the stream
+        after this, however long after: torch's allocator gives it (on the stream, so it is
+        reused only after the stream's work that reads it), one cudaMemcpyAsync from a pinned
+        slot fills it. For ids a request keeps across many polls (a staging pool's), which a
+        device slot, rewritten ``SLOTS`` uploads later, would not keep."""
+        import torch
+
+        n = len(array)
+        if n > self.CAPACITY:
+            with StreamScope(self._stream):
+                return torch.from_numpy(array).to(self.device, non_blocking=True)
+        with StreamScope(self._stream):  # allocated for the stream that reads it
+            dev = torch.empty(n, dtype=torch.int64, device=self.device)
+        i = self._take()
+        self._host_np[i][:n] = array
+        self._send(i, dev.data_ptr(), n)
+        return dev
+
+    def _take(self) -> int:
+        """The next pinned slot, its last upload passed (it has left the host buffer)."""
+        i, self._next = self._next, (self._next + 1) % self.SLOTS
+        if self._used[i]:
+            self._sent[i].synchronize()
+        return i
+
+    def _send(self, i: int, dst: int, words: int) -> None:
+        copy_async(dst, self._host_ptrs[i], words * 8, self._handle)
         self._sent[i].record(self._handle)
         self._used[i] = True
-        return self._dev_slots[i], at
 
 
 _spare_pinned = None  # prepare_uploads' allocation, for the next IdUploads

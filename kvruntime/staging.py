@@ -41,7 +41,7 @@ from dataclasses import replace
 from functools import cached_property
 
 from . import native
-from .bounce import SLOT_BYTES, BounceRing, _TorchStreams, pieces
+from .bounce import SLOT_BYTES, BounceRing, pieces, streams
 from .errors import KVRuntimeError, TransferError
 from .layout import CROSS_LAYER, KVLayout
 from .poolcopy import copy_rows
@@ -156,12 +156,15 @@ class StagingPool:
         if memory == "host" and on_device and tensors[0].device.type == "cuda":
             self._pin()
         self._ring = None
-        self._streams = None  # a device pool's stream and events (bounce._TorchStreams)
+        self._streams = None  # a device pool's stream and events (bounce.streams)
+        # a device pool's launches, one thread at a time: the streams' caller event and their
+        # pinned upload slots are shared (a prefill serves its decodes from several threads)
+        self._launch = threading.Lock()
         self._scatters = None  # a host cache's scatters run on a thread of their own
         self._region_views: dict = {}  # (h0, h1) -> the regions' views of those heads
         self._stacked_views: dict = {}  # (h0, h1) -> cross_layer: them all as one view
         if memory == "device":
-            self._streams = _TorchStreams(tensors[0].device)
+            self._streams = streams(tensors[0].device)
         elif on_device:  # copies pipelined through device bounce slots (bounce.py)
             row = layout.tokens_per_block * layout.num_kv_heads * self._head_words
             self._ring = BounceRing(tensors[0].device, self._pool_words.dtype,
@@ -354,7 +357,7 @@ class StagingPool:
             if self._free[:k * h] != b"\x01" * (k * h):
                 return
             st = self._streams
-            with st.compute_after_caller():
+            with self._launch, st.compute_after_caller():
                 for n, gather_ids, scatter_ids in uploads:
                     rows = 2 * lay.num_layers * n
                     run = self._run(0, n, h)
@@ -388,7 +391,10 @@ class StagingPool:
         """Block ids (a list or a numpy array; the roles pass the plan's validated arrays) as
         int64 numpy: the ring uploads them itself, once per call, on its compute stream. A
         device pool's are uploaded here, once for all the chunks of a request (16 uploads of
-        a 4096-block request cost ~0.3 ms, a fifth of its GiB's READ on an H100)."""
+        a 4096-block request cost ~0.3 ms, a fifth of its GiB's READ on an H100), into a
+        tensor of the request's own (its scatters may be queued long after, behind other
+        requests' uploads): one cudaMemcpyAsync from a pinned slot on CUDA, where torch's
+        stream context and pageable copy cost 120-150 µs (2 x H100)."""
         import numpy as np
 
         if self._streams is None:
@@ -399,8 +405,8 @@ class StagingPool:
         if isinstance(blocks, torch.Tensor):
             return blocks
         ids = np.asarray(blocks, dtype=np.int64)
-        with self._streams.compute_after_caller():
-            return self._streams.upload(ids)
+        with self._launch, self._streams.compute_after_caller():
+            return self._streams.upload_owned(ids)
 
     def _pieces(self, ids, heads: tuple[int, int], rows: tuple[int, int]):
         """A host cache's addresses of rows ``rows`` of a run of blocks ``ids``, heads
@@ -443,12 +449,53 @@ class StagingPool:
         n, hs = len(ids), heads[1] - heads[0]
         views, run = self._regions(heads), self._run(start, n, hs)
         st = self._streams
-        with st.compute_after_caller():
+        with self._launch, st.compute_after_caller():
             # ``ids`` are on the device already: uploaded once a request (ids())
             copy_rows(views, self._stacked(heads), run, ids, rows, gather)
             event = st.event()
             st.record(event, st.compute)
         return event
+
+    def gathers(self, ids, start: int, heads: tuple[int, int], chunks: list):
+        """Gather ``chunks`` (row ranges) of the run at ``start`` from blocks ``ids`` (from
+        ``ids()``), yielding each chunk's rows once it is in the pool, in order. Copies that
+        run on a stream (a device pool, the bounce ring) are queued one chunk ahead of the
+        one waited for: the device gathers the next while the caller answers this one (queued
+        only after the wait, the device idled for the answer and the launch, 150-240 µs a
+        64 MiB chunk on 2 x H100, where its gather takes ~60). A host pool's C copies run in
+        the call, one chunk at a time. A launch that fails raises here, after the copies
+        queued before it have passed (nothing writes into the run once its caller frees it)."""
+        ahead = 1 if self._streams is not None or self._ring is not None else 0
+        queued: list = []
+        for rows in chunks:
+            try:
+                queued.append((rows, self._gather_async(ids, start, heads, rows)))
+            except BaseException:
+                for _, event in queued:
+                    _quiet_wait(event)
+                raise
+            while len(queued) > ahead:
+                done_rows, event = queued.pop(0)
+                wait(event)
+                yield done_rows
+        for done_rows, event in queued:
+            wait(event)
+            yield done_rows
+
+    def _gather_async(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int]):
+        """Rows ``rows`` of blocks ``ids`` into the run at ``start``: queued (an event to wait
+        for: a device pool, the bounce ring), or done in the call (a host pool: None)."""
+        n, hs = len(ids), heads[1] - heads[0]
+        if self._streams is not None:
+            return self._device_copy(ids, start, heads, rows, True)
+        if self._ring is None:
+            self._host_copy(ids, start, heads, rows, True)
+            return None
+        shape = self._row_shape(hs)
+        fills = pieces(range(rows[0] // n, -(-rows[1] // n)), n, math.prod(shape),
+                       self._ring.slot_words)
+        return self._ring.gather(fills, self._regions(heads), ids, self._run_flat(start, n, hs),
+                                 shape)
 
     def gather(self, blocks, start: int, heads: tuple[int, int] | None = None,
                rows: tuple[int, int] | None = None) -> int:
@@ -457,19 +504,9 @@ class StagingPool:
         pool's own streams, never the device). Returns the units of the run."""
         h0, h1 = heads = heads or (0, self.device_layout.num_kv_heads)
         ids = self.ids(blocks)
-        n, hs = len(ids), h1 - h0
-        rows = rows or (0, 2 * self.device_layout.num_layers * n)
-        if self._streams is not None:
-            wait(self._device_copy(ids, start, heads, rows, True))
-        elif self._ring is None:  # a CPU cache: straight into the run
-            self._host_copy(ids, start, heads, rows, True)
-        else:
-            shape = self._row_shape(hs)
-            fills = pieces(range(rows[0] // n, -(-rows[1] // n)), n, math.prod(shape),
-                           self._ring.slot_words)
-            wait(self._ring.gather(fills, self._regions(heads), ids,
-                                   self._run_flat(start, n, hs), shape))
-        return n * hs
+        rows = rows or (0, 2 * self.device_layout.num_layers * len(ids))
+        wait(self._gather_async(ids, start, heads, rows))
+        return len(ids) * (h1 - h0)
 
     def scatter(self, start: int, blocks, heads: tuple[int, int] | None = None) -> None:
         """The run at ``start`` -> heads ``heads`` of device cache ``blocks``, finished when
@@ -538,6 +575,14 @@ def wait(event) -> None:
         event.result()
     else:
         event.synchronize()
+
+
+def _quiet_wait(event) -> None:
+    """``wait``, its error dropped: a copy that failed writes nothing more either."""
+    try:
+        wait(event)
+    except Exception:
+        pass
 
 
 def done(event) -> bool:
