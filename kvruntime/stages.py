@@ -141,32 +141,37 @@ class Stages:
         pool = self.pool
         ids = pool.ids(plan.block_ids()[0])  # a device pool's: uploaded once for every chunk
         chunks = pool.chunks(len(ids), heads[1] - heads[0])
-        for i, rows in enumerate(chunks):
-            last = i == len(chunks) - 1
-            try:
-                pool.gather(ids, start, heads, rows)
-            except Exception as exc:
-                pool.release(start, n)  # READs of its answered chunks fail the request there
-                reply = messages.STAGE_FAILED.build(request=request,
-                                                    error=f"gather failed: {exc}")
-            else:
-                reply = messages.STAGED.build(request=request, start=start, count=n,
-                                              rows=list(rows), last=last)
-                if last:
-                    # freed by unstage; or, if the decode never says, well after its deadline
-                    # (its READs have been aborted by then). Kept only now: an unstage read by
-                    # the connection thread while the progress loop gathers must not free the
-                    # run under the gather (it is then freed at that expiry).
-                    self._staged[key] = (start, n, deadline + 5.0)
-            try:
-                peer.send(reply, self.timeout)
-            except KVRuntimeError as exc:
-                log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
-                if messages.STAGED.is_(reply):  # its READs may run on: freed at the expiry
-                    self._staged[key] = (start, n, deadline + 5.0)
-                return
-            if messages.STAGE_FAILED.is_(reply):
-                return
+        gathered = pool.gathers(ids, start, heads, chunks)  # each chunk's rows, once in the pool
+        try:
+            for i in range(len(chunks)):
+                last = i == len(chunks) - 1
+                try:
+                    rows = next(gathered)
+                except Exception as exc:
+                    gathered.close()  # its copies queued still have passed
+                    pool.release(start, n)  # READs of its answered chunks fail the request there
+                    reply = messages.STAGE_FAILED.build(request=request,
+                                                        error=f"gather failed: {exc}")
+                else:
+                    reply = messages.STAGED.build(request=request, start=start, count=n,
+                                                  rows=list(rows), last=last)
+                    if last:
+                        # freed by unstage; or, if the decode never says, well after its deadline
+                        # (its READs have been aborted by then). Kept only now: an unstage read by
+                        # the connection thread while the progress loop gathers must not free the
+                        # run under the gather (it is then freed at that expiry).
+                        self._staged[key] = (start, n, deadline + 5.0)
+                try:
+                    peer.send(reply, self.timeout)
+                except KVRuntimeError as exc:
+                    log.warning("answering stage %s of %s: %s", request, peer.agent, exc)
+                    if messages.STAGED.is_(reply):  # its READs may run on: freed at the expiry
+                        self._staged[key] = (start, n, deadline + 5.0)
+                    return
+                if messages.STAGE_FAILED.is_(reply):
+                    return
+        finally:
+            gathered.close()  # a send that failed: its copies still queued have passed
 
     def unstage(self, agent: str, message: dict) -> None:
         """The decode is done with a request (its last chunk scattered, or it failed): its run
