@@ -201,15 +201,14 @@ class IdUploads:
         after this, however long after: torch's allocator gives it (on the stream, so it is
         reused only after the stream's work that reads it), one cudaMemcpyAsync from a pinned
         slot fills it. For ids a request keeps across many polls (a staging pool's), which a
-        device slot, rewritten ``SLOTS`` uploads later, would not keep."""
+        device slot, rewritten ``SLOTS`` uploads later, would not keep. Called with the stream
+        current (a StreamScope of it: the tensor is allocated for the stream that reads it)."""
         import torch
 
         n = len(array)
         if n > self.CAPACITY:
-            with StreamScope(self._stream):
-                return torch.from_numpy(array).to(self.device, non_blocking=True)
-        with StreamScope(self._stream):  # allocated for the stream that reads it
-            dev = torch.empty(n, dtype=torch.int64, device=self.device)
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+        dev = torch.empty(n, dtype=torch.int64, device=self.device)
         i = self._take()
         self._host_np[i][:n] = array
         self._send(i, dev.data_ptr(), n)

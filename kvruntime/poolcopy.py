@@ -33,15 +33,23 @@ def spans(rows: tuple[int, int], n: int):
 
 def pieces(rows: tuple[int, int], n: int, stacked: bool):
     """The ops of a chunk: (first region, end region, first block, end block) each, whole
-    regions merged into one piece when ``stacked`` (one view spans them)."""
-    out: list[list[int]] = []
-    for r, b0, b1 in spans(rows, n):
-        whole = b0 == 0 and b1 == n
-        if stacked and whole and out and out[-1][2:] == [0, n] and out[-1][1] == r:
-            out[-1][1] = r + 1
-        else:
-            out.append([r, r + 1, b0, b1])
-    return [tuple(p) for p in out]
+    regions merged into one piece when ``stacked`` (one view spans them). Counted, not
+    walked region by region where they merge: a 64 MiB chunk of 2 MiB blocks spans 32
+    regions, and a Python loop over them cost ~100 µs of each chunk's launch (2 x H100)."""
+    if not stacked:
+        return [(r, r + 1, b0, b1) for r, b0, b1 in spans(rows, n)]
+    (r0, b0), (r1, b1) = divmod(rows[0], n), divmod(rows[1], n)
+    if r0 == r1:  # within one region
+        return [(r0, r0 + 1, b0, b1)] if b0 < b1 else []
+    out = []
+    if b0:  # the partial region it starts in
+        out.append((r0, r0 + 1, b0, n))
+        r0 += 1
+    if r1 > r0:  # the whole ones: one op
+        out.append((r0, r1, 0, n))
+    if b1:  # the partial region it ends in
+        out.append((r1, r1 + 1, 0, b1))
+    return out
 
 
 def copy_rows(regions: list, stacked, run, ids, rows: tuple[int, int], gather: bool) -> int:

@@ -125,6 +125,23 @@ def test_a_chunk_is_at_most_three_ops_where_one_view_spans_the_regions(rows, n, 
     assert pieces(rows, n, stacked) == want
 
 
+def test_counted_pieces_cover_exactly_the_rows_a_region_walk_finds():
+    """The counted pieces (no loop over regions) against the plain walk of every region the
+    rows touch (spans): the same rows, in order, whole regions merged, at most three ops."""
+    rnd = random.Random(5)
+    for _ in range(2000):
+        n = rnd.randint(1, 9)
+        total = n * rnd.randint(1, 12)
+        lo = rnd.randrange(total)
+        hi = rnd.randint(lo + 1, total)
+        got = pieces((lo, hi), n, True)
+        walked = [r * n + b for r, b0, b1 in spans((lo, hi), n) for b in range(b0, b1)]
+        assert [r * n + b for r0, r1, b0, b1 in got for r in range(r0, r1)
+                for b in range(b0, b1)] == walked
+        assert len(got) <= 3 and all(b0 == 0 and b1 == n for r0, r1, b0, b1 in got
+                                     if r1 - r0 > 1)
+
+
 def test_ops_counted_and_ids_uploaded_once_a_request():
     """A chunk of many whole regions of a cross_layer cache is one op; the ids go up once for
     all of a request's chunks (and again when the blocks differ)."""
