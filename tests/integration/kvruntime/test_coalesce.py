@@ -181,17 +181,29 @@ def test_an_exhausted_pool_waits_until_the_deadline_and_fails_with_its_numbers(p
         cache.close()
 
 
+def _answered(handle, pieced: bool) -> bool:
+    """The prefill has answered a chunk (``pieced``: every READ of the first piece has ended,
+    and the next piece is asked for)."""
+    job = handle._xfer
+    if job is None:
+        return False
+    return job._asked_next or job._piece > 0 if pieced else bool(job._ready)
+
+
 @pytest.mark.parametrize("op", ["pull", "prefill_push"])
-def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(pushing_prefill, op):
+@pytest.mark.parametrize("decode_pool", [200, 64])
+def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(pushing_prefill, op,
+                                                                       decode_pool):
     """Killed after its first chunk's answer (a pull, or a push it started): the request fails
     (the READ's error, the lost side channel or its deadline), our pool's units come back once
     nothing can write into them, and the destination blocks hold, after the failure is
-    reported, exactly what they held when it was reported."""
+    reported, exactly what they held when it was reported. A decode pool of 64 blocks: in 3
+    pieces, killed once the second is asked for while the first still scatters."""
     layout = KVLayout(CROSS_LAYER, 2, 200, 16, 8, 256, "float16")  # 256 KiB blocks
     with pushing_prefill([layout], seed=6, staging_blocks=200) as (proc, ports, push):
         cache = KVCache.allocate_host(layout)
         cache.fill_value(CANARY)
-        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=200,
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=decode_pool,
                           timeout=2) as client:
             peer = client.connect("127.0.0.1", ports[0])
             src = random.Random(9).sample(range(200), 190)  # 47.5 MiB: 12 chunks
@@ -201,9 +213,10 @@ def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(pushing_p
             else:
                 handle = start_push(peer, push, client, src, dst, 5)
             until = time.monotonic() + 10
-            while not (handle._xfer is not None and handle._xfer._ready) and time.monotonic() < until:
+            pieced = decode_pool < 190
+            while not _answered(handle, pieced) and time.monotonic() < until:
                 handle.poll()
-            assert handle._xfer is not None and handle._xfer._ready, "no chunk was answered"
+            assert _answered(handle, pieced), "no chunk was answered"
             proc.kill()
             with pytest.raises(TransferError):
                 handle.wait(15)
@@ -220,25 +233,28 @@ def test_a_prefill_killed_mid_request_fails_it_and_nothing_lands_after(pushing_p
         cache.close()
 
 
-def _decode_that_dies_mid_request(port: int, layout, request: str) -> None:
+def _decode_that_dies_mid_request(port: int, layout, request: str, pool: int) -> None:
     """A decode process: a coalesced pull through the pools, killed (SIGKILL, by itself) once
-    its first chunk is answered: it never unstages."""
+    its first chunk is answered (of a pieced request, once its second piece is asked for): it
+    never unstages (that piece)."""
     import os
     import signal
 
     cache = KVCache.allocate_host(layout)
-    client = DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=200)
+    client = DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=pool)
     peer = client.connect("127.0.0.1", port)
     handle = peer.start_pull(list(range(0, 190)), list(range(190)), request_id=request, timeout=1)
     until = time.monotonic() + 10
-    while not (handle._xfer is not None and handle._xfer._ready) and time.monotonic() < until:
+    while not _answered(handle, pool < 190) and time.monotonic() < until:
         handle.poll()
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def test_a_decode_killed_mid_request_has_the_prefills_run_freed_and_released():
-    """The decode process dies after the prefill answered its first chunk, so no "unstage"
-    comes: well after the request's deadline the prefill frees its pool's run and releases the
+@pytest.mark.parametrize("decode_pool", [200, 64])
+def test_a_decode_killed_mid_request_has_the_prefills_run_freed_and_released(decode_pool):
+    """The decode process dies after the prefill answered its first chunk (a decode pool of 64
+    blocks: once the first piece is unstaged and the second asked for), so no "unstage" comes:
+    well after the request's deadline the prefill frees its pool's run and releases the
     request (get_released names it), as an unstaged one: a prefill's blocks never stay taken
     by a decode that is gone."""
     import multiprocessing
@@ -250,7 +266,8 @@ def test_a_decode_killed_mid_request_has_the_prefills_run_freed_and_released():
     cache.fill_random(3)
     with PrefillServer(cache, coalesce="always", staging_blocks=200) as server:
         child = multiprocessing.get_context("spawn").Process(
-            target=_decode_that_dies_mid_request, args=(server.address[1], layout, "gone-1"))
+            target=_decode_that_dies_mid_request,
+            args=(server.address[1], layout, "gone-1", decode_pool))
         child.start()
         child.join(60)
         assert child.exitcode == -9, child.exitcode
