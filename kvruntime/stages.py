@@ -148,7 +148,7 @@ class Stages:
                 try:
                     rows = next(gathered)
                 except Exception as exc:
-                    gathered.close()  # its copies queued still have passed
+                    gathered.close()  # the copies still queued end first
                     pool.release(start, n)  # READs of its answered chunks fail the request there
                     reply = messages.STAGE_FAILED.build(request=request,
                                                         error=f"gather failed: {exc}")
@@ -171,7 +171,7 @@ class Stages:
                 if messages.STAGE_FAILED.is_(reply):
                     return
         finally:
-            gathered.close()  # a send that failed: its copies still queued have passed
+            gathered.close()  # every way out: the copies still queued end first
 
     def unstage(self, agent: str, message: dict) -> None:
         """The decode is done with a request (its last chunk scattered, or it failed): its run
