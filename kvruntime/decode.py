@@ -54,10 +54,6 @@ log = logging.getLogger(__name__)
 _request_ids = itertools.count()
 
 
-def _say_nothing(_peer, _request_id) -> None:
-    """A rehearsal's release: the prefill holds no request of it."""
-
-
 class PrefillPeer:
     """One handshaked prefill server."""
 
@@ -295,7 +291,7 @@ class PrefillPeer:
                 handle = self.make_handle("pull", "rehearsal", plan, self.client.timeout,
                                           time.perf_counter())
                 job = start()
-                job.release = job.give_back = _say_nothing  # no request of the prefill's
+                job.tells_prefill = False  # no request of the prefill's
                 handle.attach(job)
                 handle.uses_peer = False
                 handle.wait()

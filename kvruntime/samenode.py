@@ -222,6 +222,9 @@ class CopyJob:
 
     engine = "samenode"
     waiting: str | None = None  # past its deadline it waited for the peer
+    # False for a rehearsal's copy into scratch (PrefillPeer.rehearse): the prefill holds no
+    # request of it, so its end says nothing
+    tells_prefill = True
 
     def __init__(self, op: str, plan: TransferPlan):
         self.op = op
@@ -242,7 +245,8 @@ class CopyJob:
     def release(self, peer, request_id: str) -> None:
         """The copy of ``request_id`` is done, or failed and reads nothing any more
         (``give_back``): tell the prefill it may free the blocks."""
-        peer.release_later([request_id])
+        if self.tells_prefill:
+            peer.release_later([request_id])
 
     give_back = release
 
