@@ -45,9 +45,9 @@ class Options:
     ``device_kind``: "cpu", "cuda" or "xpu" (which UCX settings apply); ``name``: the NIXL
     agent's name (None: a unique one); ``kv_buffer``: "direct" or "host_staged" (None: by the
     device kind); ``staging_blocks``: host-staged pool size in blocks (0: the cache's);
-    ``tp_rank``: this side's tensor-parallel rank; ``coalesce``: "auto", "always" or "never", whether a NIXL
-    request of many runs goes through both sides' staging pools (coalesce.py; "never" on a
-    prefill: it keeps no pool)."""
+    ``tp_rank``: this side's tensor-parallel rank; ``coalesce``: "auto", "always" or
+    "never", whether a NIXL request of many runs goes through both sides' staging pools
+    (coalesce.py; "never" on a prefill: it keeps no pool)."""
 
     binding: object = None
     secret: bytes | None = None
