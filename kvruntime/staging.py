@@ -43,6 +43,7 @@ from functools import cached_property
 from . import native
 from .bounce import SLOT_BYTES, BounceRing, pieces, streams
 from .errors import KVRuntimeError, TransferError
+from .freeruns import FreeRuns
 from .layout import CROSS_LAYER, KVLayout
 from .poolcopy import copy_rows
 
@@ -148,9 +149,7 @@ class StagingPool:
             self.cache = KVCache.allocate_device(self.layout, dev.type, dev.index or 0)
         else:
             self.cache = KVCache.allocate_host(self.layout)
-        # one byte a unit (one head of one block), 1 free: a run of n free units is found by
-        # one C search (bytes.find), not a Python loop over tens of thousands of units
-        self._free = bytearray(b"\x01") * self.layout.num_blocks
+        self._free = FreeRuns(self.layout.num_blocks)  # units: one head of one block
         self._cv = threading.Condition()
         self._pinned = False
         if memory == "host" and on_device and tensors[0].device.type == "cuda":
@@ -206,32 +205,22 @@ class StagingPool:
 
     @property
     def units(self) -> int:
-        return len(self._free)
+        return self._free.units
 
     # -- allocation ----------------------------------------------------------------------------
-    def _find(self, n: int) -> int | None:
-        at = self._free.find(b"\x01" * n)
-        return None if at < 0 else at
-
     def largest_free_run(self) -> int:
         with self._cv:
-            return self._largest_free_run()
+            return self._free.largest
 
     def numbers(self, wanted: int) -> str:
         """The pool's numbers for an error: asked, free, largest free run, size."""
         with self._cv:
-            return (f"{wanted} units asked, {self._free.count(1)} free (largest free run "
-                    f"{self._largest_free_run()}) of {self.units}")
-
-    def _largest_free_run(self) -> int:
-        return max(map(len, self._free.split(b"\x00")), default=0)
+            return (f"{wanted} units asked, {self._free.free} free (largest free run "
+                    f"{self._free.largest}) of {self.units}")
 
     def try_acquire(self, n: int) -> int | None:
         with self._cv:
-            start = self._find(n)
-            if start is not None:
-                self._free[start:start + n] = bytes(n)
-            return start
+            return self._free.take(n)
 
     def acquire(self, n: int, deadline: float) -> int:
         """``n`` consecutive blocks; waits for them until ``deadline`` (monotonic), never longer."""
@@ -241,21 +230,20 @@ class StagingPool:
         t0 = time.monotonic()
         with self._cv:
             while True:
-                start = self._find(n)
+                start = self._free.take(n)
                 if start is not None:
-                    self._free[start:start + n] = bytes(n)
                     return start
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StagingExhausted(
                         f"staging pool exhausted: {n} units wanted, largest free run "
-                        f"{self._largest_free_run()} of {self.units}, waited "
+                        f"{self._free.largest} of {self.units}, waited "
                         f"{time.monotonic() - t0:.3f}s until the request's deadline")
                 self._cv.wait(left)
 
     def release(self, start: int, n: int) -> None:
         with self._cv:
-            self._free[start:start + n] = b"\x01" * n
+            self._free.give(start, n)
             self._cv.notify_all()
 
     # -- copies ----------------------------------------------------------------------------------
@@ -354,7 +342,7 @@ class StagingPool:
         uploads = [(n, self.ids(list(range(n))), self.ids([i % 2 for i in range(n)]))
                    for n in counts]
         with self._cv:  # the pool's first units, while no request can hold them
-            if self._free[:k * h] != b"\x01" * (k * h):
+            if not self._free.is_free(0, k * h):
                 return
             st = self._streams
             with self._launch, st.compute_after_caller():
