@@ -79,11 +79,16 @@ def _read_ids(name: str, ids) -> np.ndarray:
     return arr
 
 
-def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
-    """Every id in 0..num_blocks-1 and none twice, or PlanError naming the first bad one."""
+def check_range(name: str, ids: np.ndarray, num_blocks: int) -> None:
+    """Every id in 0..num_blocks-1, or PlanError naming the first that is not."""
     if len(ids) and (ids.min() < 0 or ids.max() >= num_blocks):
         bad = ids[(ids < 0) | (ids >= num_blocks)]
         raise PlanError(f"{name} block id {int(bad[0])} is outside 0..{num_blocks - 1}")
+
+
+def _check_ids(name: str, ids: np.ndarray, num_blocks: int) -> None:
+    """Every id in 0..num_blocks-1 and none twice, or PlanError naming the first bad one."""
+    check_range(name, ids, num_blocks)
     order = np.argsort(ids, kind="stable")
     again = order[1:][ids[order[1:]] == ids[order[:-1]]]  # later copies, by position
     if len(again):

@@ -173,3 +173,34 @@ def test_an_exhausted_decode_pool_fails_at_the_deadline_with_its_numbers(prefill
             peer.pull([3, 4], [3, 4], timeout=10)
             assert peer.digests([3, 4]) == cache.block_digests([3, 4])
         cache.close()
+
+
+def test_a_stage_naming_blocks_outside_the_prefills_cache_is_refused(prefill, monkeypatch):
+    """The prefill gathers a stage's ids without planning them (stages.py): the range check is
+    what keeps its reads inside its cache. A decode whose own plan was sound but whose frame
+    names another block (forged here on the way out) is refused, saying which, and nothing
+    lands; the connection goes on serving. A block named twice is only read twice."""
+    from kvruntime import staged
+
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=5, kv_buffer="host_staged", staging_blocks=16) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0)
+        zero = cache.block_digest(0)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=16) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            real = staged.frames.pack_ids
+            for forged, why in (([3, 64], "source block id 64 is outside 0..63"),
+                                ([-2, 4], "source block id -2 is outside 0..63")):
+                monkeypatch.setattr(staged.frames, "pack_ids", lambda ids, f=forged: real(f))
+                with pytest.raises(KVRuntimeError, match=why):
+                    peer.pull([3, 4], [10, 11], timeout=10)
+                monkeypatch.setattr(staged.frames, "pack_ids", real)
+                assert cache.block_digests([10, 11]) == [zero, zero]
+            monkeypatch.setattr(staged.frames, "pack_ids", lambda ids: real([5, 5]))
+            peer.pull([5, 6], [12, 13], timeout=10)
+            monkeypatch.setattr(staged.frames, "pack_ids", real)  # digests pack ids too
+            assert cache.block_digests([12, 13]) == peer.digests([5]) * 2
+            peer.pull([3, 4], [10, 11], timeout=10)
+            assert cache.block_digests([10, 11]) == peer.digests([3, 4])
+        cache.close()
