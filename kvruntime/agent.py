@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 # run inside the reading process, one core each (process_vm_readv), while the prefill sits idle.
 # Spread over two threads a READ of 4096 random 16 KiB blocks went 0.47 -> 0.75 of the
 # contiguous request on the 2-core CI host in its first run, 0.52-0.69 in later ones, 1.5x
-# faster each time (BENCHMARKS; a staged 1 GiB 243 -> 109 ms with 4 on a 16-core host). A prefill keeps none by default: NIXL 1.5.1 segfaulted in its get_new_notifs with
-# threads on both sides across the CPU suite (commit 8e95a24), never with them on a decode's.
+# faster each time (BENCHMARKS; a staged 1 GiB 243 -> 109 ms with 4 on a 16-core host). A
+# prefill keeps none by default: NIXL 1.5.1 segfaulted in its get_new_notifs with threads on
+# both sides across the CPU suite (commit 8e95a24), never with them on a decode's.
 UCX_READ_THREADS = 4
 # Each UCX worker keeps a ~4 MiB receive pool in /dev/shm (posix), and the thread pool is a
 # worker a thread: one agent took 5 / 9 / 13 / 21 MiB with 0 / 1 / 2 / 4 threads. A container's

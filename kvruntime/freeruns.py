@@ -25,6 +25,8 @@ class FreeRuns:
 
     def take(self, n: int) -> int | None:
         """The first ``n`` consecutive free units (now taken): their start, or None."""
+        if n < 1:
+            raise ValueError(f"a take of {n} units: at least one is taken")
         for i, (start, end) in enumerate(zip(self._starts, self._ends)):
             if end - start >= n:
                 if end - start == n:

@@ -74,10 +74,12 @@ def test_first_fit_and_merging():
     assert runs.take(7) == 3 and runs.runs() == [] and runs.take(1) is None
 
 
-def test_units_outside_the_pool_are_refused():
+def test_units_outside_the_pool_and_empty_takes_are_refused():
     runs = FreeRuns(4)
     with pytest.raises(ValueError, match="outside the pool"):
         runs.give(3, 2)
     with pytest.raises(ValueError, match="outside the pool"):
         runs.give(-1, 1)
+    with pytest.raises(ValueError, match="at least one"):
+        runs.take(0)
     assert runs.runs() == [(0, 4)]
