@@ -42,11 +42,9 @@ class StagedPull(CopyJob):
     rows); each chunk is READ as its answer comes and scattered as it lands, so the gather
     of one, the READ of the next and the scatter of the one before run side by side."""
 
-    def release(self, peer, request_id: str) -> None:
-        """Nothing to say: the request's "unstage" frees the prefill's pool blocks."""
-
-    def give_back(self, peer, request_id: str) -> None:
-        """Nothing to say: a failed request's cleanup sends its "unstage" too."""
+    # its end says nothing more: the request's "unstage" (sent by its cleanup, done or
+    # failed) frees the prefill's pool blocks and releases the request
+    tells_prefill = False
 
     def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float,
                  route: PoolRoute):
