@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import binarycache, configcache, elf, envfile, prefix as prefixmod, schedule, syspkgs, tools, verify
+from . import binarycache, configcache, elf, envfile, prefix as prefixmod, rdma, schedule, syspkgs, tools, verify
 from .cache import Cache
 from .errors import BinaryCacheError, BuildError, BuildToolsError, HostError, InstallerError, VerifyError
 from .buildsys import pkgconfig
@@ -123,6 +123,10 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
         with phases.phase("system-packages") as rec:
             rec.update(syspkgs.ensure(plan.system_packages, mode=system_packages,
                                       log_path=log_dir / "system-packages.log"))
+            ucx_with = plan.recipe.components.get("ucx", {}).get("with", {})
+            if rdma.wanted(ucx_with):  # what the packages should have brought, by capability
+                rdma.check_host(ucx_with)
+                rec["rdma_core"] = manifest["rdma_core"] = rdma.rdma_core_version()
         with phases.phase("build-tools") as rec:
             venv, rec["tools"] = tools.ensure_build_tools(plan, mirror, log_dir)
             rec["target_packages"] = tools.ensure_target_packages(plan, mirror, log_dir)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import rdma
 from .buildsys import STEP_MAKERS
 from .buildsys.step import Step
 from .errors import UsageError
@@ -165,6 +166,9 @@ class Plan:
                 pin.append(f"UNRELEASED: upstream pull request {pr['number']} \"{pr['title']}\" ({pr['url']})")
             lines.append(f"  {name:13} {s['url']}")
             lines += [f"  {'':13} {p}" for p in pin]
+        ucx = next((c for c in self.components if c.name == "ucx"), None)
+        if ucx is not None:
+            lines += ["", "RDMA (UCX between hosts):", *rdma.plan_lines(ucx.spec.get("with", {}))]
         lines += ["", "system packages (debian):",
                   *(f"  {pkg:13} {why}" for pkg, why in self.system_packages.get("debian", {}).items())]
         for comp in self.components:
@@ -186,8 +190,16 @@ class Plan:
         if "policy" in v:
             lines.append(f"          kvruntime's UCX_TLS for {v['policy']['device']} memory on one node from that list: "
                          f"{v['policy']['ucx_tls'] or '(left to UCX)'}")
+        if "rdma" in v:
+            r = v["rdma"]
+            lines.append(f"          RDMA: the devices `ibv_devices` lists; with none, UCX's fake device (contrib/ibmock) "
+                         f"shows {r['memory_domains']} with {r['transports']} and NIXL's UCX backend comes up on it")
         device = "" if self.kv_buffer != "device" else f", {self.platform} memory where the device is here"
         lines.append(f"  moved:  python -m kvruntime selftest on the new stack: host memory always{device}")
+        if "rdma" in v:
+            lines.append(f"          RDMA: a READ held to UCX_TLS={v['rdma']['moved_tls']} on {v['rdma']['net_device']} "
+                         f"(one process, two NIXL agents), bit-exact, its lanes read back on that device; between "
+                         f"hosts: not proven without an HCA")
         return "\n".join(lines)
 
 

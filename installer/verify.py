@@ -12,6 +12,7 @@ says "passed" only when all three ran and passed, and a build passes only once b
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import envfile, hostcaps, prefix as prefixmod
+from . import envfile, hostcaps, ibmock, prefix as prefixmod
 from .buildsys.step import Step
 from .detect import detect_platform
 from .errors import PrefixError
@@ -49,6 +50,38 @@ print(json.dumps({"module": mod, "file": importlib.import_module(mod).__file__,
                   "plugins": sorted(agent.get_plugin_list()),
                   "ucx_mem_types": sorted(agent.get_backend_mem_types("UCX"))}))
 """
+
+# One process, two NIXL agents: the owner's host buffer READ by the reader, every byte compared.
+# ibmock shows its devices to one process only, so this is the verbs path's proof without an HCA.
+RDMA_MOVE_PROBE = r"""
+import importlib, json, sys, time
+import numpy as np
+mod, size = sys.argv[1], int(sys.argv[2])
+api = importlib.import_module(mod + "._api")
+cfg = api.nixl_agent_config(backends=["UCX"])
+owner = api.nixl_agent("kvstack-rdma-owner", cfg)
+reader = api.nixl_agent("kvstack-rdma-reader", cfg)
+src = np.random.default_rng(41).integers(0, 256, size, dtype=np.uint8)
+dst = np.zeros(size, dtype=np.uint8)
+def descs(agent, arr, reg):
+    if reg:
+        return agent.get_reg_descs([(arr.ctypes.data, arr.nbytes, 0, "")], "DRAM")
+    return agent.get_xfer_descs([(arr.ctypes.data, arr.nbytes, 0)], "DRAM")
+owner.register_memory(descs(owner, src, True))
+reader.register_memory(descs(reader, dst, True))
+name = reader.add_remote_agent(owner.get_agent_metadata())
+handle = reader.initialize_xfer("READ", descs(reader, dst, False), descs(owner, src, False), name)
+state, deadline = reader.transfer(handle), time.monotonic() + 60
+while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+    state = reader.check_xfer_state(handle)
+print("KVSTACK-RESULT " + json.dumps({"state": state, "bit_exact": bool((src == dst).all()), "bytes": size}))
+"""
+RDMA_MOVE_BYTES = 4 << 20
+# a lane in the Config column of UCX_PROTO_INFO's tables: transport/device (ud_verbs/rdmap0:1,
+# cma/memory, tcp/lo)
+_LANE = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.\-]+(?::\d+)?)")
+NO_HCA = ("no RDMA device on this host (`ibv_devices` lists none): UCX's fake device proved the verbs "
+          "path in one process; between processes and hosts the RDMA data path is not proven on this host")
 
 
 def _check(name: str, ok: bool, detail: str) -> dict[str, Any]:
@@ -159,7 +192,8 @@ def _ucx_build_info(ucx: dict, ucx_info: Path, env: dict[str, str], with_table: 
 
 
 def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platform: str,
-           null_driver: Path | None, has_device: bool, components: list[str]) -> dict[str, Any]:
+           null_driver: Path | None, has_device: bool, components: list[str],
+           ibmock_dir: Path | None = None) -> dict[str, Any]:
     checks = []
     if "ucx" not in components or "ucx" not in spec:
         return _level([], skipped="this recipe builds no UCX")
@@ -182,9 +216,17 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
     # UCX offers cma only where process_vm_writev works (a container without CAP_SYS_PTRACE):
     # whether it was built is the built level's check (uct_MODULES); here it cannot be seen
     no_cma = hostcaps.cross_memory_denied() if "cma" in want_transports + want_domains else None
+    gated = spec["ucx"].get("device_gated", {})
+    for t, node in gated.items():
+        if t not in want_transports:
+            want_transports.append(t)
     for t in want_transports:
         if t == "cma" and no_cma and t not in dev["transports"]:
             checks.append(_not_here(f"transport {t}", no_cma))
+            continue
+        if t in gated and not os.path.exists(gated[t]):
+            checks.append(_not_here(f"transport {t}", f"{gated[t]} is absent: its kernel module is not loaded "
+                                                      f"on this host, so UCX cannot offer {t}"))
             continue
         checks.append(_check(f"transport {t}", t in dev["transports"], f"listed: {', '.join(sorted(set(dev['transports'])))}"))
     for m in want_domains:
@@ -199,9 +241,12 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
                              (note + "; " if note else "") + (marked[0] if marked else "no such line in ze_cpy")))
     if "policy" in spec and res.returncode == 0:
         checks.append(_policy(spec["policy"], dev["transports"], env, python))
-    if "nixl" not in components or "nixl" not in spec:
+    has_nixl = "nixl" in components and "nixl" in spec
+    module = envfile.nixl_module(build_dir, spec["nixl"]["module"]) if has_nixl else None
+    if "rdma" in spec:
+        checks += _rdma_loaded(spec["rdma"], build_dir, env, python, module, ibmock_dir)
+    if not has_nixl:
         return _level(checks)
-    module = envfile.nixl_module(build_dir, spec["nixl"]["module"])
     if module:
         r = _run([python, "-c", NIXL_PROBE, module], env, timeout=120)
         try:
@@ -248,7 +293,8 @@ def _policy(want: dict, offered: list[str], env: dict[str, str], python: str) ->
 
 
 def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, components: list[str],
-          timeout: int = 600) -> dict[str, Any]:
+          timeout: int = 600, rdma: dict | None = None, nixl_module: str | None = None,
+          ibmock_dir: Path | None = None) -> dict[str, Any]:
     """Host memory always moves (no device needed); the platform's device memory where this host
     has the device, else those modes are shown as not checked here."""
     if "nixl" not in components:
@@ -283,6 +329,9 @@ def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, comp
                              + (f"; {mode['error']}" if mode.get("error") else "")))
     if not any(c["ok"] is not None for c in checks[1:]):
         return _level(checks, skipped=f"selftest ran no mode on this host: {result.get('reason', 'no mode available')}")
+    if rdma is not None:
+        module = envfile.nixl_module(build_dir, nixl_module) if nixl_module else None
+        checks += _rdma_moved(rdma, env, python, module, ibmock_dir)
     level = _level(checks)
     level["selftest"] = result
     return level
@@ -299,17 +348,23 @@ def verify_build(plan: "Plan", renv: dict[str, str], fetched: "dict[str, Fetched
     if lz and not has_device and "ucx" in [c.name for c in plan.components]:
         null_driver = _null_driver(plan, fetched, build_env, log_dir)
     with_table = plan.recipe.components.get("ucx", {}).get("with", {})
+    ibmock_dir = None
+    if "rdma" in plan.verify and "ucx" in [c.name for c in plan.components]:
+        ibmock_dir = _ibmock(plan, fetched, build_env, log_dir)
     return report_levels(plan.verify, plan.platform, plan.install_dir, env, plan.target.python, with_table,
-                         null_driver, has_device, [c.name for c in plan.components])
+                         null_driver, has_device, [c.name for c in plan.components], ibmock_dir)
 
 
-def report_levels(spec, platform, build_dir, env, python, with_table, null_driver, has_device, components):
+def report_levels(spec, platform, build_dir, env, python, with_table, null_driver, has_device, components,
+                  ibmock_dir=None):
     levels = {"built": built(spec, build_dir, env, with_table, components)}
-    levels["loaded"] = loaded(spec, build_dir, env, python, platform, null_driver, has_device, components)
+    levels["loaded"] = loaded(spec, build_dir, env, python, platform, null_driver, has_device, components,
+                              ibmock_dir)
     if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
         levels["moved"] = {"status": "skipped", "reason": "an earlier level failed", "checks": []}
     else:
-        levels["moved"] = moved(build_dir, env, python, platform, components)
+        levels["moved"] = moved(build_dir, env, python, platform, components, rdma=spec.get("rdma"),
+                                nixl_module=spec.get("nixl", {}).get("module"), ibmock_dir=ibmock_dir)
     return {"ok": passes(levels), "levels": levels, "has_device": has_device}
 
 
@@ -346,6 +401,120 @@ def _null_driver(plan: "Plan", fetched, build_env, log_dir: Path) -> Path | None
     return dest
 
 
+def _ibmock(plan: "Plan", fetched, build_env, log_dir: Path) -> Path | None:
+    """UCX's fake RDMA device built from this build's UCX source (ibmock.py), kept in the build
+    so a later `installer verify` finds it; None where it cannot be built (the reason is the
+    loaded level's)."""
+    dest = plan.install_dir / "verify" / "ibmock"
+    if all((dest / lib).exists() for lib in ibmock.LIBS):
+        return dest
+    if not fetched or build_env is None:
+        return None
+    ucx = next(c for c in plan.components if c.name == "ucx")
+    src = ucx.src_dir
+    if not (src / ibmock.SOURCE_DIR).is_dir():  # the source tree is removed once a build is done
+        src = plan.work_dir / "src" / "ucx-ibmock"
+        extract(fetched[ucx.source], src)
+    try:
+        return ibmock.build(src, dest, build_env, log_dir, plan.work_dir / "build")
+    except ibmock.Unavailable:
+        return None
+
+
+def _rdma_loaded(rdma: dict, build_dir: Path, env: dict[str, str], python: str, module: str | None,
+                 ibmock_dir: Path | None) -> list[dict]:
+    """The build's RDMA transports on this host's devices, or on UCX's fake one where there are
+    none; NIXL's UCX backend comes up on them."""
+    ucx_info = str(build_dir / "ucx" / "bin" / "ucx_info")
+    real = ibmock.real_devices()
+    if real:
+        dev = parse_devices(_run([ucx_info, "-d"], env).stdout)
+        return [_check(f"RDMA device {d} in ucx_info -d", d in dev["memory_domains"],
+                       f"memory domains: {', '.join(dev['memory_domains'])}") for d in real]
+    name = "RDMA under UCX's fake device (contrib/ibmock)"
+    if ibmock_dir is None:
+        return [_not_here(name, "ibmock was not built (no UCX source at hand; it is built during an install)")]
+    menv = ibmock.environment(ibmock_dir, env)
+    checks = []
+    try:
+        with ibmock.device_nodes():
+            res = _run([ucx_info, "-d"], menv)
+            dev = parse_devices(res.stdout)
+            if res.returncode:
+                checks.append(_check("ucx_info -d under ibmock", False, (res.stderr or res.stdout)[-300:]))
+            for m in rdma["memory_domains"]:
+                checks.append(_check(f"ibmock memory domain {m}", m in dev["memory_domains"],
+                                     f"listed: {', '.join(dev['memory_domains'])}"))
+            section = "".join(dev["sections"].get(m, "") for m in rdma["memory_domains"])
+            listed = re.findall(r"Transport:\s*(\S+)", section)
+            for t in rdma["transports"]:
+                checks.append(_check(f"ibmock transport {t}", t in listed,
+                                     f"on {', '.join(rdma['memory_domains'])}: {', '.join(listed) or 'none'}"))
+            if module:
+                r = _run([python, "-c", NIXL_PROBE, module], _rdma_env(rdma, menv), timeout=120)
+                ok = r.returncode == 0 and '"UCX"' in r.stdout
+                checks.append(_check(f"NIXL's UCX backend on {rdma['net_device']} alone "
+                                     f"(UCX_TLS={rdma['moved_tls']})", ok,
+                                     "created" if ok else f"exit {r.returncode}: {(r.stderr or r.stdout)[-300:]}"))
+    except ibmock.Unavailable as e:
+        return [_not_here(name, str(e))]
+    return checks
+
+
+def _rdma_env(rdma: dict, env: dict[str, str]) -> dict[str, str]:
+    """UCX held to the RDMA device's transports: with any other transport left, a READ that
+    UCX could not place on the device would quietly take tcp or shared memory instead."""
+    return {**env, "UCX_TLS": rdma["moved_tls"], "UCX_NET_DEVICES": rdma["net_device"], "UCX_PROTO_INFO": "y",
+            "UCX_LOG_FILE": ""}
+
+
+def proto_lanes(text: str) -> list[str]:
+    """Every transport/device in the Config column (the last cell) of UCX_PROTO_INFO's table rows."""
+    lanes = set()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        if len(cells) >= 3 and ".." in cells[0]:  # a row: range | description | config
+            lanes.update(f"{t}/{d}" for t, d in _LANE.findall(cells[-1]))
+    return sorted(lanes)
+
+
+def _rdma_moved(rdma: dict, env: dict[str, str], python: str, module: str | None,
+                ibmock_dir: Path | None) -> list[dict]:
+    """KV bytes through the verbs code path: bit-exact, and the lanes UCX read back are the RDMA
+    device's. Never counted for a data path between hosts, which needs a real HCA."""
+    real = ibmock.real_devices()
+    if real:
+        device = f"{real[0]}:1"
+        menv, name = {**env, "UCX_TLS": "ib", "UCX_NET_DEVICES": device, "UCX_PROTO_INFO": "y"}, device
+        rest = _not_here("RDMA between hosts", f"one process here, through {real[0]}; a second host proves the wire")
+    elif ibmock_dir is None:
+        return [_not_here("RDMA data path", NO_HCA)]
+    else:
+        menv, name = _rdma_env(rdma, ibmock.environment(ibmock_dir, env)), rdma["net_device"]
+        rest = _not_here("RDMA data path between processes and hosts", NO_HCA)
+    if module is None:
+        return [_check("RDMA move", False, "no NIXL module in this build"), rest]
+    title = f"moved {RDMA_MOVE_BYTES >> 20} MiB READ over {name} (one process, two NIXL agents)"
+    try:
+        with contextlib.nullcontext() if real else ibmock.device_nodes():
+            r = _run([python, "-c", RDMA_MOVE_PROBE, module, str(RDMA_MOVE_BYTES)], menv, timeout=180)
+    except ibmock.Unavailable as e:
+        return [_not_here(title, str(e)), rest]
+    result = next((json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines()
+                   if line.startswith("KVSTACK-RESULT ")), None)
+    if result is None:
+        return [_check(title, False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-400:]}"), rest]
+    lanes = proto_lanes(r.stdout + r.stderr)
+    device = name.split(":")[0]
+    off = [lane for lane in lanes if lane.split("/")[1].split(":")[0] != device]
+    on = [lane for lane in lanes if lane not in off]
+    return [_check(title, result["state"] == "DONE" and result["bit_exact"],
+                   f"state {result['state']}, {'bit-exact' if result['bit_exact'] else 'BYTES DIFFER'}"),
+            _check(f"the lanes UCX read back are {device}'s", bool(on) and not off,
+                   f"on {device}: {', '.join(on) or 'none'}" + (f"; elsewhere: {', '.join(off)}" if off else "")),
+            rest]
+
+
 def verify_prefix(prefix: Path) -> dict[str, Any]:
     """`installer verify`: re-run the levels on an installed build, from its manifest."""
     build_dir = prefixmod.current(prefix)
@@ -356,10 +525,11 @@ def verify_prefix(prefix: Path) -> dict[str, Any]:
     platform = manifest["platform"]
     env = envfile.apply(manifest["env"], dict(os.environ))
     has_device = detect_platform()[0] == platform
-    nd = build_dir / "verify" / "ze_null"
+    nd, mock = build_dir / "verify" / "ze_null", build_dir / "verify" / "ibmock"
     report = report_levels(recipe["verify"], platform, build_dir, env, manifest["python"]["path"],
                            recipe["components"].get("ucx", {}).get("with", {}),
-                           nd if nd.exists() else None, has_device, list(recipe["components"]))
+                           nd if nd.exists() else None, has_device, list(recipe["components"]),
+                           mock if mock.exists() else None)
     report["build_dir"] = str(build_dir)
     return report
 

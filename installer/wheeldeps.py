@@ -1,6 +1,7 @@
 """What kvstack's NIXL wheel takes from outside itself (wheeldeps.toml): the accelerator drivers
-left to the host, and the libraries another wheel on PyPI provides (the cuda build's libcudart
-from nvidia-cuda-runtime). auditwheel is told to graft neither; the wheel requires the latter."""
+and rdma-core left to the host, and the libraries another wheel on PyPI provides (the cuda
+build's libcudart from nvidia-cuda-runtime). auditwheel is told to graft none of them; the wheel
+requires the last."""
 from __future__ import annotations
 
 import tomllib
@@ -26,6 +27,7 @@ class FromPip:
 class Outside:
     drivers: list[str]
     pip: dict[str, FromPip]
+    rdma_core: list[str]
 
     def from_pip(self, needed: set[str]) -> list[FromPip]:
         """The libraries among `needed` (NEEDED entries of the wheel's files) that come from pip."""
@@ -33,10 +35,11 @@ class Outside:
 
     def excluded(self, from_pip: list[FromPip]) -> list[str]:
         """What auditwheel must not graft."""
-        return [*self.drivers, *(d.library for d in from_pip)]
+        return [*self.drivers, *self.rdma_core, *(d.library for d in from_pip)]
 
 
 def load(path: Path = TABLE) -> Outside:
     table = tomllib.loads(path.read_text())
     return Outside(list(table.get("drivers", [])),
-                   {lib: FromPip(lib, row["requirement"], row["directory"]) for lib, row in table.get("pip", {}).items()})
+                   pip={lib: FromPip(lib, row["requirement"], row["directory"]) for lib, row in table.get("pip", {}).items()},
+                   rdma_core=list(table.get("rdma_core", [])))

@@ -13,7 +13,9 @@ def test_every_platform_loads_and_pins_every_source(platform):
     assert r.platform == platform
     for name, src in r.sources.items():
         assert len(src["sha256"]) == 64, name
-    assert r.build_order() == ["ucx", "abseil", "asio", "nixl"]
+    # cuda's UCX builds against gdrcopy's user library, built first from its pinned source
+    first = ["gdrcopy"] if platform == "cuda" else []
+    assert r.build_order() == [*first, "ucx", "abseil", "asio", "nixl"]
 
 
 def test_xpu_pins_a_ucx_holding_the_level_zero_commit_and_says_why():

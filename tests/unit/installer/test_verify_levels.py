@@ -100,3 +100,21 @@ def test_env_sh_notes_the_transport_choice_the_loaded_level_saw():
     report["levels"]["loaded"]["checks"][1]["ok"] = None  # not checked here
     assert envfile.policy_comment(report) == ""
     assert envfile.policy_comment({"levels": {"loaded": {"checks": []}}}) == ""
+
+
+# Rows of UCX_PROTO_INFO=y tables as UCX v1.22.0 (the pinned build) printed them for a READ under
+# UCX's fake EFA device with UCX_TLS=ud_verbs,posix,cma (installer/verify.py RDMA_MOVE_PROBE)
+PROTO_INFO = """\
+[1795784415.472650] [vm:5635 :0]   | ucp_context_1 intra-node cfg#1                     |
+[1795784415.472650] [vm:5635 :0]   | active message by ucp_am_send* from host memory    |
+[1795784415.472650] [vm:5635 :0]   |   Range   |    Description     |      Config       |
+[1795784415.472650] [vm:5635 :0]   |   0..4080 | copy-in            | ud_verbs/rdmap0:1 |
+[1795784415.472650] [vm:5635 :0]   | 4081..inf | multi-frag copy-in | ud_verbs/rdmap0:1 |
+[1795784415.477834] [vm:5635 :0]   | remote memory write by ucp_put* from host memory to host |
+[1795784415.477834] [vm:5635 :0]   | 0..inf | zero-copy   | cma/memory                        |
+"""
+
+
+def test_lanes_are_read_from_the_config_column_only_with_or_without_a_port():
+    assert verify.proto_lanes(PROTO_INFO) == ["cma/memory", "ud_verbs/rdmap0:1"]
+    assert verify.proto_lanes("| ucp_get*(multi) into host/x memory from host |") == []
