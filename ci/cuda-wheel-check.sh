@@ -58,6 +58,7 @@ rm -rf "$prefix" "$prefix.builds" "$cache"
 
 step "pip install into a fresh venv (torch and what the wheel requires from python3's site-packages, by a .pth)"
 whl=$(ls "$wheels"/*.whl)
+cp "$whl" "$out/"  # kept: another GPU host installs it without building (its tests, its figures)
 python3 - "$whl" <<'PY'
 import os, sys, zipfile
 whl = zipfile.ZipFile(sys.argv[1])

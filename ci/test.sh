@@ -16,7 +16,7 @@ step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 
 step "system packages"
 pkgs=(git build-essential autoconf automake libtool pkg-config cmake ninja-build libnuma-dev
-      libze-dev python3-dev python3-venv ccache)
+      libze-dev python3-dev python3-venv ccache libibverbs-dev librdmacm-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii' || missing+=("$p"); done
 if ((${#missing[@]})); then

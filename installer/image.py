@@ -26,8 +26,11 @@ PLATFORMS = tuple(BASE_IMAGES)
 # What a platform's build loads at run time from the distribution, for a base that lacks it (the
 # Debian base CI makes; intel/oneapi-basekit carries its own loader): Debian's packages, and the
 # library whose presence (ldconfig -p) makes them unneeded. The build stage's verification runs it too.
+# Every platform's UCX has RDMA modules that link the host's rdma-core (installer/rdma.py): an image
+# made to move KV between hosts carries its user-space libraries and providers.
+RDMA_CORE = ("libibverbs1 librdmacm1 ibverbs-providers", "libibverbs.so.1")
 RUNTIME_PACKAGES = {
-    "xpu": ("libze1", "libze_loader.so.1"),  # Level Zero's loader: UCX's ze modules link it
+    "xpu": [("libze1", "libze_loader.so.1"), RDMA_CORE],  # Level Zero's loader: UCX's ze modules link it
 }
 CONTAINERFILE = "Containerfile"
 MIRROR_DIR = "_work/image-mirror"  # inside the build context; the Containerfile copies it when present
@@ -113,8 +116,8 @@ def build_args(req: ImageRequest) -> dict[str, str]:
             "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0",
             "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0",
             "WITH_BINARY_CACHE": "1" if req.binary_cache else "0"}
-    pkgs, lib = RUNTIME_PACKAGES.get(req.platform, ("", ""))
-    args.update(RUNTIME_PACKAGES=pkgs, RUNTIME_LIBRARY=lib)
+    rows = RUNTIME_PACKAGES.get(req.platform, [RDMA_CORE])
+    args.update(RUNTIME_PACKAGES=" ".join(p for p, _ in rows), RUNTIME_LIBRARY=" ".join(lib for _, lib in rows))
     args.update(req.extra_args)
     return args
 

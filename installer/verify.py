@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import envfile, hostcaps, ibmock, prefix as prefixmod
+from . import envfile, hostcaps, ibmock, prefix as prefixmod, wheeldeps
 from .buildsys.step import Step
 from .detect import detect_platform
 from .errors import PrefixError
@@ -161,13 +161,24 @@ def built(spec: dict, build_dir: Path, env: dict[str, str], with_table: dict[str
     site = envfile.nixl_site_packages(build_dir)
     if site:
         libs += sorted(site.rglob("*.so"))
-    unresolved = []
+    unresolved, host_rdma = [], set()
+    rdma_core = set(wheeldeps.load().rdma_core)  # the host's to provide, never the build's
     for lib in libs:
         r = _run(["ldd", str(lib)], env)
-        unresolved += [f"{lib.name}: {l.strip()}" for l in r.stdout.splitlines() if "not found" in l]
+        for line in r.stdout.splitlines():
+            if "not found" in line:
+                soname = line.split("=>")[0].strip()
+                if soname in rdma_core:
+                    host_rdma.add(lib.name)
+                else:
+                    unresolved.append(f"{lib.name}: {line.strip()}")
     if libs:
-        checks.append(_check(f"ldd resolves {len(libs)} libraries", not unresolved,
+        checks.append(_check(f"ldd resolves {len(libs) - len(host_rdma)} libraries", not unresolved,
                              "; ".join(unresolved[:5]) or "all resolved"))
+    if host_rdma:
+        checks.append(_not_here(f"ldd resolves {', '.join(sorted(host_rdma))}",
+                                "this host has no rdma-core (libibverbs1, librdmacm1): UCX skips its RDMA "
+                                "modules here and moves bytes on one host only"))
     return _level(checks)
 
 

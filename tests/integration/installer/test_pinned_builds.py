@@ -169,3 +169,42 @@ def test_selftest_reports_the_xpu_choice_with_its_reason_on_each_build(xpu, ipc)
            "ze_copy, and tcp for NIXL's active messages (seed 001)" in said["ze-ipc"]
     assert any(line.startswith("UCX_TLS unset: ze_copy fallback: this UCX offers no ze_ipc")
                for line in said["release"]), said["release"]
+
+
+@pytest.mark.parametrize("name", ["CPU", "XPU", "XPU_IPC"])
+def test_every_pinned_build_carries_rdma_proven_under_ibmock_and_says_what_it_cannot(name):
+    """Every pinned UCX has verbs, rdmacm, mlx5 and efa; with no HCA here, UCX's own fake EFA
+    device (contrib/ibmock, built from the build's UCX source) shows its domains and transports,
+    NIXL's UCX backend comes up on it alone, a READ held to it moves bit-exact on its lanes, and
+    the data path between hosts is reported not proven, never passed. ibmock never reaches a
+    runtime path."""
+    build = _build(name)
+    report = build["manifest"]["verification"]
+    checks = {lvl: {c["check"]: c for c in v["checks"]} for lvl, v in report["levels"].items()}
+    for module in ("uct_MODULES has ib", "uct_MODULES has rdmacm", "uct_ib_MODULES has mlx5",
+                   "uct_ib_MODULES has efa", "define HAVE_IB"):
+        assert checks["built"][module]["ok"] is True, module
+    loaded = checks["loaded"]
+    for check in ("ibmock memory domain rdmap0", "ibmock transport ud_verbs", "ibmock transport srd",
+                  "NIXL's UCX backend on rdmap0:1 alone (UCX_TLS=ud_verbs)"):
+        assert loaded[check]["ok"] is True, (check, loaded.get(check))
+    moved = checks["moved"]
+    assert moved["moved 4 MiB READ over rdmap0:1 (one process, two NIXL agents)"]["ok"] is True
+    lanes = moved["the lanes UCX read back are rdmap0's"]
+    assert lanes["ok"] is True and "ud_verbs/rdmap0:1" in lanes["detail"] and "elsewhere" not in lanes["detail"]
+    between = moved["RDMA data path between processes and hosts"]
+    assert between["ok"] is None and "not proven on this host" in between["detail"]
+    assert (build["dir"] / "verify" / "ibmock" / "libibverbs.so.1").exists()
+    assert "ibmock" not in (build["dir"] / "env.sh").read_text() and "ibmock" not in json.dumps(build["manifest"]["env"])
+
+
+def test_a_read_that_leaves_the_rdma_device_fails_the_lane_check(cpu):
+    """The lane check can fail: with shared memory and cma admitted beside ud_verbs, UCX puts the
+    READ on cma/memory and the level names it, although the bytes arrive."""
+    spec = dict(recipe.load("cpu").data["verify"]["rdma"], moved_tls="ud_verbs,posix,cma")
+    module = envfile.nixl_module(cpu["dir"], "nixl_cpu")
+    checks = verify._rdma_moved(spec, cpu["env"], sys.executable, module, cpu["dir"] / "verify" / "ibmock")
+    by_name = {c["check"]: c for c in checks}
+    assert by_name["moved 4 MiB READ over rdmap0:1 (one process, two NIXL agents)"]["ok"] is True
+    lanes = by_name["the lanes UCX read back are rdmap0's"]
+    assert lanes["ok"] is False and "elsewhere: cma/memory" in lanes["detail"], lanes
