@@ -72,15 +72,25 @@ def _selftest(args, out) -> int:
             print(f"error: {report['error']}", file=sys.stderr)
         if report.get("id_reader"):
             say(f"block-id lists: {report['id_reader']}")
-        for kind, lines in report.get("ucx_policy", {}).items():  # the transport choice, and why
-            for line in lines:
-                if line.startswith(("UCX_TLS", "refused")):
-                    say(f"UCX for {kind} memory: {line}")
+        _say_policy(say, report)
         say(("OK" if report.get("ok") else "FAILED") + f" in {report.get('seconds')} s "
               f"(NIXL module: {report.get('nixl_module')})")
     if report.get("ok"):
         return OK
     return MODE_FAILED if report.get("modes") else UNUSABLE
+
+
+# The lines of a report's ucx_policy the text output shows: the transport choice on one host
+# (UCX_TLS), across hosts (the wire, the NIC, GPUDirect) and a refusal; the rest is in --json.
+_CHOICE = ("UCX_TLS", "refused", "across hosts", "UCX_NET_DEVICES")
+
+
+def _say_policy(say, report: dict) -> None:
+    """The transport choice and why, per memory kind (selftest's kinds, bench's one)."""
+    for kind, lines in (report.get("ucx_policy") or {}).items():
+        for line in lines:
+            if line.startswith(_CHOICE):
+                say(f"UCX for {kind} memory: {line}")
 
 
 def _transports(mode: dict) -> str:
@@ -208,9 +218,7 @@ def _bench(args, out) -> int:
                 + (f", median later {later:.1f}" if later is not None else ""))
         if report.get("id_reader"):
             say(f"block-id lists: {report['id_reader']}")
-        for line in report.get("ucx_policy", []):  # bench's one memory kind: a list of lines
-            if line.startswith(("UCX_TLS", "refused")):
-                say(f"UCX for {args.device} memory: {line}")
+        _say_policy(say, report)
         if report.get("device"):
             say(f"device: {report['device']}; reference: "
                 f"{(report.get('results') or [{}])[0].get('ref')}")

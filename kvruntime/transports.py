@@ -350,9 +350,15 @@ def cross_host(device_kind: str, env: Mapping[str, str], offered, host) -> Cross
     elif len(active) == 1:
         lines.append(f"{NET_DEVICES} unset: {active[0].name} is the only NIC with an ACTIVE "
                      f"port")
+    elif host.gpu is None:
+        lines.append(f"{NET_DEVICES} unset here: the GPU's PCI address is not known in this "
+                     f"process (read from torch only where CUDA is initialized, as in an "
+                     f"agent's process with its cache; never for xpu): there, the nearest of "
+                     f"{len(active)} NICs, else UCX's choice")
     elif host.nearest is None:
-        lines.append(f"{NET_DEVICES} unset: the GPU's PCI address or sysfs path is unknown, so "
-                     f"its nearest of {len(active)} NICs is too: UCX chooses")
+        lines.append(f"{NET_DEVICES} unset: the GPU {host.gpu} is not in sysfs "
+                     f"(bus/pci/devices), so its nearest of {len(active)} NICs is unknown: UCX "
+                     f"chooses")
     else:
         nic, why = host.nearest
         device = nic.net_device()

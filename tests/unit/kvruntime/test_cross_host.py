@@ -89,7 +89,12 @@ def test_host_memory_and_unknown_gpus_leave_the_device_list_to_ucx():
     assert cpu.settings == {} and cpu.lines[1] == (
         "UCX_NET_DEVICES unset: host memory is near every NIC alike; UCX uses all 2")
     cuda = cross_host("cuda", {}, IBMOCK, host)  # no GPU address: nearness unknown
-    assert cuda.settings == {} and "nearest of 2 NICs is too: UCX chooses" in cuda.lines[1]
+    assert cuda.settings == {} and cuda.lines[1].startswith(
+        "UCX_NET_DEVICES unset here: the GPU's PCI address is not known in this process")
+    lost = cross_host("cuda", {}, IBMOCK, _efa_host(gpu="0000:18:00.0"))  # not in sysfs
+    assert lost.settings == {} and lost.lines[1] == (
+        "UCX_NET_DEVICES unset: the GPU 0000:18:00.0 is not in sysfs (bus/pci/devices), so its "
+        "nearest of 2 NICs is unknown: UCX chooses")
     one = RdmaHost(nics=(Nic("rdmap0", (UP,), None, None),), net_interfaces=INTERFACES)
     assert cross_host("cuda", {}, IBMOCK, one).lines[1] == (
         "UCX_NET_DEVICES unset: rdmap0 is the only NIC with an ACTIVE port")
@@ -189,3 +194,25 @@ def test_policy_and_describe_say_the_choice_once():
     assert describe({**ONE_HOST["cuda"], **cross.settings}, {}, "cuda", IBMOCK, cross)[-3:] == \
         list(cross.lines)
     assert policy("cuda", {}, IBMOCK, None) == policy("cuda", {}, None)  # host unread: one host
+
+
+def test_selftest_and_bench_print_the_choice_across_hosts(monkeypatch, capfd):
+    """The text output shows the choice across hosts beside the one-host transport choice
+    (their runs stubbed: running them is the integration tests' job)."""
+    import kvruntime.tools.bench as bench
+    import kvruntime.tools.selftest as selftest
+    from kvruntime.__main__ import main
+
+    host = _efa_host(nearest=(Nic("rdmap1", (UP,), None, None), "why"), gpu="0000:18:00.0")
+    said = {"cuda": policy("cuda", {}, IBMOCK, host)}
+    monkeypatch.setattr(selftest, "run_selftest", lambda **_: {
+        "ok": True, "modes": [], "ucx_policy": said, "seconds": 1.0, "nixl_module": "stub"})
+    monkeypatch.setattr(bench, "run_bench", lambda cfg: {"ok": True, "ucx_policy": said})
+    want = [f"UCX for cuda memory: {line}" for line in said["cuda"]
+            if line.startswith(("across hosts", "UCX_NET_DEVICES"))]
+    assert len(want) == 3  # the wire, the NIC and GPUDirect
+    for argv in (["selftest", "--tp-pairs", "none"], ["bench", "--device", "cuda"]):
+        assert main(argv) == 0
+        printed = capfd.readouterr().out.splitlines()
+        assert [line for line in printed if line in want] == want, printed
+        assert not any("UCX_POSIX_ERROR_HANDLING" in line for line in printed)  # --json has it
