@@ -205,7 +205,7 @@ def xpu_tls(env: Mapping[str, str], offered: set[str] | None) -> tuple[str | Non
 
 NET_DEVICES = "UCX_NET_DEVICES"
 # A UCX allow-list entry's range: "mlx5_[0-3]:1" is mlx5_0:1 ... mlx5_3:1 (UCX >= 1.18).
-_RANGE = re.compile(r"^(.*?)\[(\d+)-(\d+)\](.*)$")
+_RANGE = re.compile(r"^(.*?)\[(\d{1,9})-(\d{1,9})\](.*)$")
 _MAX_RANGE = 1024  # a hostile "x[0-999999999]" is refused, not expanded
 
 
@@ -216,6 +216,12 @@ class CrossHost:
 
     settings: dict[str, str] = field(default_factory=dict)
     lines: tuple[str, ...] = ()
+
+
+def _shown(text: str) -> str:
+    """``text`` from the environment as one printable line (a newline or escape in a hostile
+    value is shown escaped, never printed)."""
+    return text if text.isprintable() else repr(text)
 
 
 def net_device_names(value: str) -> tuple[bool, list[str]]:
@@ -234,8 +240,8 @@ def net_device_names(value: str) -> tuple[bool, list[str]]:
             continue
         low, high = int(m.group(2)), int(m.group(3))
         if high < low or high - low >= _MAX_RANGE:
-            raise TransportError(f"{NET_DEVICES}={value}: range {item} is not one UCX expands "
-                                 f"(low <= high, at most {_MAX_RANGE} names)")
+            raise TransportError(f"{NET_DEVICES}={_shown(value)}: range {_shown(item)} is not "
+                                 f"one UCX expands (low <= high, at most {_MAX_RANGE} names)")
         names += [f"{m.group(1)}{i}{m.group(4)}" for i in range(low, high + 1)]
     return excluded, names
 
@@ -258,7 +264,8 @@ def _check_net_devices(env: Mapping[str, str], host, offered) -> None:
     absent = [n for n in names if n not in ports and n not in interfaces]
     if absent and not excluded:
         raise TransportError(
-            f"{NET_DEVICES}={value} names {', '.join(absent)}, not on this host (RDMA ports: "
+            f"{NET_DEVICES}={_shown(value)} names {', '.join(map(_shown, absent))}, not on this "
+            f"host (RDMA ports: "
             f"{', '.join(ports) or 'none'}; network interfaces: {', '.join(interfaces) or 'none'})"
             f": UCX would open no such device and NIXL fail with NIXL_ERR_BACKEND")
     if not isinstance(offered, Mapping):
@@ -269,7 +276,8 @@ def _check_net_devices(env: Mapping[str, str], host, offered) -> None:
     if not lanes:
         on = sorted({f"{tl}/{d}" for tl, devs in offered.items() for d in devs})
         raise TransportError(
-            f"{NET_DEVICES}={value} leaves NIXL no active-message transport to another host: "
+            f"{NET_DEVICES}={_shown(value)} leaves NIXL no active-message transport to another "
+            f"host: "
             f"this UCX offers {', '.join(on) or 'nothing'} (ucx_info -d), none an AM transport "
             f"on those devices that UCX_TLS admits (a UCX built without verbs offers nothing "
             f"on an RDMA port; add one of its devices or lo)")
@@ -338,12 +346,13 @@ def cross_host(device_kind: str, env: Mapping[str, str], offered, host) -> Cross
     if not admitted_rdma:
         return CrossHost(lines=(
             f"across hosts: tcp although {up} {'is' if len(ports) == 1 else 'are'} ACTIVE: "
-            f"UCX_TLS={env.get('UCX_TLS')} (yours) admits none of {', '.join(sorted(rdma))}",))
+            f"UCX_TLS={_shown(env.get('UCX_TLS', ''))} (yours) admits none of "
+            f"{', '.join(sorted(rdma))}",))
     lines = [f"across hosts: RDMA ({', '.join(sorted(admitted_rdma))} on {up}), which also carries "
              f"NIXL's active messages with peer-failure handling"]
     settings: dict[str, str] = {}
     if NET_DEVICES in env:
-        lines.append(f"{NET_DEVICES}={env[NET_DEVICES]}: yours, kept")
+        lines.append(f"{NET_DEVICES}={_shown(env[NET_DEVICES])}: yours, kept")
     elif device_kind == "cpu":
         lines.append(f"{NET_DEVICES} unset: host memory is near every NIC alike; UCX uses "
                      f"{'the one' if len(active) == 1 else 'all ' + str(len(active))}")

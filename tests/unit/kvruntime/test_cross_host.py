@@ -168,6 +168,15 @@ def test_device_lists_refused(value, error):
         cross_host("cpu", {"UCX_NET_DEVICES": value}, IBMOCK, _efa_host())
 
 
+@pytest.mark.parametrize("value", ["mlx5_0:1\nUCX ERROR forged", "\x1b[2Jeth0",
+                                   "x[0-" + "9" * 5000 + "]", "eth0,,\x00"])
+def test_a_hostile_device_list_is_refused_in_one_printable_line(value):
+    with pytest.raises(TransportError) as exc:
+        ucx_settings("cpu", {"UCX_NET_DEVICES": value}, CPU_BUILD, _efa_host())
+    said = str(exc.value)
+    assert said.startswith("UCX_NET_DEVICES=") and said.isprintable()
+
+
 @pytest.mark.parametrize("kind, facts, said", [
     ("cuda", {"nvidia_peermem": True}, "GPUDirect RDMA: nvidia_peermem is loaded"),
     ("cuda", {"cuda_dmabuf": True, "verbs_dmabuf": True}, "GPUDirect RDMA through DMA-BUF"),
