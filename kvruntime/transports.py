@@ -261,7 +261,10 @@ def _check_net_devices(env: Mapping[str, str], host, offered) -> None:
     value = env[NET_DEVICES]
     excluded, names = net_device_names(value)
     ports, interfaces = host.ports(), list(host.net_interfaces)
-    absent = [n for n in names if n not in ports and n not in interfaces]
+    # a device ucx_info lists is one UCX opens, even where sysfs does not show it (UCX's
+    # contrib/ibmock fakes libibverbs, not /sys)
+    listed = set().union(*offered.values()) if isinstance(offered, Mapping) else set()
+    absent = [n for n in names if n not in ports and n not in interfaces and n not in listed]
     if absent and not excluded:
         raise TransportError(
             f"{NET_DEVICES}={_shown(value)} names {', '.join(map(_shown, absent))}, not on this "
@@ -326,9 +329,14 @@ def cross_host(device_kind: str, env: Mapping[str, str], offered, host) -> Cross
     active = host.active()
     if not active:
         down = "; ".join(str(n) for n in host.nics)
+        unseen = sorted({d for tl, devs in offered.items() if tl in RDMA_AM for d in devs}
+                        if isinstance(offered, Mapping) else ())
         return CrossHost(lines=(
             f"across hosts: tcp: {'no RDMA port is ACTIVE: ' + down if down else 'no RDMA device'}"
-            f" on this host",))
+            f" on this host"
+            + (f" (sysfs), though this UCX lists {', '.join(unseen)} (a fake libibverbs such "
+               f"as UCX's ibmock, or a /sys without class/infiniband): UCX may use them"
+               if unseen else ""),))
     ports = {f"{n.name}:{p.number}" for n in active for p in n.active_ports}
     up = ", ".join(sorted(ports))
     if offered is None:

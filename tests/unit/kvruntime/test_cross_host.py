@@ -50,6 +50,19 @@ def test_one_host_without_rdma_keeps_its_settings_and_says_tcp(kind):
         "host",)
 
 
+def test_ibmock_devices_sysfs_does_not_show_are_said_and_may_be_named():
+    # ibmock fakes libibverbs, not /sys: UCX lists rdmap0:1 and rdmap1:1, sysfs nothing
+    host = RdmaHost(net_interfaces=INTERFACES)
+    assert cross_host("cpu", {}, IBMOCK, host).lines == (
+        "across hosts: tcp: no RDMA device on this host (sysfs), though this UCX lists "
+        "rdmap0:1, rdmap1:1 (a fake libibverbs such as UCX's ibmock, or a /sys without "
+        "class/infiniband): UCX may use them",)
+    # UCX's own EFA test sets UCX_NET_DEVICES=rdmap0:1 (contrib/test_efa.sh): UCX opens it
+    assert ucx_settings("cpu", {"UCX_NET_DEVICES": "rdmap0:1"}, IBMOCK, host) == ONE_HOST["cpu"]
+    with pytest.raises(TransportError, match="names rdmap0:1, not on this host"):
+        ucx_settings("cpu", {"UCX_NET_DEVICES": "rdmap0:1"}, CPU_BUILD, host)
+
+
 def test_a_build_that_offers_no_rdma_transport_on_an_active_port_says_so():
     # the real cpu build's listing beside an ACTIVE port: what a TCP-only UCX would show there
     host = RdmaHost(nics=(Nic("mlx5_0", (UP,), None, None),), net_interfaces=INTERFACES)
