@@ -238,3 +238,24 @@ def test_selftest_and_bench_print_the_choice_across_hosts(monkeypatch, capfd):
         printed = capfd.readouterr().out.splitlines()
         assert [line for line in printed if line in want] == want, printed
         assert not any("UCX_POSIX_ERROR_HANDLING" in line for line in printed)  # --json has it
+
+
+def test_the_policy_command_says_every_line_and_exits_3_on_a_refusal(monkeypatch, capfd):
+    """``python -m kvruntime policy`` on this host (no HCA): every setting and why, per memory
+    kind; a device list naming a port no host here has is refused, exit 3."""
+    import json
+
+    from kvruntime.__main__ import main
+
+    for name in ("UCX_NET_DEVICES", "UCX_TLS"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["policy"]) == 0
+    printed = capfd.readouterr().out.splitlines()
+    assert "UCX for host memory: UCX_CMA_SEG_SIZE=4M: host memory moves by cma in 4 MiB " \
+           "segments (512 KiB: 2048 calls per GiB)" in printed
+    assert sum(line.startswith("UCX for cuda memory: across hosts: ") for line in printed) == 1
+    monkeypatch.setenv("UCX_NET_DEVICES", "mlx5_77:1")
+    assert main(["policy", "--json", "--compact"]) == 3
+    report = json.loads(capfd.readouterr().out)
+    assert report["ok"] is False and report["ucx_policy"]["cuda"][0].startswith(
+        "refused: UCX_NET_DEVICES=mlx5_77:1 names mlx5_77:1, not on this host")
