@@ -268,9 +268,9 @@ def _check_net_devices(env: Mapping[str, str], host, offered) -> None:
     if absent and not excluded:
         raise TransportError(
             f"{NET_DEVICES}={_shown(value)} names {', '.join(map(_shown, absent))}, not on this "
-            f"host (RDMA ports: "
-            f"{', '.join(ports) or 'none'}; network interfaces: {', '.join(interfaces) or 'none'})"
-            f": UCX would open no such device and NIXL fail with NIXL_ERR_BACKEND")
+            f"host (RDMA ports: {', '.join(ports) or 'none'}; network interfaces: "
+            f"{', '.join(interfaces) or 'none'}): UCX would open no such device and NIXL fail "
+            f"with NIXL_ERR_BACKEND")
     if not isinstance(offered, Mapping):
         return  # which transports run on which device is unknown (no ucx_info)
     am = usable_am(env)
@@ -280,10 +280,9 @@ def _check_net_devices(env: Mapping[str, str], host, offered) -> None:
         on = sorted({f"{tl}/{d}" for tl, devs in offered.items() for d in devs})
         raise TransportError(
             f"{NET_DEVICES}={_shown(value)} leaves NIXL no active-message transport to another "
-            f"host: "
-            f"this UCX offers {', '.join(on) or 'nothing'} (ucx_info -d), none an AM transport "
-            f"on those devices that UCX_TLS admits (a UCX built without verbs offers nothing "
-            f"on an RDMA port; add one of its devices or lo)")
+            f"host: this UCX offers {', '.join(on) or 'nothing'} (ucx_info -d), none an AM "
+            f"transport on those devices that UCX_TLS admits (a UCX built without verbs offers "
+            f"nothing on an RDMA port; add one of its devices or lo)")
 
 
 def _gpudirect(device_kind: str, host) -> str:
@@ -338,6 +337,12 @@ def cross_host(device_kind: str, env: Mapping[str, str], offered, host) -> Cross
                f"as UCX's ibmock, or a /sys without class/infiniband): UCX may use them"
                if unseen else ""),))
     ports = {f"{n.name}:{p.number}" for n in active for p in n.active_ports}
+    up = ", ".join(sorted(ports))
+    if not _listed(env, ports):
+        return CrossHost(lines=(
+            f"across hosts: tcp although {up} {'is' if len(ports) == 1 else 'are'} ACTIVE: "
+            f"{NET_DEVICES}={_shown(env[NET_DEVICES])} (yours) names none of them",))
+    ports = _listed(env, ports)  # the ports the user's device list keeps (all: none set)
     up = ", ".join(sorted(ports))
     if offered is None:
         return CrossHost(lines=(f"across hosts: RDMA ports {up} are ACTIVE; this UCX's "

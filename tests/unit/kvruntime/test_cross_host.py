@@ -158,8 +158,13 @@ def test_a_users_device_list_must_leave_an_am_lane_to_other_hosts():
     # RDMA ports only, where UCX offers srd/ud on them: fine, rc/ud/srd carry AM
     cross = cross_host("cpu", {"UCX_NET_DEVICES": "rdmap0:1"}, IBMOCK, host)
     assert cross.settings == {} and "UCX_NET_DEVICES=rdmap0:1: yours, kept" in cross.lines
-    # a network interface alone: tcp on it
+    # a network interface alone: tcp on it, said as such where RDMA ports are up
     assert ucx_settings("cpu", {"UCX_NET_DEVICES": "eth0"}, CPU_BUILD, host) == ONE_HOST["cpu"]
+    assert cross_host("cpu", {"UCX_NET_DEVICES": "eth0"}, IBMOCK, host).lines == (
+        "across hosts: tcp although rdmap0:1, rdmap1:1 are ACTIVE: UCX_NET_DEVICES=eth0 (yours) "
+        "names none of them",)
+    assert cross_host("cpu", {"UCX_NET_DEVICES": "rdmap1:1"}, IBMOCK, host).lines[0].startswith(
+        "across hosts: RDMA (srd, ud_verbs on rdmap1:1)")  # the ports the list keeps
     # a UCX_TLS that keeps no AM transport on the listed devices
     with pytest.raises(TransportError, match="leaves NIXL no active-message transport"):
         ucx_settings("cpu", {"UCX_NET_DEVICES": "rdmap0:1", "UCX_TLS": "tcp,posix,cma"},
