@@ -227,9 +227,10 @@ def nearest(nics: list[Nic], gpu: str, sysfs: str = "/sys") -> tuple[Nic, str] |
     elif key(best)[0] < key(ranked[1])[0]:
         why = f"{where}, nearer than {ranked[1].name}"
     elif key(best)[1] < key(ranked[1])[1]:
-        why = f"{where} as {ranked[1].name} is, and on the GPU's NUMA node {gpu_numa}"
+        why = f"as near on PCIe as {ranked[1].name} ({where}), and on the GPU's NUMA node " \
+              f"{gpu_numa}"
     else:
-        why = f"{where} as {ranked[1].name} is, on the same NUMA terms: first by name"
+        why = f"as near on PCIe and NUMA as {ranked[1].name} ({where}): first by name"
     return best, why
 
 

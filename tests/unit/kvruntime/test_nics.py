@@ -128,10 +128,12 @@ def test_numa_node_then_name_break_ties(sysfs, tmp_path):
     os.remove(link)
     os.symlink(alone, link)
     nic, why = nics.nearest(nics.rdma_devices(root), GPU, root)
-    assert nic.name == "mlx5_9" and why.endswith("and on the GPU's NUMA node 0")
+    assert nic.name == "mlx5_9" and why == ("as near on PCIe as mlx5_8 (on no PCI path the GPU "
+                                            "shares), and on the GPU's NUMA node 0")
     _write(os.path.join(root, "class", "infiniband", "mlx5_8", "device", "numa_node"), "0")
     nic, why = nics.nearest(nics.rdma_devices(root), GPU, root)
-    assert nic.name == "mlx5_8" and why.endswith("first by name")
+    assert nic.name == "mlx5_8" and why == ("as near on PCIe and NUMA as mlx5_9 (on no PCI "
+                                            "path the GPU shares): first by name")
 
 
 def test_only_active_ports_count(sysfs):
