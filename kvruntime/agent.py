@@ -111,7 +111,7 @@ def lane_faults(lanes, local_device: bool, remote_device: bool,
             f"NIC's speed",
             f"check that ucx_info -d lists rc/ud/dc/srd on {ports} (UCX built with verbs), "
             f"that the peer's host has an ACTIVE RDMA port on the same fabric, and that "
-            f"UCX_TLS and UCX_NET_DEVICES, if set, admit them (python -m kvruntime selftest "
+            f"UCX_TLS and UCX_NET_DEVICES, if set, admit them (python -m kvruntime policy "
             f"says the choice across hosts)", ("UCX_TLS", "UCX_NET_DEVICES")))
     return faults
 
