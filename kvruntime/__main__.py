@@ -1,4 +1,4 @@
-"""CLI: ``python -m kvruntime selftest|bench [--json]``. The only place that prints.
+"""CLI: ``python -m kvruntime selftest|bench|policy [--json]``. The only place that prints.
 
 Its parser and exit codes follow the convention both programs share (tools/cli.py: README,
 "Exit codes").
@@ -72,15 +72,51 @@ def _selftest(args, out) -> int:
             print(f"error: {report['error']}", file=sys.stderr)
         if report.get("id_reader"):
             say(f"block-id lists: {report['id_reader']}")
-        for kind, lines in report.get("ucx_policy", {}).items():  # the transport choice, and why
-            for line in lines:
-                if line.startswith(("UCX_TLS", "refused")):
-                    say(f"UCX for {kind} memory: {line}")
+        _say_policy(say, report)
         say(("OK" if report.get("ok") else "FAILED") + f" in {report.get('seconds')} s "
               f"(NIXL module: {report.get('nixl_module')})")
     if report.get("ok"):
         return OK
     return MODE_FAILED if report.get("modes") else UNUSABLE
+
+
+# The lines of a report's ucx_policy the text output shows: the transport choice on one host
+# (UCX_TLS), across hosts (the wire, the NIC, GPUDirect) and a refusal; the rest is in --json.
+_CHOICE = ("UCX_TLS", "refused", "across hosts", "UCX_NET_DEVICES")
+
+
+def _say_policy(say, report: dict) -> None:
+    """The transport choice and why, per memory kind (selftest's kinds, bench's one)."""
+    for kind, lines in (report.get("ucx_policy") or {}).items():
+        for line in lines:
+            if line.startswith(_CHOICE):
+                say(f"UCX for {kind} memory: {line}")
+
+
+def _policy(args, out) -> int:
+    """The UCX settings each memory kind would get here, and why, on one host and across hosts,
+    without moving anything: what selftest reports, in a second."""
+    say = functools.partial(print, file=out)
+    from .tools.selftest import ucx_policy
+
+    try:  # the GPU's PCI address is read only where CUDA is up (nics.py); nothing forks here
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.init()
+    except Exception:  # no torch, no CUDA: the GPU's nearest NIC is said to be unknown
+        pass
+    said = ucx_policy(args.device_id)
+    refused = [kind for kind, lines in said.items() if lines[:1] and
+               lines[0].startswith("refused")]
+    report = {"tool": "kvruntime policy", "ok": not refused, "ucx_policy": said}
+    if args.json:
+        say(json.dumps(report, indent=None if args.compact else 2))
+    else:
+        for kind, lines in said.items():
+            for line in lines:
+                say(f"UCX for {kind} memory: {line}")
+    return UNUSABLE if refused else OK
 
 
 def _transports(mode: dict) -> str:
@@ -208,9 +244,7 @@ def _bench(args, out) -> int:
                 + (f", median later {later:.1f}" if later is not None else ""))
         if report.get("id_reader"):
             say(f"block-id lists: {report['id_reader']}")
-        for line in report.get("ucx_policy", []):  # bench's one memory kind: a list of lines
-            if line.startswith(("UCX_TLS", "refused")):
-                say(f"UCX for {args.device} memory: {line}")
+        _say_policy(say, report)
         if report.get("device"):
             say(f"device: {report['device']}; reference: "
                 f"{(report.get('results') or [{}])[0].get('ref')}")
@@ -345,7 +379,19 @@ def main(argv=None) -> int:
                    default=[4, 32], help="decode peers and requests kept in flight on one "
                    "prefill, beside one request of the same bytes: the peers as clients of "
                    "this process, and as decode processes of their own (0 0: skip)")
+    po = sub.add_parser("policy", help="the UCX settings each memory kind gets here and why, "
+                        "on one host and across hosts (RDMA, the GPU's nearest NIC), moving "
+                        "nothing")
+    po.add_argument("--json", action="store_true")
+    po.add_argument("--compact", action="store_true", help="one-line JSON")
+    po.add_argument("--device-id", type=_at_least(0), default=0, metavar="ID",
+                    help="the GPU whose nearest NIC is chosen (default: 0)")
     args = parser.parse_args(argv)
+    if args.command == "policy":
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+        with _report_stream() as out:
+            return _policy(args, out)
     if args.command == "bench" and args.scenario:
         preset = SCENARIOS[args.scenario]
         args.tp_pairs = _tp_pairs(BENCH_HEADS)(",".join(preset["groups"]))

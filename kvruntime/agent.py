@@ -12,10 +12,11 @@ import logging
 import os
 import threading
 import uuid
+from dataclasses import dataclass
 
 from .binding import NixlBinding, as_str, load_nixl
 from .errors import KVRuntimeError, NixlError, TransportError
-from . import ucxlog
+from . import nics, ucxlog
 from .transports import apply_ucx_settings, forced_by_user
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,55 @@ def ucx_threads(requested, role: str, nixl_memory: str, cpus: int,
     return n, f"host memory over cma on {cpus} cores: a READ's copies over {n} threads"
 
 
+@dataclass(frozen=True)
+class LaneFault:
+    """Lanes UCX chose that move KV data at a fraction of the speed in reach: what is wrong
+    (``text``), what to check (``advice``), and the user's settings that make it their choice
+    (``forced_by``: a warning then, not an error)."""
+
+    lanes: tuple[ucxlog.Lane, ...]
+    text: str
+    advice: str
+    forced_by: tuple[str, ...]
+
+
+def lane_faults(lanes, local_device: bool, remote_device: bool,
+                rdma_ports: tuple[str, ...]) -> list[LaneFault]:
+    """The faults among ``lanes`` (ucxlog.Lane) — pure: device memory over TCP between peers,
+    and, where this host has ACTIVE ``rdma_ports`` (mlx5_0:1...), data to a peer on another
+    host over TCP (such a lane is named once, as the latter: the NIC is what it missed)."""
+    remote = ucxlog.inter_node_lanes_on_tcp(lanes) if rdma_ports else []
+    device = [lane for lane in ucxlog.device_lanes_on_tcp(lanes, local_device, remote_device)
+              if lane not in remote]
+    faults = []
+    if device:
+        faults.append(LaneFault(
+            tuple(device), f"UCX moves device memory over TCP ({'; '.join(map(str, device))}); "
+            f"expect ~1 GB/s instead of the device's speed",
+            "check that UCX was built with the device's transports (ucx_info -d lists "
+            "cuda_ipc / ze_ipc) and that UCX_TLS, if set, admits them; CUDA reads also need "
+            "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on", ("UCX_TLS",)))
+    if remote:
+        ports = ", ".join(rdma_ports)
+        faults.append(LaneFault(
+            tuple(remote), f"UCX moves data to a peer on another host over TCP "
+            f"({'; '.join(map(str, remote))}) while this host's RDMA "
+            f"{'port' if len(rdma_ports) == 1 else 'ports'} {ports} "
+            f"{'is' if len(rdma_ports) == 1 else 'are'} ACTIVE; expect ~1 GB/s instead of the "
+            f"NIC's speed",
+            f"check that ucx_info -d lists rc/ud/dc/srd on {ports} (UCX built with verbs), "
+            f"that the peer's host has an ACTIVE RDMA port on the same fabric, and that "
+            f"UCX_TLS and UCX_NET_DEVICES, if set, admit them (python -m kvruntime policy "
+            f"says the choice across hosts)", ("UCX_TLS", "UCX_NET_DEVICES")))
+    return faults
+
+
+def active_rdma_ports(sysfs: str = "/sys") -> tuple[str, ...]:
+    """This host's ACTIVE RDMA ports as UCX names them (mlx5_0:1), from sysfs (nics.py)."""
+    return tuple(f"{nic.name}:{port.number}" for nic in nics.rdma_devices(sysfs)
+                 for port in nic.active_ports)
+
+
 def unique_name(role: str) -> str:
     return f"kvr-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
@@ -84,11 +134,15 @@ class Agent:
         device_kind: str = "cpu",
         ucx_threads: int = 0,
         progress_thread: bool = False,
+        device_id: int | None = None,
     ):
         self.ucx_threads = ucx_threads
         self.binding = binding or load_nixl()
-        self.ucx_env = apply_ucx_settings(device_kind)
+        # device_id: the GPU whose nearest NIC carries its memory to other hosts (transports)
+        self.ucx_env = apply_ucx_settings(device_kind, device_id=device_id)
         self.ucx_log = ucxlog.this_process()
+        # a peer on another host is reached over these, not TCP (check_device_lanes)
+        self.rdma_ports = active_rdma_ports()
         self.name = name
         self.lock = threading.RLock()
         self._closed = False
@@ -176,18 +230,22 @@ class Agent:
                            ) -> list[ucxlog.Lane]:
         """Transfers of these memory kinds (ours, the peer's: device memory or not) that UCX
         put on TCP are an error (a loud warning when the user forced UCX_TLS): never silent.
-        Returns the offending lanes."""
-        bad = ucxlog.device_lanes_on_tcp(self.lanes() or [], local_device, remote_device)
-        if not bad:
-            return []
-        text = (f"{what}: UCX moves device memory over TCP ({'; '.join(map(str, bad))}); "
-                f"expect ~1 GB/s instead of the device's speed")
-        if forced_by_user("UCX_TLS", self.ucx_env):
-            log.warning("%s, as UCX_TLS=%s (set by you) asks", text, os.environ["UCX_TLS"])
-            return bad
-        raise TransportError(text + ": check that UCX was built with the device's transports "
-                             "(ucx_info -d lists cuda_ipc / ze_ipc) and that UCX_TLS, if set, "
-                             "admits them; CUDA reads also need UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on")
+        So are transfers to a peer on another host over TCP while this host has an ACTIVE
+        RDMA port (a warning when the user forced UCX_TLS or UCX_NET_DEVICES). Returns the
+        offending lanes."""
+        bad = lane_faults(self.lanes() or [], local_device, remote_device, self.rdma_ports)
+        errors = []
+        for fault in bad:
+            forced = [n for n in fault.forced_by if forced_by_user(n, self.ucx_env)]
+            text = f"{what}: {fault.text}"
+            if forced:
+                log.warning("%s, as %s (set by you) asks", text,
+                            ", ".join(f"{n}={os.environ[n]}" for n in forced))
+            else:
+                errors.append(f"{text}: {fault.advice}")
+        if errors:
+            raise TransportError("; ".join(errors))
+        return [lane for fault in bad for lane in fault.lanes]
 
     def close(self) -> None:
         # nixl_agent has no explicit destroy; dropping the last reference tears it down.

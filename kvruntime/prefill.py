@@ -150,7 +150,10 @@ class PrefillServer:
         threads, self.ucx_threads_reason = ucx_threads(
             o.ucx_threads, "prefill", nixl_memory, len(os.sched_getaffinity(0)),
             shm_free())
-        self.agent = Agent(o.name or unique_name("prefill"), o.binding, nixl_memory, threads)
+        # the GPU whose nearest NIC carries its memory to other hosts (transports.cross_host)
+        device_id = cache.regions[0].device_id if nixl_memory != "cpu" else None
+        self.agent = Agent(o.name or unique_name("prefill"), o.binding, nixl_memory, threads,
+                           device_id=device_id)
         try:
             if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
                 self.staging = StagingPool(cache.layout,

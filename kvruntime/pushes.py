@@ -201,9 +201,11 @@ class Writes:
             return bool(self._writes) or bool(len(self._orphans))
 
     def _check_lanes(self, peer) -> None:
-        """After a peer's first WRITE of device memory: a lane on TCP is logged as an error
-        (the decode's connect-time probe covers its READs; ucxlog.py)."""
-        if peer.lanes_checked or "VRAM" not in (self.cache.mem_type, peer.info.mem_type):
+        """After a peer's first WRITE of device memory, or of any memory where this host has
+        an ACTIVE RDMA port (the peer may be on another host): a lane on TCP is logged as an
+        error (the decode's connect-time probe covers its READs; ucxlog.py)."""
+        if peer.lanes_checked or ("VRAM" not in (self.cache.mem_type, peer.info.mem_type)
+                                  and not self.agent.rdma_ports):
             return
         peer.lanes_checked = True
         try:

@@ -34,26 +34,46 @@ UCX reads its environment when NIXL creates the backend, so this runs first. Rul
   ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on`` or it falls back to TCP silently. xpu keeps UCX's
   default AM choice (not measured there with posix AM).
 
-Values the user already set are kept, except an impossible ``UCX_TLS``, which is refused with
-the reason.
+- Across hosts (``cross_host``, DESIGN §9): RDMA when an ACTIVE port (nics.py) has an RDMA
+  transport this UCX offers there (``ucx_info -d``) and ``UCX_TLS`` admits; rc, ud, dc and srd
+  also carry NIXL's active messages. With device memory and several such NICs,
+  ``UCX_NET_DEVICES`` = the GPU's nearest (PCIe, then NUMA), plus ``lo`` where no shared-memory
+  AM lane serves NIXL's endpoint to itself (SGLang #40641). GPUDirect RDMA (nvidia_peermem or
+  DMA-BUF; Intel: the xe driver and DMA-BUF) or UCX staging through host memory is said.
+
+Values the user already set are kept, except an impossible ``UCX_TLS`` or ``UCX_NET_DEVICES``
+(a device this host lacks: NIXL_ERR_BACKEND otherwise, prime-rl #3204; or no AM lane left on
+it, NIXL #1647), which is refused with the reason.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping
 
 from . import ucxlog
 from .errors import TransportError
 
-# AM-capable transports that handle peer failure whatever their settings.
-AM_PEER_FAILURE = {"tcp", "rc", "rc_x", "rc_v", "rc_mlx5", "ud", "ud_x", "ud_v", "ud_mlx5",
-                   "dc", "dc_x", "dc_mlx5"}
+# The RDMA transports as ``ucx_info -d`` names them (verbs, mlx5's own, EFA's srd), each with
+# the UCX_TLS aliases that select it (ucp_context.c's ucp_tl_aliases in UCX 1.22).
+RDMA_AM = {"rc_verbs": ("rc", "rc_v"), "rc_mlx5": ("rc", "rc_x"), "dc_mlx5": ("dc", "dc_x"),
+           "ud_verbs": ("ud", "ud_v"), "ud_mlx5": ("ud", "ud_x"), "srd": ()}
+# AM-capable transports that handle peer failure whatever their settings: tcp and the RDMA
+# ones (rc, ud, dc and srd all report UCT_IFACE_FLAG_ERRHANDLE_PEER_FAILURE in UCX 1.22),
+# by the names ucx_info lists and UCX_TLS's aliases for them.
+AM_PEER_FAILURE = {"tcp", "rc", "rc_x", "rc_v", "ud", "ud_x", "ud_v", "dc", "dc_x", *RDMA_AM}
 # Shared-memory AM transports: usable by NIXL only with their ERROR_HANDLING setting on.
 SHM_AM = ("posix", "sysv")
-# UCX_TLS aliases, expanded to the AM transports they include.
+# UCX_TLS aliases, expanded to the AM transports they include (an alias stays in its own
+# expansion: the sets below are also compared with aliases).
 ALIASES = {"all": AM_PEER_FAILURE | set(SHM_AM), "sm": set(SHM_AM), "shm": set(SHM_AM),
            "mm": set(SHM_AM), "ib": AM_PEER_FAILURE - {"tcp"}}
+for _tl, _aliases in RDMA_AM.items():
+    for _alias in _aliases:
+        ALIASES.setdefault(_alias, {_alias}).add(_tl)
+del _tl, _aliases, _alias
 # Host memory's bulk transport between processes (process_vm_readv/writev), and its segment:
 # UCX copies one segment per worker progress call (UCX_CMA_TX_QUOTA=1), 512 KiB by default.
 CMA_SEG_SETTING, CMA_SEG_SIZE = "UCX_CMA_SEG_SIZE", "4M"
@@ -120,13 +140,32 @@ REASONS = {
                       "error, never silent (ucxlog.py)",
 }
 ZE_IPC_TLS = "ze_ipc,ze_copy,tcp"
-IB_TRANSPORTS = {"rc", "rc_x", "rc_v", "rc_mlx5", "ud", "ud_x", "ud_v", "ud_mlx5", "dc", "dc_x",
-                 "dc_mlx5"}
+IB_TRANSPORTS = ALIASES["ib"]
 
 
-def offered_transports(timeout: float = 10.0) -> set[str] | None:
-    """The transports this host's UCX offers (``ucx_info -d``), or None when no ucx_info is on
-    PATH (a wheel's bundled UCX): then no choice depends on them."""
+def parse_ucx_info(text: str) -> dict[str, set[str]]:
+    """The transports a ``ucx_info -d`` listing offers, each with its devices (``rc_mlx5``:
+    {``mlx5_0:1``}, ``tcp``: {``eth0``, ``lo``}) — pure. ucx_info indents inside the comment
+    (``#      Transport: ze_ipc``); UCX before 1.9 listed several devices under one transport."""
+    offered: dict[str, set[str]] = {}
+    transport = None
+    for line in text.splitlines():
+        field, _, value = line.lstrip("# \t").partition(":")
+        value = value.strip()
+        if field == "Memory domain" or field == "Connection manager":
+            transport = None
+        elif field == "Transport" and value:
+            transport = value
+            offered.setdefault(transport, set())
+        elif field == "Device" and value and transport is not None:
+            offered[transport].add(value)
+    return offered
+
+
+def offered_devices(timeout: float = 10.0) -> dict[str, set[str]] | None:
+    """The transports this host's UCX offers, with their devices (``ucx_info -d``), or None
+    when no ucx_info is on PATH (a wheel's bundled UCX) or it fails: then no choice depends on
+    them."""
     import shutil
     import subprocess
 
@@ -137,9 +176,14 @@ def offered_transports(timeout: float = 10.0) -> set[str] | None:
         out = subprocess.run([tool, "-d"], capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    # ucx_info indents inside the comment: "#      Transport: ze_ipc"
-    return {line.split(":", 1)[1].strip() for line in out.stdout.splitlines()
-            if line.lstrip("# \t").startswith("Transport:")}
+    return parse_ucx_info(out.stdout) if out.returncode == 0 else None
+
+
+def offered_transports(timeout: float = 10.0) -> set[str] | None:
+    """The transports this host's UCX offers (``ucx_info -d``), or None when no ucx_info is on
+    PATH (a wheel's bundled UCX): then no choice depends on them."""
+    offered = offered_devices(timeout)
+    return None if offered is None else set(offered)
 
 
 def xpu_tls(env: Mapping[str, str], offered: set[str] | None) -> tuple[str | None, str]:
@@ -159,42 +203,256 @@ def xpu_tls(env: Mapping[str, str], offered: set[str] | None) -> tuple[str | Non
     return ZE_IPC_TLS, REASONS["UCX_TLS"]
 
 
+NET_DEVICES = "UCX_NET_DEVICES"
+# A UCX allow-list entry's range: "mlx5_[0-3]:1" is mlx5_0:1 ... mlx5_3:1 (UCX >= 1.18).
+_RANGE = re.compile(r"^(.*?)\[(\d{1,9})-(\d{1,9})\](.*)$")
+_MAX_RANGE = 1024  # a hostile "x[0-999999999]" is refused, not expanded
+
+
+@dataclass(frozen=True)
+class CrossHost:
+    """The choice for peers on other hosts: the settings kvruntime adds (``UCX_NET_DEVICES``
+    or none) and one line of why per part of the choice (the wire, the NIC, GPUDirect)."""
+
+    settings: dict[str, str] = field(default_factory=dict)
+    lines: tuple[str, ...] = ()
+
+
+def _shown(text: str) -> str:
+    """``text`` from the environment as one printable line (a newline or escape in a hostile
+    value is shown escaped, never printed)."""
+    return text if text.isprintable() else repr(text)
+
+
+def net_device_names(value: str) -> tuple[bool, list[str]]:
+    """``UCX_NET_DEVICES`` as (excluded: a leading ``^`` names what UCX must not use, names):
+    ranges expanded, ``all`` dropped; TransportError in one line for a range too wide."""
+    text = value.strip()
+    excluded = text.startswith("^")
+    names = []
+    for item in text.lstrip("^").split(","):
+        item = item.strip()
+        if not item or item == "all":
+            continue
+        m = _RANGE.match(item)
+        if not m:
+            names.append(item)
+            continue
+        low, high = int(m.group(2)), int(m.group(3))
+        if high < low or high - low >= _MAX_RANGE:
+            raise TransportError(f"{NET_DEVICES}={_shown(value)}: range {_shown(item)} is not "
+                                 f"one UCX expands (low <= high, at most {_MAX_RANGE} names)")
+        names += [f"{m.group(1)}{i}{m.group(4)}" for i in range(low, high + 1)]
+    return excluded, names
+
+
+def _listed(env: Mapping[str, str], devices: set[str]) -> set[str]:
+    """Which of ``devices`` UCX_NET_DEVICES in ``env`` lets UCX use (all when unset)."""
+    value = env.get(NET_DEVICES, "").strip()
+    if not value or value == "all":
+        return set(devices)
+    excluded, names = net_device_names(value)
+    return devices - set(names) if excluded else devices & set(names)
+
+
+def _check_net_devices(env: Mapping[str, str], host, offered) -> None:
+    """The user's UCX_NET_DEVICES names only devices this host has, and leaves NIXL an
+    active-message transport on them; else one line before NIXL's NIXL_ERR_BACKEND does."""
+    value = env[NET_DEVICES]
+    excluded, names = net_device_names(value)
+    ports, interfaces = host.ports(), list(host.net_interfaces)
+    # a device ucx_info lists is one UCX opens, even where sysfs does not show it (UCX's
+    # contrib/ibmock fakes libibverbs, not /sys)
+    listed = set().union(*offered.values()) if isinstance(offered, Mapping) else set()
+    absent = [n for n in names if n not in ports and n not in interfaces and n not in listed]
+    if absent and not excluded:
+        raise TransportError(
+            f"{NET_DEVICES}={_shown(value)} names {', '.join(map(_shown, absent))}, not on this "
+            f"host (RDMA ports: {', '.join(ports) or 'none'}; network interfaces: "
+            f"{', '.join(interfaces) or 'none'}): UCX would open no such device and NIXL fail "
+            f"with NIXL_ERR_BACKEND")
+    if not isinstance(offered, Mapping):
+        return  # which transports run on which device is unknown (no ucx_info)
+    am = usable_am(env)
+    lanes = sorted(f"{tl}/{dev}" for tl, devs in offered.items() if tl in am and tl not in SHM_AM
+                   for dev in _listed(env, devs))
+    if not lanes:
+        on = sorted({f"{tl}/{d}" for tl, devs in offered.items() for d in devs})
+        raise TransportError(
+            f"{NET_DEVICES}={_shown(value)} leaves NIXL no active-message transport to another "
+            f"host: this UCX offers {', '.join(on) or 'nothing'} (ucx_info -d), none an AM "
+            f"transport on those devices that UCX_TLS admits (a UCX built without verbs offers "
+            f"nothing on an RDMA port; add one of its devices or lo)")
+
+
+def _gpudirect(device_kind: str, host) -> str:
+    """Whether the NIC can read and write this device memory directly (GPUDirect RDMA), and
+    what UCX does otherwise."""
+    stage = ("UCX stages device memory through host memory (a copy each way: host-memory "
+             "speed, not the NIC's)")
+    if device_kind == "cuda":
+        if host.nvidia_peermem:
+            return "GPUDirect RDMA: nvidia_peermem is loaded, the NIC reaches CUDA memory"
+        if host.cuda_dmabuf and host.verbs_dmabuf:
+            return ("GPUDirect RDMA through DMA-BUF: the CUDA driver exports it and libibverbs "
+                    "has ibv_reg_dmabuf_mr")
+        dmabuf = ("the CUDA driver does not export DMA-BUF" if host.cuda_dmabuf is False else
+                  "the CUDA driver's DMA-BUF support is unknown" if host.cuda_dmabuf is None
+                  else "libibverbs has no ibv_reg_dmabuf_mr (rdma-core < 34)"
+                  if host.verbs_dmabuf is False else "no libibverbs loads")
+        return f"no GPUDirect RDMA (nvidia_peermem not loaded; {dmabuf}): {stage}"
+    if host.xe_driver and host.verbs_dmabuf:
+        return ("GPUDirect RDMA through DMA-BUF: the xe driver exports Intel GPU memory and "
+                "libibverbs has ibv_reg_dmabuf_mr")
+    why = ("the xe driver is not loaded (/sys/module/xe)" if not host.xe_driver else
+           "libibverbs has no ibv_reg_dmabuf_mr (rdma-core < 34)" if host.verbs_dmabuf is False
+           else "no libibverbs loads")
+    return f"no GPUDirect RDMA ({why}): {stage}"
+
+
+def cross_host(device_kind: str, env: Mapping[str, str], offered, host) -> CrossHost:
+    """How ``device_kind`` memory moves to peers on other hosts — pure. ``offered``: the
+    transports of ``ucx_info -d``, with their devices (parse_ucx_info) or names only (a set),
+    or None (unknown); ``host``: nics.RdmaHost, or None (not read: nothing is said).
+
+    RDMA when an ACTIVE port has an RDMA transport UCX offers and UCX_TLS admits; with device
+    memory on a host of several such NICs, ``UCX_NET_DEVICES`` = the GPU's nearest one (UCX
+    would otherwise stripe over NICs behind another socket). The list keeps an AM lane: rc, ud,
+    dc and srd carry NIXL's active messages across hosts, and ``lo`` is added where no shared
+    memory lane would serve NIXL's endpoint to itself (SGLang #40641). A user's
+    ``UCX_NET_DEVICES`` naming a device this host lacks, or leaving no AM lane, is refused."""
+    if host is None:
+        return CrossHost()
+    if NET_DEVICES in env:
+        _check_net_devices(env, host, offered)
+    active = host.active()
+    if not active:
+        down = "; ".join(str(n) for n in host.nics)
+        unseen = sorted({d for tl, devs in offered.items() if tl in RDMA_AM for d in devs}
+                        if isinstance(offered, Mapping) else ())
+        return CrossHost(lines=(
+            f"across hosts: tcp: {'no RDMA port is ACTIVE: ' + down if down else 'no RDMA device'}"
+            f" on this host"
+            + (f" (sysfs), though this UCX lists {', '.join(unseen)} (a fake libibverbs such "
+               f"as UCX's ibmock, or a /sys without class/infiniband): UCX may use them"
+               if unseen else ""),))
+    ports = {f"{n.name}:{p.number}" for n in active for p in n.active_ports}
+    up = ", ".join(sorted(ports))
+    if not _listed(env, ports):
+        return CrossHost(lines=(
+            f"across hosts: tcp although {up} {'is' if len(ports) == 1 else 'are'} ACTIVE: "
+            f"{NET_DEVICES}={_shown(env[NET_DEVICES])} (yours) names none of them",))
+    ports = _listed(env, ports)  # the ports the user's device list keeps (all: none set)
+    up = ", ".join(sorted(ports))
+    if offered is None:
+        return CrossHost(lines=(f"across hosts: RDMA ports {up} are ACTIVE; this UCX's "
+                                f"transports are unknown (no ucx_info on PATH): UCX chooses",))
+    by_device = offered if isinstance(offered, Mapping) else None
+    rdma = {tl for tl in offered if tl in RDMA_AM
+            and (by_device is None or by_device[tl] & ports)}
+    if not rdma:
+        return CrossHost(lines=(
+            f"across hosts: tcp although {up} {'is' if len(ports) == 1 else 'are'} ACTIVE: "
+            f"this UCX offers no RDMA transport there (ucx_info -d lists none: a build without "
+            f"verbs, or libibverbs missing its provider)",))
+    admitted_rdma = admitted(env, rdma)
+    if not admitted_rdma:
+        return CrossHost(lines=(
+            f"across hosts: tcp although {up} {'is' if len(ports) == 1 else 'are'} ACTIVE: "
+            f"UCX_TLS={_shown(env.get('UCX_TLS', ''))} (yours) admits none of "
+            f"{', '.join(sorted(rdma))}",))
+    lines = [f"across hosts: RDMA ({', '.join(sorted(admitted_rdma))} on {up}), which also carries "
+             f"NIXL's active messages with peer-failure handling"]
+    settings: dict[str, str] = {}
+    if NET_DEVICES in env:
+        lines.append(f"{NET_DEVICES}={_shown(env[NET_DEVICES])}: yours, kept")
+    elif device_kind == "cpu":
+        lines.append(f"{NET_DEVICES} unset: host memory is near every NIC alike; UCX uses "
+                     f"{'the one' if len(active) == 1 else 'all ' + str(len(active))}")
+    elif len(active) == 1:
+        lines.append(f"{NET_DEVICES} unset: {active[0].name} is the only NIC with an ACTIVE "
+                     f"port")
+    elif host.gpu is None:
+        lines.append(f"{NET_DEVICES} unset here: the GPU's PCI address is not known in this "
+                     f"process (read from torch only where CUDA is initialized, as in an "
+                     f"agent's process with its cache; never for xpu): there, the nearest of "
+                     f"{len(active)} NICs, else UCX's choice")
+    elif host.nearest is None:
+        lines.append(f"{NET_DEVICES} unset: the GPU {host.gpu} is not in sysfs "
+                     f"(bus/pci/devices), so its nearest of {len(active)} NICs is unknown: UCX "
+                     f"chooses")
+    else:
+        nic, why = host.nearest
+        device = nic.net_device()
+        on_it = {tl for tl in admitted_rdma if by_device is None or device in by_device[tl]}
+        if not on_it:
+            lines.append(f"{NET_DEVICES} unset: UCX offers no RDMA transport UCX_TLS admits on "
+                         f"{device}, the GPU's nearest NIC: UCX chooses")
+        else:
+            chosen = [device]
+            shm_lane = usable_am(env) & set(SHM_AM)
+            if not shm_lane and "lo" in host.net_interfaces and "tcp" in admitted_am(env):
+                chosen.append("lo")  # NIXL's endpoint to itself needs an AM lane too
+            settings[NET_DEVICES] = ",".join(chosen)
+            lines.append(f"{NET_DEVICES}={settings[NET_DEVICES]}: {device} is the nearest of "
+                         f"{len(active)} NICs to the GPU {host.gpu} ({why})"
+                         + ("; lo keeps tcp for NIXL's endpoint to itself" if "lo" in chosen
+                            else ""))
+    if device_kind != "cpu":
+        lines.append(f"across hosts, {device_kind} memory: {_gpudirect(device_kind, host)}")
+    return CrossHost(settings, tuple(lines))
+
+
 def describe(added: Mapping[str, str], env: Mapping[str, str], device_kind: str,
-             offered: set[str] | None = None) -> list[str]:
+             offered=None, cross: CrossHost | None = None) -> list[str]:
     """One line per setting in play: what kvruntime set and why, and what the user set (kept);
-    for Intel GPU memory, given the ``offered`` transports, why ``UCX_TLS`` was left to UCX."""
-    lines = [f"{k}={v}: {REASONS.get(k, 'set by kvruntime')}" for k, v in sorted(added.items())]
+    for Intel GPU memory, given the ``offered`` transports, why ``UCX_TLS`` was left to UCX;
+    then the ``cross`` host choice (cross_host), which says why of the settings it made."""
+    cross = cross or CrossHost()
+    names = None if offered is None else set(offered)
+    lines = [f"{k}={v}: {REASONS.get(k, 'set by kvruntime')}" for k, v in sorted(added.items())
+             if k not in cross.settings]
     for k in sorted(REASONS):
         if k in env and k not in added:
             lines.append(f"{k}={env[k]}: yours, kept")
-    if device_kind == "xpu" and offered is not None and "UCX_TLS" not in added and "UCX_TLS" not in env:
-        lines.append(f"UCX_TLS unset: {xpu_tls(env, offered)[1]}")
-    return lines
+    if device_kind == "xpu" and names is not None and "UCX_TLS" not in added and \
+            "UCX_TLS" not in env:
+        lines.append(f"UCX_TLS unset: {xpu_tls(env, names)[1]}")
+    return lines + list(cross.lines)
 
 
-def policy(device_kind: str, env: Mapping[str, str], offered: set[str] | None) -> list[str]:
+def policy(device_kind: str, env: Mapping[str, str], offered, host=None) -> list[str]:
     """What kvruntime would set for ``device_kind`` memory under ``env``, with why (``describe``),
     the transport choice included: for Intel GPU memory ``UCX_TLS`` chosen or left to UCX and the
-    reason, also when the transports UCX offers are unknown — pure. A ``UCX_TLS`` that cannot work
-    is its one line."""
+    reason, also when the transports UCX offers are unknown; with this ``host``'s RDMA facts
+    (nics.RdmaHost), the choice across hosts (cross_host) — pure. A setting that cannot work is
+    its one line."""
     try:
-        added = ucx_settings(device_kind, env, offered)
+        added, cross = _settings(device_kind, env, offered, host)
     except TransportError as exc:
         return [f"refused: {exc}"]
-    lines = describe(added, env, device_kind, offered)
+    lines = describe(added, env, device_kind, offered, cross)
     if device_kind == "xpu" and offered is None and "UCX_TLS" not in env:
-        lines.append(f"UCX_TLS unset: {xpu_tls(env, None)[1]}")
+        lines.insert(len(lines) - len(cross.lines), f"UCX_TLS unset: {xpu_tls(env, None)[1]}")
     return lines
 
 
 def ucx_settings(device_kind: str, env: Mapping[str, str],
-                 offered: set[str] | None = None) -> dict[str, str]:
-    """The UCX variables to add for ``device_kind`` given the current ``env`` and the
-    transports the host's UCX ``offered`` (None: unknown) — pure."""
+                 offered=None, host=None) -> dict[str, str]:
+    """The UCX variables to add for ``device_kind`` given the current ``env``, the transports
+    the host's UCX ``offered`` (names, or parse_ucx_info's transports with devices; None:
+    unknown) and this ``host``'s RDMA facts (nics.RdmaHost; None: one host's choice only) —
+    pure."""
+    return _settings(device_kind, env, offered, host)[0]
+
+
+def _settings(device_kind: str, env: Mapping[str, str], offered, host
+              ) -> tuple[dict[str, str], CrossHost]:
     if device_kind not in DEVICE_KINDS:
         raise TransportError(f"device kind {device_kind!r} is not one of {DEVICE_KINDS}")
+    names = None if offered is None else set(offered)
     want: dict[str, str] = {}
-    tls, _why = xpu_tls(env, offered) if device_kind == "xpu" else (None, "")
+    tls, _why = xpu_tls(env, names) if device_kind == "xpu" else (None, "")
     if tls:
         want["UCX_TLS"] = tls
     if device_kind in ("cpu", "cuda") and "posix" in admitted_am(env):
@@ -217,15 +475,31 @@ def ucx_settings(device_kind: str, env: Mapping[str, str],
             f"UCX_TLS={tls} has no active-message transport that NIXL can use{why}: "
             f"add tcp (e.g. UCX_TLS={tls},tcp)"
         )
-    return added
+    # across hosts, under what one host's choice leaves (posix's error handling included)
+    cross = cross_host(device_kind, {**env, **added}, offered, host)
+    return {**added, **cross.settings}, cross
+
+
+def rdma_facts(device_kind: str, env: Mapping[str, str], device_id: int | None = None,
+               offered=None, sysfs: str = "/sys"):
+    """This host's RDMA facts (nics.read_host) and the transports its UCX offers with their
+    devices: ``ucx_info -d`` runs only where a choice depends on it (Intel GPU memory, an
+    ACTIVE RDMA port, or a UCX_NET_DEVICES to check), else ``offered`` stays as given."""
+    from . import nics
+
+    host = nics.read_host(device_kind, device_id, sysfs)
+    if offered is None and (device_kind == "xpu" or host.active() or NET_DEVICES in env):
+        offered = offered_devices()
+    return host, offered
 
 
 def apply_ucx_settings(device_kind: str, env: MutableMapping[str, str] | None = None,
-                       offered: set[str] | None = None) -> dict:
+                       offered=None, device_id: int | None = None) -> dict:
+    """Add the UCX settings for ``device_kind`` memory (on device ``device_id``: the GPU whose
+    nearest NIC carries it across hosts) to ``env`` (this process's), before UCX starts."""
     env = os.environ if env is None else env
-    if offered is None and device_kind == "xpu":  # the only choice that depends on them
-        offered = offered_transports()
-    added = ucx_settings(device_kind, env, offered)
+    host, offered = rdma_facts(device_kind, env, device_id, offered)
+    added = ucx_settings(device_kind, env, offered, host)
     env.update(added)
     added.update(ucxlog.install(env))  # UCX's log into a file we read (ucxlog.py)
     return added

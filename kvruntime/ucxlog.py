@@ -13,7 +13,9 @@ it, unlinks it (nothing stays on disk, however the process ends) and reads it:
   operation although nothing failed (``KNOWN_HARMLESS``) go to INFO with the reason.
 - each protocol table UCX prints when it first selects a protocol (which operation, from which
   memory to which, over which transports) is kept as a ``Lane``; ``device_lanes_on_tcp`` names
-  the device-memory transfers that went over TCP (a silent 1000x slowdown: DESIGN §4).
+  the device-memory transfers that went over TCP (a silent 1000x slowdown: DESIGN §4);
+  ``inter_node_lanes_on_tcp`` the transfers to another host over TCP (with an ACTIVE RDMA
+  port here, the NIC left unused: DESIGN §9).
 
 A user who set ``UCX_LOG_FILE`` or ``UCX_PROTO_INFO`` keeps them: the lanes are then unknown,
 and ``lanes_unknown_reason`` says why.
@@ -269,6 +271,14 @@ def device_lanes_on_tcp(lanes, local_device: bool, remote_device: bool) -> list[
                 and (local_device or remote_device)):
             out.append(lane)
     return out
+
+
+def inter_node_lanes_on_tcp(lanes) -> list[Lane]:
+    """Remote reads/writes (the KV data, of any memory kind) to a peer on another host that UCX
+    put on TCP: where this host has an ACTIVE RDMA port, the NIC's bandwidth goes unused
+    (transports.cross_host says why UCX could have chosen it, or not)."""
+    return [lane for lane in lanes if lane.scope == "inter-node" and lane.memories is not None
+            and "tcp" in lane.transports]
 
 
 def summary(lanes) -> dict[str, list[str]]:

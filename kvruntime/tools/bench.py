@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing as mp
+import os
 import random
 import statistics
 import time
@@ -79,15 +80,24 @@ def run_bench(cfg: BenchConfig) -> dict:
     # a pool of a little more than the largest request, on both sides (host-staged, or the
     # direct sides' pools for coalesced requests)
     options["staging_blocks"] = -(-max(cfg.sizes_mib) * 1024 // cfg.block_kib) + 1
+    from ..errors import TransportError
+    from ..transports import CrossHost, cross_host, describe, rdma_facts
+
+    # the choice across hosts, from the environment prepare_process starts from (the same
+    # inputs give the same choice; after it, every setting would read as the user's)
+    kind = "cpu" if staged else cfg.device  # what NIXL moves (roles.prepare_process)
+    host, offered = rdma_facts(kind, os.environ, None if kind == "cpu" else cfg.device_ids[1])
+    try:
+        cross = cross_host(kind, os.environ, offered, host)
+    except TransportError as exc:  # prepare_process refuses it too, with the same line
+        cross = CrossHost(lines=(f"refused: {exc}",))
     added = prepare_process(options)  # this process is the decode side: UCX before NIXL
     report["ucx_env"] = ucx_environment()  # what the figures ran under (both sides)
     report["id_reader"] = native.status()  # block-id lists: the native scan, or array('q')
-    from ..transports import describe, offered_transports
-
-    # what, and why; for Intel GPU memory the transport choice too (ze_ipc, or why ze_copy alone)
-    offered = offered_transports() if cfg.device == "xpu" else None
-    # keyed by memory kind, as selftest's (the CLI prints both the same way)
-    report["ucx_policy"] = {cfg.device: describe(added, report["ucx_env"], cfg.device, offered)}
+    # what, and why; for Intel GPU memory the transport choice too (ze_ipc, or why ze_copy
+    # alone); then across hosts. Keyed by memory kind, as selftest's (the CLI prints both alike)
+    report["ucx_policy"] = {cfg.device: describe(added, report["ucx_env"], cfg.device, offered,
+                                                 cross)}
     if cfg.device != "cpu":
         report["device"] = _device_name(cfg.device, cfg.device_ids)
     binding = load_nixl(cfg.nixl_module)

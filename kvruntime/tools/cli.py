@@ -21,7 +21,7 @@ EXIT_CODES = {
     USAGE: "a bad argument: one line naming the option and what it accepts, before any process "
            "starts",
     UNUSABLE: "the stack is unusable: NIXL missing, a process failed to start (bench: any "
-              "failure)",
+              "failure; policy: a UCX setting refused)",
     INTERRUPTED: "interrupted",
 }
 

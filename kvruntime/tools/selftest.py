@@ -307,14 +307,19 @@ def _pairs_at_once(jobs: int) -> int:
     return max(1, min(jobs, cpus // 4))
 
 
-def ucx_policy() -> dict[str, list[str]]:
+def ucx_policy(device_id: int = 0) -> dict[str, list[str]]:
     """What each memory kind's processes set in UCX, and why (transports.policy), under this
-    process's environment, which the pairs inherit: for xpu, the transport choice and its reason."""
-    from ..transports import offered_transports, policy
+    process's environment, which the pairs inherit: for xpu, the transport choice and its reason;
+    for each, the choice across hosts from this host's RDMA ports (device memory on
+    ``device_id``). ucx_info runs once at most."""
+    from ..transports import policy, rdma_facts
 
-    return {("host" if kind == "cpu" else kind): policy(kind, os.environ,
-                                                        offered_transports() if kind == "xpu" else None)
-            for kind in ("cpu", *DEVICES)}
+    out, offered = {}, None
+    for kind in ("cpu", *DEVICES):
+        host, offered = rdma_facts(kind, os.environ, None if kind == "cpu" else device_id,
+                                   offered)
+        out["host" if kind == "cpu" else kind] = policy(kind, os.environ, offered, host)
+    return out
 
 
 def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
@@ -356,7 +361,8 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
         if tp_pairs:  # its ranks laid on every device id given
             jobs += tp_jobs(tp_pairs, {**options, "device": device,
                                        "device_ids": list(device_ids)}, device_ids, seed, timeout)
-    report: dict = {"tool": "kvruntime selftest", "modes": [], "ucx_policy": ucx_policy()}
+    report: dict = {"tool": "kvruntime selftest", "modes": [],
+                    "ucx_policy": ucx_policy(device_ids[0])}
     try:
         workers = at_once or _pairs_at_once(len(jobs))
         report["pairs_at_once"] = workers

@@ -208,3 +208,58 @@ def test_a_read_that_leaves_the_rdma_device_fails_the_lane_check(cpu):
     assert by_name["moved 4 MiB READ over rdmap0:1 (one process, two NIXL agents)"]["ok"] is True
     lanes = by_name["the lanes UCX read back are rdmap0's"]
     assert lanes["ok"] is False and "elsewhere: cma/memory" in lanes["detail"], lanes
+
+
+def _ucx_env(build, monkeypatch, before=""):
+    """`build`'s UCX first on PATH and LD_LIBRARY_PATH (``before`` ahead of its libraries)."""
+    monkeypatch.setenv("PATH", build["env"]["PATH"])
+    monkeypatch.setenv("LD_LIBRARY_PATH", before + build["env"]["LD_LIBRARY_PATH"])
+
+
+def test_the_choice_across_hosts_on_the_cpu_builds_real_ucx_info(cpu, monkeypatch):
+    """The cpu build has verbs, rdmacm, mlx5 and efa, but ucx_info lists an RDMA transport only
+    on a device that exists: on a host without an HCA none, so across hosts is tcp, said; and a
+    UCX_NET_DEVICES naming an RDMA port is refused before NIXL would fail (prime-rl #3204)."""
+    from kvruntime import nics
+
+    _ucx_env(cpu, monkeypatch)
+    offered = transports.offered_devices()
+    host = nics.read_host("cpu")
+    if host.active() or set(offered) & set(transports.RDMA_AM):
+        pytest.skip("this host has RDMA devices: the HCA-less case does not apply")
+    assert "tcp" in offered
+    assert transports.policy("cpu", {}, offered, host)[-1] == \
+        "across hosts: tcp: no RDMA device on this host"
+    refused = transports.policy("cpu", {"UCX_NET_DEVICES": "mlx5_0:1"}, offered, host)
+    assert refused[0].startswith("refused: UCX_NET_DEVICES=mlx5_0:1 names mlx5_0:1, not on this "
+                                 "host (RDMA ports: none;")
+
+
+def test_the_choice_across_hosts_under_ibmocks_efa_devices(cpu, monkeypatch):
+    """The same build's ucx_info under UCX's contrib/ibmock (the one its verification built,
+    <build>/verify/ibmock, or KVSTACK_IBMOCK_DIR; its device nodes as installer/ibmock.py makes
+    them): two EFA devices with ud_verbs and srd, which the policy takes as RDMA with an AM lane,
+    pinning a GPU's nearest; sysfs shows none of them, which the policy says."""
+    from installer import ibmock
+    from kvruntime import nics
+
+    mock = Path(os.environ.get("KVSTACK_IBMOCK_DIR") or cpu["dir"] / "verify" / "ibmock")
+    if not (mock / "libibverbs.so.1").exists():
+        pytest.skip(f"no ibmock build at {mock}")
+    _ucx_env(cpu, monkeypatch, before=f"{mock}:")
+    monkeypatch.setenv("CLOUD_TYPE", "aws")
+    try:
+        with ibmock.device_nodes():
+            offered = transports.offered_devices()
+    except ibmock.Unavailable as e:
+        pytest.skip(str(e))
+    assert offered["srd"] == offered["ud_verbs"] == {"rdmap0:1", "rdmap1:1"}
+    up = nics.Port(1, "ACTIVE", "InfiniBand", "")
+    rdmap = tuple(nics.Nic(f"rdmap{i}", (up,), None, None) for i in (0, 1))
+    host = nics.RdmaHost(nics=rdmap, net_interfaces=("lo",), gpu="0000:18:00.0",
+                         nearest=(rdmap[1], "the test's choice"))
+    assert transports.ucx_settings("cuda", {}, offered, host)["UCX_NET_DEVICES"] == "rdmap1:1"
+    seen = transports.policy("cpu", {"UCX_NET_DEVICES": "rdmap0:1"}, offered,
+                             nics.read_host("cpu"))
+    assert seen[-1].startswith("across hosts: tcp: no RDMA device on this host (sysfs), though "
+                               "this UCX lists rdmap0:1, rdmap1:1")

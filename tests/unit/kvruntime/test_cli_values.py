@@ -22,6 +22,7 @@ BAD = [
     "bench --placement 0,1 --tp-pairs 2x1", "bench --placement 0,x,1 --tp-pairs 2x1",
     "bench --placement 0,1,2 0,1,2 --tp-pairs 2x1", "bench --tp-pairs 2x1x0",
     "bench --scenario tp-8gpu", "bench --tp-engines rdma",
+    "policy --device-id -1", "policy --device-id x",
 ]
 
 

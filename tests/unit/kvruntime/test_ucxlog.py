@@ -190,3 +190,47 @@ def test_the_reader_thread_survives_emfile(tmp_path):
                        timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["1", "1"], (r.stdout, r.stderr)
+
+
+# a host-memory READ from a peer on another host, as UCX prints it, over tcp
+INTER_NODE_TCP_TABLE = HOST_TABLE.replace("intra-node cfg#1", "inter-node cfg#3").replace(
+    "cma/memory                               ", "tcp/eth0                                 ")
+
+
+def test_data_to_another_host_over_tcp_is_named_while_rdma_is_active(tmp_path, monkeypatch):
+    from kvruntime.agent import Agent, lane_faults
+    from kvruntime.errors import TransportError
+
+    lanes = read(tmp_path, HOST_TABLE + INTER_NODE_TCP_TABLE).read()
+    assert [(lane.scope, lane.transports) for lane in lanes] == [
+        ("intra-node", ("cma",)), ("inter-node", ("tcp",))]
+    assert ucxlog.inter_node_lanes_on_tcp(lanes) == [lanes[1]]
+    assert lane_faults(lanes, False, False, ()) == []  # no RDMA port here: tcp is the wire
+    (fault,) = lane_faults(lanes, False, False, ("mlx5_0:1",))
+    assert fault.lanes == (lanes[1],) and "mlx5_0:1 is ACTIVE" in fault.text
+    # the agent's check raises it, naming the lane and the port, unless the user forced it
+    agent = Agent.__new__(Agent)  # no NIXL: only what the check reads
+    agent.lanes, agent.rdma_ports, agent.ucx_env = (lambda: lanes), ("mlx5_0:1",), {}
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
+    with pytest.raises(TransportError) as exc:
+        agent.check_device_lanes("peer p", False, False)
+    assert str(exc.value).startswith(
+        "peer p: UCX moves data to a peer on another host over TCP (kvr-decode-1-aa inter-node: "
+        "remote memory read by ucp_get*(multi) into host memory from host -> tcp) while this "
+        "host's RDMA port mlx5_0:1 is ACTIVE; expect ~1 GB/s instead of the NIC's speed: check "
+        "that ucx_info -d lists rc/ud/dc/srd on mlx5_0:1")
+    monkeypatch.setenv("UCX_NET_DEVICES", "eth0")
+    assert agent.check_device_lanes("peer p", False, False) == [lanes[1]]  # a warning: theirs
+
+
+def test_a_device_lane_to_another_host_is_named_once_as_the_nic_it_missed(tmp_path):
+    from kvruntime.agent import lane_faults
+
+    lanes = read(tmp_path, CUDA_TCP_TABLE.replace("intra-node", "inter-node")).read()
+    (fault,) = lane_faults(lanes, True, True, ("mlx5_0:1", "mlx5_1:1"))
+    assert "another host" in fault.text and "mlx5_0:1, mlx5_1:1 are ACTIVE" in fault.text
+    assert fault.forced_by == ("UCX_TLS", "UCX_NET_DEVICES")
+    (fault,) = lane_faults(lanes, True, True, ())  # no RDMA here: device memory over TCP
+    assert fault.text.startswith("UCX moves device memory over TCP") and \
+        fault.forced_by == ("UCX_TLS",)
