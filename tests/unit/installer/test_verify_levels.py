@@ -115,6 +115,21 @@ PROTO_INFO = """\
 """
 
 
+# A device-memory table in the same format, written for this test: on an H200 under ibmock a CUDA
+# build's probe read back cuda_copy/cuda beside ud_verbs/rdmap0:1 (its tables were not kept)
+CUDA_TABLE = """\
+[1795785404.632562] [vm:19149:0]   | ucp_context_1 intra-node cfg#2                   |
+[1795785404.632562] [vm:19149:0]   | copy from cuda/dev[0] memory to host by ucp_put* |
+[1795785404.632562] [vm:19149:0]   | 0..inf | zero-copy   | cuda_copy/cuda              |
+"""
+
+
 def test_lanes_are_read_from_the_config_column_only_with_or_without_a_port():
     assert verify.proto_lanes(PROTO_INFO) == ["cma/memory", "ud_verbs/rdmap0:1"]
     assert verify.proto_lanes("| ucp_get*(multi) into host/x memory from host |") == []
+
+
+def test_host_only_lanes_leave_out_the_tables_of_device_memory():
+    both = PROTO_INFO + CUDA_TABLE
+    assert "cuda_copy/cuda" in verify.proto_lanes(both)
+    assert verify.proto_lanes(both, host_only=True) == ["cma/memory", "ud_verbs/rdmap0:1"]
