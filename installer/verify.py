@@ -80,6 +80,8 @@ RDMA_MOVE_BYTES = 4 << 20
 # a lane in the Config column of UCX_PROTO_INFO's tables: transport/device (ud_verbs/rdmap0:1,
 # cma/memory, tcp/lo)
 _LANE = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.\-]+(?::\d+)?)")
+# a table's title row: "ucp_context_1 intra-node cfg#1" (scope self, intra-node or inter-node)
+_TABLE_TITLE = re.compile(r"^\S+ (self|intra-node|inter-node) cfg#\d+$")
 # memory kinds other than host in a table's operation ("into cuda/dev[0] memory from host")
 _DEVICE_MEMORY = re.compile(r"\b(?:into|from|to) (?!host )\S+ memory\b")
 NO_HCA = ("no RDMA device on this host (`ibv_devices` lists none): UCX's fake device proved the verbs "
@@ -481,17 +483,21 @@ def _rdma_env(rdma: dict, env: dict[str, str]) -> dict[str, str]:
             "UCX_LOG_FILE": ""}
 
 
-def proto_lanes(text: str, host_only: bool = False) -> list[str]:
-    """Every transport/device in the Config column (the last cell) of UCX_PROTO_INFO's table rows;
-    with ``host_only``, of the tables whose operation names no memory but host memory (a CUDA
-    build's agent also prints cuda_copy tables for device memory, which the probe never moves)."""
-    lanes, operation = set(), ""
+def proto_lanes(text: str, between_peers: bool = False) -> list[str]:
+    """Every transport/device in the Config column (the last cell) of UCX_PROTO_INFO's table rows.
+    With ``between_peers``, only of tables between two endpoints (not a context's endpoint to
+    itself, scope "self": a CUDA build's NIXL agent puts host-to-host copies on cuda_copy there,
+    seen on an H200) whose operation names no memory but host memory."""
+    lanes, scope, operation = set(), "", ""
     for line in text.splitlines():
         cells = [c.strip() for c in line.split("|")[1:-1]]
-        if len(cells) == 1 and " memory" in cells[0]:  # a table's operation row
+        title = _TABLE_TITLE.match(cells[0]) if len(cells) == 1 else None
+        if title:
+            scope = title.group(1)
+        elif len(cells) == 1 and " memory" in cells[0]:  # a table's operation row
             operation = cells[0]
         elif len(cells) >= 3 and ".." in cells[0]:  # a row: range | description | config
-            if host_only and _DEVICE_MEMORY.search(operation):
+            if between_peers and (scope == "self" or _DEVICE_MEMORY.search(operation)):
                 continue
             lanes.update(f"{t}/{d}" for t, d in _LANE.findall(cells[-1]))
     return sorted(lanes)
@@ -523,7 +529,7 @@ def _rdma_moved(rdma: dict, env: dict[str, str], python: str, module: str | None
                    if line.startswith("KVSTACK-RESULT ")), None)
     if result is None:
         return [_check(title, False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-400:]}"), rest]
-    lanes = proto_lanes(r.stdout + r.stderr, host_only=True)
+    lanes = proto_lanes(r.stdout + r.stderr, between_peers=True)
     device = name.split(":")[0]
     off = [lane for lane in lanes if lane.split("/")[1].split(":")[0] != device]
     on = [lane for lane in lanes if lane not in off]

@@ -115,12 +115,19 @@ PROTO_INFO = """\
 """
 
 
-# A device-memory table in the same format, written for this test: on an H200 under ibmock a CUDA
-# build's probe read back cuda_copy/cuda beside ud_verbs/rdmap0:1 (its tables were not kept)
-CUDA_TABLE = """\
+# Rows a CUDA build's probe printed on an H200 under ibmock (UCX_TLS=ud_verbs,cuda_copy): NIXL's
+# agent puts host-to-host writes of its endpoint to itself on cuda_copy
+SELF_TABLE = """\
+[1795785404.632562] [vm:19149:0]   | ucp_context_0 self cfg#0                                 |
+[1795785404.632562] [vm:19149:0]   | remote memory write by ucp_put* from host memory to host |
+[1795785404.632562] [vm:19149:0]   |     Range     | Description |           Config           |
+[1795785404.632562] [vm:19149:0]   | 0..4294967295 | short       | cuda_copy/cuda             |
+"""
+# written for this test in the same format: a table of device memory between two endpoints
+DEVICE_TABLE = """\
 [1795785404.632562] [vm:19149:0]   | ucp_context_1 intra-node cfg#2                   |
-[1795785404.632562] [vm:19149:0]   | copy from cuda/dev[0] memory to host by ucp_put* |
-[1795785404.632562] [vm:19149:0]   | 0..inf | zero-copy   | cuda_copy/cuda              |
+[1795785404.632562] [vm:19149:0]   | remote memory read into cuda/dev[0] memory from host |
+[1795785404.632562] [vm:19149:0]   | 0..inf | zero-copy   | cuda_ipc/cuda              |
 """
 
 
@@ -129,7 +136,7 @@ def test_lanes_are_read_from_the_config_column_only_with_or_without_a_port():
     assert verify.proto_lanes("| ucp_get*(multi) into host/x memory from host |") == []
 
 
-def test_host_only_lanes_leave_out_the_tables_of_device_memory():
-    both = PROTO_INFO + CUDA_TABLE
-    assert "cuda_copy/cuda" in verify.proto_lanes(both)
-    assert verify.proto_lanes(both, host_only=True) == ["cma/memory", "ud_verbs/rdmap0:1"]
+def test_lanes_between_peers_leave_out_self_endpoints_and_device_memory():
+    every = PROTO_INFO + SELF_TABLE + DEVICE_TABLE
+    assert verify.proto_lanes(every) == ["cma/memory", "cuda_copy/cuda", "cuda_ipc/cuda", "ud_verbs/rdmap0:1"]
+    assert verify.proto_lanes(every, between_peers=True) == ["cma/memory", "ud_verbs/rdmap0:1"]
