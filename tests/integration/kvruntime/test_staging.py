@@ -204,3 +204,33 @@ def test_a_stage_naming_blocks_outside_the_prefills_cache_is_refused(prefill, mo
             peer.pull([3, 4], [10, 11], timeout=10)
             assert cache.block_digests([10, 11]) == peer.digests([3, 4])
         cache.close()
+
+
+@pytest.mark.parametrize("engine", ["nixl", "auto"])
+@pytest.mark.parametrize("staging_blocks", [0, 8])
+def test_start_pulls_of_a_host_staged_peer_go_through_the_pools(prefill, engine,
+                                                                staging_blocks):
+    """A batch of pulls from a host-staged peer takes start_pull's road per request: the
+    pools. (Before: the batch READ was posted with the registration's descriptor lists, which
+    describe the staging pools, not the caches: with the default pool both requests came back
+    ok and the cache was unchanged; with a pool of 8 blocks NIXL refused the READ.) Every
+    block not named keeps its canary."""
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=17, kv_buffer="host_staged",
+                 staging_blocks=staging_blocks) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0xA5)
+        canary = cache.block_digest(0)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=staging_blocks,
+                          engine=engine) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            requests = [([3, 9, 40], [20, 21, 50], "a"), ([7, 8], [2, 33], "b")]
+            handles = peer.start_pulls(requests, timeout=20)
+            for res in client.wait_all(handles, timeout=30):
+                assert res.engine == "host_staged"
+            for src, dst, _rid in requests:
+                assert peer.digests(src) == cache.block_digests(dst)
+            written = {b for _s, dst, _r in requests for b in dst}
+            others = sorted(set(range(layout.num_blocks)) - written)
+            assert cache.block_digests(others) == [canary] * len(others)
+        cache.close()
