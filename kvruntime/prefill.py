@@ -49,7 +49,7 @@ from .registration import Registration
 from .releases import Released
 from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
-from .stages import Stages
+from .stages import MAX_STAGE_SECONDS, Stages
 from . import coalesce as coalescing
 from . import native
 from .staging import StagingPool, resolve_kv_buffer
@@ -112,12 +112,18 @@ class ServerStats:
 class PrefillServer:
     def __init__(self, cache: KVCache, options: Options | None = None, *,
                  host: str = "127.0.0.1", port: int = 0, on_release=None,
-                 max_connections: int = 256, max_handshaking_per_address: int = 16, **shared):
+                 max_connections: int = 256, max_handshaking_per_address: int = 16,
+                 max_stage_seconds: float = MAX_STAGE_SECONDS, **shared):
         """Serve ``cache`` on ``host``:``port`` (0: any free port; ``address`` says which).
         ``options`` (options.py), or its fields as keyword arguments, are what a decode
         client takes too; ``on_release(request)`` is called as requests are released;
         ``max_connections`` and ``max_handshaking_per_address`` bound what a flood of
-        connections can hold."""
+        connections can hold; ``max_stage_seconds`` caps how far ahead of its arrival a
+        decode's stage may set its deadline (a run never unstaged is freed 5 s after it)."""
+        if (not isinstance(max_stage_seconds, (int, float)) or isinstance(max_stage_seconds, bool)
+                or not max_stage_seconds > 0):
+            raise KVRuntimeError(f"max_stage_seconds must be a positive number of seconds, got "
+                                 f"{max_stage_seconds!r}")
         o = self.options = Options.of(options, shared)
         # the mode asked for, else KVRUNTIME_KV_BUFFER, else by the device (staging.py)
         o = self.options = replace(o, kv_buffer=resolve_kv_buffer(o.kv_buffer, o.device_kind,
@@ -170,7 +176,8 @@ class PrefillServer:
             self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None,
                                  self.pool is not None and self.staging is None)
             # requests through our pool: gathered, answered chunk by chunk, held (stages.py)
-            self.stages = Stages(self.pool, cache, o.timeout, self._release, self._work.set)
+            self.stages = Stages(self.pool, cache, o.timeout, self._release, self._work.set,
+                                 max_stage_seconds)
         except Exception:
             if self._pool_reg is not None:
                 self._pool_reg.close()
@@ -268,6 +275,8 @@ class PrefillServer:
                 return
             del self._peers[peer.agent]
             self.writes.drop(peer)
+            # no unstage of its can come now: its pool runs are freed, its requests released
+            self.stages.drop(peer.agent)
 
     def _handle(self, peer: _Peer, message: dict) -> None:
         kind = message["type"]

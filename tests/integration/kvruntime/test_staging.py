@@ -234,3 +234,95 @@ def test_start_pulls_of_a_host_staged_peer_go_through_the_pools(prefill, engine,
             others = sorted(set(range(layout.num_blocks)) - written)
             assert cache.block_digests(others) == [canary] * len(others)
         cache.close()
+
+
+def _staged_pair(**server_options):
+    """A host-staged prefill server in this process (its pool and releases looked at) and a
+    decode connected to it; the caches' blocks: random (prefill), a canary (decode)."""
+    layout = small(CROSS_LAYER)
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(21)
+    dst.fill_value(0xA5)
+    server = PrefillServer(src, kv_buffer="host_staged", staging_blocks=8, **server_options)
+    client = DecodeClient(dst, kv_buffer="host_staged", staging_blocks=8, engine="nixl")
+    return server, client, client.connect(*server.address), src, dst
+
+
+def _stage_frame(request, blocks, ahead):
+    from kvruntime import frames, messages
+
+    return messages.STAGE.build(request=request, src=frames.pack_ids(blocks),
+                                deadline=time.time() + ahead)
+
+
+def _until(condition, seconds=10.0):
+    """Poll ``condition`` until true or ``seconds`` pass (a bound, not a timing): its value."""
+    until = time.monotonic() + seconds
+    while not condition() and time.monotonic() < until:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_second_stage_of_one_request_piece_is_refused_and_the_first_run_freed(monkeypatch):
+    """A decode that stages one (request, piece) twice (its stage frame sent twice here): the
+    prefill keeps one run for it, refuses the second stage, and the unstage frees the pool
+    whole. (Before: the second record replaced the first, whose run was never freed, not even
+    at expiry.)"""
+    from kvruntime import staged
+
+    server, client, peer, src, dst = _staged_pair()
+    real = staged.StagedPull.send
+
+    def twice(self):
+        real(self)
+        real(self)
+
+    try:
+        monkeypatch.setattr(staged.StagedPull, "send", twice)
+        handle = peer.start_pull([1, 2, 3], [4, 5, 6], request_id="twice", timeout=10)
+        try:
+            handle.wait(10)
+        except KVRuntimeError:
+            pass  # refused (its second stage) or done first: either way one unstage goes
+        assert server.wait_released("twice", 10)
+        assert server.pool.largest_free_run() == server.pool.units
+        monkeypatch.setattr(staged.StagedPull, "send", real)
+        peer.pull([7, 8], [9, 10], timeout=10)  # the pool serves again
+        assert dst.block_digests([9, 10]) == src.block_digests([7, 8])
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+
+
+def test_a_decode_that_leaves_without_unstaging_has_its_runs_freed_and_released():
+    """A stage whose deadline lies 10^7 s ahead, then the decode closes without unstaging:
+    its connection's end frees the run and releases the request. (Before: the run stayed
+    taken until an expiry 10^7 s away.)"""
+    server, client, peer, src, dst = _staged_pair()
+    try:
+        peer.send(_stage_frame("held", [1, 2], 1e7))
+        assert _until(lambda: server.pool.largest_free_run() < server.pool.units)
+        client.close()  # "bye", no unstage
+        assert server.wait_released("held", 10)
+        assert server.pool.largest_free_run() == server.pool.units
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+
+
+def test_a_stage_deadline_far_ahead_is_capped_by_the_server():
+    """``max_stage_seconds``: a stage naming a deadline 10^7 s ahead, never unstaged while its
+    decode stays connected, is held only until the cap (then the 5 s expiry): freed and
+    released. (Before: no such option; such a run was held for good.)"""
+    server, client, peer, src, dst = _staged_pair(max_stage_seconds=0.5)
+    try:
+        peer.send(_stage_frame("far", [3], 1e7))
+        assert _until(lambda: server.pool.largest_free_run() < server.pool.units)
+        assert server.wait_released("far", 20)
+        assert server.pool.largest_free_run() == server.pool.units
+        assert not peer.closed
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+    with pytest.raises(KVRuntimeError, match="max_stage_seconds must be a positive"):
+        PrefillServer(src, max_stage_seconds=0)
