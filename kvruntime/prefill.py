@@ -74,6 +74,10 @@ class _Peer:  # one decode's connection
     # requests and, together, as many blocks as its cache has (kept by pushes.Pushes)
     expected: dict = field(default_factory=dict)
     expected_blocks: int = 0
+    # pushes we started whose "ready" went to it (it copies them itself: same-node, or
+    # through the pools) and that it has not released yet: its release frame or unstage says
+    # when, and if its connection ends first, its end does (pushes.Pushes, _drop_peer)
+    readied: set = field(default_factory=set)
 
     _planner: Planner | None = None  # its pushes' planner, made at the first one
 
@@ -276,7 +280,16 @@ class PrefillServer:
             del self._peers[peer.agent]
             self.writes.drop(peer)
             # no unstage of its can come now: its pool runs are freed, its requests released
-            self.stages.drop(peer.agent)
+            released = self.stages.drop(peer.agent)
+            # nor a release: pushes we readied for it and it never released (killed before it
+            # polled, or gone mid-copy) are released now, once. It only ever READs what we
+            # readied (our memory, opened or staged): nothing of it writes our blocks after
+            # this, and a decode fails its requests before it hangs up (PrefillPeer.close).
+            readied, peer.readied = peer.readied - released, set()
+            for request in sorted(readied):
+                log.info("push %s: decode %s left before releasing it; released", request,
+                         peer.agent)
+                self._release(peer.agent, request)
 
     def _handle(self, peer: _Peer, message: dict) -> None:
         kind = message["type"]
@@ -383,6 +396,9 @@ class PrefillServer:
                 busy = False
 
     def _release(self, agent: str, request: str) -> None:
+        peer = self._peers.get(agent)
+        if peer is not None:  # a push we readied for it ends here (its release, its unstage)
+            peer.readied.discard(request)
         self.released.add(agent, request)
 
     def wait_released(self, request: str, timeout: float, peer: str | None = None) -> bool:

@@ -399,9 +399,15 @@ class Pushes:
             else:
                 ids = {"src": frames.pack_ids(plan.block_ids()[0])}
             message = messages.READY_IDS.build(request=request, posted=posted, **ids)
-            if peer.mailbox is not None:  # it may read it there before the frame comes
-                message["ring"] = peer.mailbox.post(frames.encode_payload(message))
-            peer.send(message, self.timeout)
+            # from here its release (or its connection's end: prefill._drop_peer) ends it
+            peer.readied.add(request)
+            try:
+                if peer.mailbox is not None:  # it may read it there before the frame comes
+                    message["ring"] = peer.mailbox.post(frames.encode_payload(message))
+                peer.send(message, self.timeout)
+            except KVRuntimeError:
+                peer.readied.discard(request)  # our caller's blocks again: start_push raises
+                raise
             return
         self.writes.post(peer, request, plan, deadline, 1,
                          messages.PUSHED.build(request=request, posted=posted))

@@ -491,3 +491,50 @@ def test_a_pooled_push_that_fails_gives_the_prefill_its_blocks_back(coalesced_pa
     server.start_push("again", [1, 5, 9])
     assert handle.wait(10).coalesced
     assert dst.block_digests([20, 21, 22]) == src.block_digests([1, 5, 9])
+
+
+def _decode_that_names_then_sleeps(port: int, layout, request: str, engine: str, queue) -> None:
+    """A decode process: names ``request``'s blocks (expect_push), says its agent's name on
+    ``queue``, then sleeps without ever polling, until the test kills it (SIGKILL)."""
+    cache = KVCache.allocate_host(layout)
+    options = {"coalesce": "always"} if engine == "coalesced" else {}
+    client = DecodeClient(cache, engine="nixl" if engine == "coalesced" else engine,
+                          ucx_threads=0, **options)
+    peer = client.connect("127.0.0.1", port)
+    peer.expect_push([3, 4, 5], request_id=request, timeout=60)
+    queue.put(client.agent.name)
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("engine", ["samenode", "coalesced"])
+def test_a_decode_killed_after_the_ready_still_has_the_push_released(engine):
+    """The decode names a push it copies itself (same-node, or through the pools), the prefill
+    starts it (its "ready" sent), and the decode is killed before it polls: no release or
+    unstage will ever come from it, and its connection's end releases the request, as
+    start_push promises. (Before: get_released never listed it.)"""
+    import multiprocessing
+    import os
+    import signal
+
+    layout = small()
+    src = KVCache.allocate_host(layout)
+    src.fill_random(8)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with PrefillServer(src) as server:
+        child = ctx.Process(target=_decode_that_names_then_sleeps, daemon=True,
+                            args=(server.address[1], layout, "orphan", engine, queue))
+        child.start()
+        try:
+            agent = queue.get(timeout=60)
+            _wait_expected(server, "orphan", agent, 30)
+            server.start_push("orphan", [10, 11, 12], peer=agent, timeout=60)
+            assert not server.expects("orphan")  # its ready has gone out
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(30)
+        assert child.exitcode == -signal.SIGKILL
+        assert server.wait_released("orphan", 10, peer=agent)
+        assert not server.wait_released("orphan", 0.2)  # once
+    queue.close()
+    src.close()
