@@ -326,3 +326,41 @@ def test_a_stage_deadline_far_ahead_is_capped_by_the_server():
         src.close(), dst.close()
     with pytest.raises(KVRuntimeError, match="max_stage_seconds must be a positive"):
         PrefillServer(src, max_stage_seconds=0)
+
+
+@pytest.mark.parametrize("mode,engine,named", [
+    ("host_staged", "nixl", "host_staged NIXL READ"),
+    ("host_staged", "auto", "host_staged samenode:process_vm_readv READ"),
+    ("coalesced", "nixl", "coalesced NIXL READ")])
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_a_failed_request_through_the_pools_names_its_engine(monkeypatch, mode, engine, named,
+                                                             op):
+    """A request through the pools that fails (the prefill refuses its stage: an id forged on
+    the way out) names what moves it, as a NIXL READ's failure does ("NIXL READ of ...").
+    (Before: "host_staged of 16384 bytes", "nixl of 16384 bytes": a result's engine name, a
+    coalesced request passing for a plain NIXL one.)"""
+    from kvruntime import staged
+
+    layout = small(CROSS_LAYER)
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    if mode == "host_staged":
+        sides = {"kv_buffer": "host_staged", "staging_blocks": 8}
+        server_options, client_options = sides, {**sides, "engine": engine}
+    else:
+        server_options, client_options = {}, {"engine": engine, "coalesce": "always"}
+    real = staged.frames.pack_ids
+    try:
+        with PrefillServer(src, **server_options) as server, \
+                DecodeClient(dst, **client_options) as client:
+            peer = client.connect(*server.address)
+            monkeypatch.setattr(staged.frames, "pack_ids", lambda ids: real([70]))
+            with pytest.raises(KVRuntimeError) as err:
+                getattr(peer, op)([1], [2], request_id="named", timeout=10)
+            monkeypatch.setattr(staged.frames, "pack_ids", real)
+            assert str(err.value).startswith(
+                f"{named} of {layout.block_bytes} bytes for request named failed: the "
+                f"prefill could not stage it: source block id 70 is outside 0..63"), err.value
+            res = getattr(peer, op)([1], [2], timeout=10)  # its result's engine: unchanged
+            assert res.engine == ("host_staged" if mode == "host_staged" else "nixl")
+    finally:
+        src.close(), dst.close()
