@@ -405,11 +405,36 @@ class PrefillPeer:
     def in_flight(self) -> int:
         return sum(1 for h in self.client.inflight_handles() if h.peer is self)
 
+    def _settle_pushes(self) -> None:
+        """Before the close hangs up: pushes the prefill WRITEs fail and are cancelled, and
+        the prefill's answers, read for at most the client's timeout, settle them (it answers
+        a cancel once the WRITE has ended). After the hang-up nothing reads its answers: they
+        stayed unsettled for good although the prefill lived. One it does not answer in time
+        stays unsettled, its error says so. Only a close with such pushes waits."""
+        why = "the decode closed its connection to the prefill before the push ended"
+        asked = [(h, h.close_push(why)) for h in list(self.channel.pending.values())]
+        waiting = [h for h, what in asked if what is not None]
+        for handle, what in asked:
+            if what == "cancel":
+                self.channel.cancel(handle.request_id)
+        start = time.monotonic()
+        until = start + self.client.timeout
+        while (any(not h.settled for h in waiting) and not self.channel.losing
+               and time.monotonic() < until):
+            self.pump()  # the answers, and our worker's progress (a WRITE over tcp needs it)
+            if any(not h.settled for h in waiting):
+                self.await_frame(min(0.005, max(0.0, until - time.monotonic())))
+        for handle, what in asked:  # one failed by its deadline keeps that error
+            if what == "cancel":
+                handle.closed_unanswered(why, time.monotonic() - start)
+
     def close(self) -> None:
         if self.closed:
             return
         if not self.channel.losing:  # what finished before the close still frees its blocks
             self.releases.flush()
+            if not self.broken:
+                self._settle_pushes()
         self.channel.closed = True  # nothing goes out now but the "bye"
         for handle in [h for h in self.client.inflight_handles() if h.peer is self]:
             handle.on_peer_lost(self.broken or "the connection was closed")
