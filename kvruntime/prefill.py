@@ -343,11 +343,12 @@ class PrefillServer:
 
         When the WRITE has ended, or the decode has copied them, or the push was dropped,
         ``get_released`` lists the request and our blocks may be reused (with agent ``""``
-        for a push no decode ever named). A failed WRITE is the decode's to report (it gets a
-        ``push_failed`` frame); a same-node copy that fails once started is released once
-        it reads nothing any more, as a failed pull is; one that may still be reading them
-        (a READ that could not be aborted) is not: the engine's own timeout frees those.
-        Raises
+        for a push no decode ever named); so does the end of the decode's connection (closed,
+        killed) before it said so: at once for a ready, once it has ended for a WRITE. A
+        failed WRITE is the decode's to report (it gets a ``push_failed`` frame); a same-node
+        copy that fails once started is released once it reads nothing any more, as a failed
+        pull is; one that may still be reading them (a READ that could not be aborted) is
+        not, until the decode's connection ends (it only reads our blocks). Raises
         ``KVRuntimeError`` for bad ids or a count other than the decode named (its request
         stays expected: push again), or a WRITE NIXL refuses (the decode is told); then
         nothing is released, the blocks are the caller's."""
