@@ -1,7 +1,8 @@
 """The prefill's side of requests through its staging pool (host-staged, or coalesced NIXL):
 a decode's "stage" is queued, gathered chunk by chunk into the pool, each chunk answered as soon
-as it is there, and the run held until the decode's "unstage" (or, if it never comes, an expiry
-well after the request's deadline). The decode's side is staged.py; the pools, staging.py."""
+as it is there, and the run held until the decode's "unstage" (or, if it never comes, the end of
+the decode's connection, or an expiry well after the request's deadline, which is capped at
+``max_seconds`` from the stage's arrival). The decode's side is staged.py; the pools, staging.py."""
 
 from __future__ import annotations
 
