@@ -124,7 +124,14 @@ class PrefillPeer:
         NIXL descriptors per run of blocks (None: ``read_split`` chooses)."""
         t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
-        handle = self.make_handle("pull", request_id, plan, timeout, t0)
+        return self._start_read(self.make_handle("pull", request_id, plan, timeout, t0), split)
+
+    def _start_read(self, handle: TransferHandle, split: int | None) -> TransferHandle:
+        """A pull's road, the one rule for ``start_pull`` and each request of a
+        ``start_pulls`` batch the same-node engine does not gather: our copy on the same-node
+        engine; the pools for a host-staged peer (NIXL holds the pools there, never the
+        caches: a READ with the registration's lists would read pool into pool) or a
+        coalesced request; else one READ with the caches' lists."""
         if self.samenode is not None:
             return self.start_local(handle)
         if self.client.staging is not None or coalescing.choose(self, handle):
@@ -245,7 +252,9 @@ class PrefillPeer:
         request is checked as by ``start_pull``, and no destination block may appear in two of
         them. On the same-node engine the whole batch is one gather (one id upload, one launch
         per region): a request's host cost is then its planning alone. Over NIXL each request
-        is posted as its own READ (released by the poll that sees it done).
+        is posted as its own READ (released by the poll that sees it done), or goes through
+        the pools where ``start_pull`` would take it there (a host-staged peer, a coalesced
+        request): each request takes ``start_pull``'s road.
         """
         requests = list(requests)
         t0 = time.perf_counter()
@@ -258,8 +267,8 @@ class PrefillPeer:
         admitted = list(zip(plans, [self.name_request(rid) for _, _, rid in requests]))
         if len({rid for _plan, rid in admitted}) != len(admitted):
             raise KVRuntimeError("a request id appears twice in one batch")
-        if self.samenode is None:
-            return [self._post_read(self.make_handle("pull", rid, plan, timeout, t0), 1)
+        if self.samenode is None:  # split 1, as the batch has always posted its READs
+            return [self._start_read(self.make_handle("pull", rid, plan, timeout, t0), 1)
                     for plan, rid in admitted]
         job = self.samenode.start("READ", merged, self.head_slice)
         batch = Batch(job)
@@ -396,11 +405,36 @@ class PrefillPeer:
     def in_flight(self) -> int:
         return sum(1 for h in self.client.inflight_handles() if h.peer is self)
 
+    def _settle_pushes(self) -> None:
+        """Before the close hangs up: pushes the prefill WRITEs fail and are cancelled, and
+        the prefill's answers, read for at most the client's timeout, settle them (it answers
+        a cancel once the WRITE has ended). After the hang-up nothing reads its answers: they
+        stayed unsettled for good although the prefill lived. One it does not answer in time
+        stays unsettled, its error says so. Only a close with such pushes waits."""
+        why = "the decode closed its connection to the prefill before the push ended"
+        asked = [(h, h.close_push(why)) for h in list(self.channel.pending.values())]
+        waiting = [h for h, what in asked if what is not None]
+        for handle, what in asked:
+            if what == "cancel":
+                self.channel.cancel(handle.request_id)
+        start = time.monotonic()
+        until = start + self.client.timeout
+        while (any(not h.settled for h in waiting) and not self.channel.losing
+               and time.monotonic() < until):
+            self.pump()  # the answers, and our worker's progress (a WRITE over tcp needs it)
+            if any(not h.settled for h in waiting):
+                self.await_frame(min(0.005, max(0.0, until - time.monotonic())))
+        for handle, what in asked:  # one failed by its deadline keeps that error
+            if what == "cancel":
+                handle.closed_unanswered(why, time.monotonic() - start)
+
     def close(self) -> None:
         if self.closed:
             return
         if not self.channel.losing:  # what finished before the close still frees its blocks
             self.releases.flush()
+            if not self.broken:
+                self._settle_pushes()
         self.channel.closed = True  # nothing goes out now but the "bye"
         for handle in [h for h in self.client.inflight_handles() if h.peer is self]:
             handle.on_peer_lost(self.broken or "the connection was closed")

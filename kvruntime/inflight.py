@@ -310,6 +310,36 @@ class TransferHandle:
         if not was:
             self.peer.client.settled_late(self)
 
+    def close_push(self, why: str) -> str | None:
+        """Its peer is closing (``PrefillPeer.close``) and will read nothing after: a push the
+        prefill WRITEs (no copy of ours) fails now, unsettled, as its WRITE may run. Returns
+        "cancel" for one failed here (its cancel is the close's to send), "wait" for one that
+        failed before and awaits the answer to the cancel sent then, None for anything else
+        (not such a push, settled, or done: a "pushed" already here finishes it)."""
+        with self.lock:
+            if self.op != "push" or self._xfer is not None:
+                return None
+            if self.state == PENDING and self._reply is not None:
+                self._advance_push()  # it has landed: done, as the next poll would say
+                return None
+            if self.state == PENDING:
+                self.fail(TransferError(f"push of request {self.request_id}: {why}"),
+                          settled=False)
+                return "cancel"
+            return None if self.settled else "wait"
+
+    def closed_unanswered(self, why: str, seconds: float) -> None:
+        """The close read the prefill's frames ``seconds`` for the answer to this push's
+        cancel: its error says whether it came (settled: nothing more lands) or not."""
+        with self.lock:
+            if self.settled:
+                said = "the prefill answered its cancel: nothing more lands"
+            else:
+                said = (f"the prefill did not answer its cancel within {seconds:.1f}s, so the "
+                        f"destination blocks may still be written: reuse them only once that "
+                        f"prefill process has exited")
+            self._error = TransferError(f"push of request {self.request_id}: {why}; {said}")
+
     def on_peer_lost(self, why: str) -> None:
         """The side channel broke: pending requests fail. A push the prefill has not answered
         stays unsettled: its WRITE may be running (a stalled prefill resumes and goes on with

@@ -16,8 +16,8 @@ from typing import Mapping
 
 # variable -> (the Options field it fills, or None for a module's own setting; what it does)
 ENV = {
-    "KVRUNTIME_KV_BUFFER": ("kv_buffer", "`direct` or `host_staged`: where NIXL reads and writes "
-                            "the KV (default: direct where the device memory registers)"),
+    "KVRUNTIME_KV_BUFFER": ("kv_buffer", "`device` or `host_staged`: where NIXL reads and writes "
+                            "the KV (default: device where the device memory registers)"),
     "KVRUNTIME_SECRET": ("secret", "the shared secret both sides prove at the handshake"),
     "KVRUNTIME_NIXL_MODULE": (None, "the NIXL Python module to load (default: the first of "
                               "nixl_cpu, nixl_xpu, nixl_cu13, nixl_cu12, nixl)"),
@@ -43,7 +43,7 @@ class Options:
     only); ``timeout``: seconds for a connect, a frame, a control call; ``ucx_threads``:
     NIXL's UCX threads (0: the caller's polls progress; None: chosen, agent.ucx_threads);
     ``device_kind``: "cpu", "cuda" or "xpu" (which UCX settings apply); ``name``: the NIXL
-    agent's name (None: a unique one); ``kv_buffer``: "direct" or "host_staged" (None: by the
+    agent's name (None: a unique one); ``kv_buffer``: "device" or "host_staged" (None: by the
     device kind); ``staging_blocks``: host-staged pool size in blocks (0: the cache's);
     ``tp_rank``: this side's tensor-parallel rank; ``coalesce``: "auto", "always" or
     "never", whether a NIXL request of many runs goes through both sides' staging pools

@@ -49,7 +49,7 @@ from .registration import Registration
 from .releases import Released
 from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
-from .stages import Stages
+from .stages import MAX_STAGE_SECONDS, Stages
 from . import coalesce as coalescing
 from . import native
 from .staging import StagingPool, resolve_kv_buffer
@@ -74,6 +74,10 @@ class _Peer:  # one decode's connection
     # requests and, together, as many blocks as its cache has (kept by pushes.Pushes)
     expected: dict = field(default_factory=dict)
     expected_blocks: int = 0
+    # pushes we started whose "ready" went to it (it copies them itself: same-node, or
+    # through the pools) and that it has not released yet: its release frame or unstage says
+    # when, and if its connection ends first, its end does (pushes.Pushes, _drop_peer)
+    readied: set = field(default_factory=set)
 
     _planner: Planner | None = None  # its pushes' planner, made at the first one
 
@@ -112,12 +116,18 @@ class ServerStats:
 class PrefillServer:
     def __init__(self, cache: KVCache, options: Options | None = None, *,
                  host: str = "127.0.0.1", port: int = 0, on_release=None,
-                 max_connections: int = 256, max_handshaking_per_address: int = 16, **shared):
+                 max_connections: int = 256, max_handshaking_per_address: int = 16,
+                 max_stage_seconds: float = MAX_STAGE_SECONDS, **shared):
         """Serve ``cache`` on ``host``:``port`` (0: any free port; ``address`` says which).
         ``options`` (options.py), or its fields as keyword arguments, are what a decode
         client takes too; ``on_release(request)`` is called as requests are released;
         ``max_connections`` and ``max_handshaking_per_address`` bound what a flood of
-        connections can hold."""
+        connections can hold; ``max_stage_seconds`` caps how far ahead of its arrival a
+        decode's stage may set its deadline (a run never unstaged is freed 5 s after it)."""
+        if (not isinstance(max_stage_seconds, (int, float)) or isinstance(max_stage_seconds, bool)
+                or not max_stage_seconds > 0):
+            raise KVRuntimeError(f"max_stage_seconds must be a positive number of seconds, got "
+                                 f"{max_stage_seconds!r}")
         o = self.options = Options.of(options, shared)
         # the mode asked for, else KVRUNTIME_KV_BUFFER, else by the device (staging.py)
         o = self.options = replace(o, kv_buffer=resolve_kv_buffer(o.kv_buffer, o.device_kind,
@@ -173,7 +183,8 @@ class PrefillServer:
             self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None,
                                  self.pool is not None and self.staging is None)
             # requests through our pool: gathered, answered chunk by chunk, held (stages.py)
-            self.stages = Stages(self.pool, cache, o.timeout, self._release, self._work.set)
+            self.stages = Stages(self.pool, cache, o.timeout, self._release, self._work.set,
+                                 max_stage_seconds)
         except Exception:
             if self._pool_reg is not None:
                 self._pool_reg.close()
@@ -271,6 +282,17 @@ class PrefillServer:
                 return
             del self._peers[peer.agent]
             self.writes.drop(peer)
+            # no unstage of its can come now: its pool runs are freed, its requests released
+            released = self.stages.drop(peer.agent)
+            # nor a release: pushes we readied for it and it never released (killed before it
+            # polled, or gone mid-copy) are released now, once. It only ever READs what we
+            # readied (our memory, opened or staged): nothing of it writes our blocks after
+            # this, and a decode fails its requests before it hangs up (PrefillPeer.close).
+            readied, peer.readied = peer.readied - released, set()
+            for request in sorted(readied):
+                log.info("push %s: decode %s left before releasing it; released", request,
+                         peer.agent)
+                self._release(peer.agent, request)
 
     def _handle(self, peer: _Peer, message: dict) -> None:
         kind = message["type"]
@@ -324,11 +346,12 @@ class PrefillServer:
 
         When the WRITE has ended, or the decode has copied them, or the push was dropped,
         ``get_released`` lists the request and our blocks may be reused (with agent ``""``
-        for a push no decode ever named). A failed WRITE is the decode's to report (it gets a
-        ``push_failed`` frame); a same-node copy that fails once started is released once
-        it reads nothing any more, as a failed pull is; one that may still be reading them
-        (a READ that could not be aborted) is not: the engine's own timeout frees those.
-        Raises
+        for a push no decode ever named); so does the end of the decode's connection (closed,
+        killed) before it said so: at once for a ready, once it has ended for a WRITE. A
+        failed WRITE is the decode's to report (it gets a ``push_failed`` frame); a same-node
+        copy that fails once started is released once it reads nothing any more, as a failed
+        pull is; one that may still be reading them (a READ that could not be aborted) is
+        not, until the decode's connection ends (it only reads our blocks). Raises
         ``KVRuntimeError`` for bad ids or a count other than the decode named (its request
         stays expected: push again), or a WRITE NIXL refuses (the decode is told); then
         nothing is released, the blocks are the caller's."""
@@ -377,6 +400,9 @@ class PrefillServer:
                 busy = False
 
     def _release(self, agent: str, request: str) -> None:
+        peer = self._peers.get(agent)
+        if peer is not None:  # a push we readied for it ends here (its release, its unstage)
+            peer.readied.discard(request)
         self.released.add(agent, request)
 
     def wait_released(self, request: str, timeout: float, peer: str | None = None) -> bool:

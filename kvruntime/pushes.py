@@ -110,13 +110,19 @@ class Writes:
 
     def drop(self, peer) -> None:
         """``peer`` left (under the server's peers lock): its WRITEs end before its agent and
-        list go; one still in flight is kept until UCX ends it."""
-        running = []
+        list go; one still in flight is kept until UCX ends it. A push of ours (start_push)
+        is released once its WRITE has ended, here or then: no answer can reach the decode
+        now, and the release is what gives our caller its blocks back."""
+        running, ended = [], []
         with self.lock:
             for write in [w for w in self._writes.values() if w.peer is peer]:
                 del self._writes[(peer.agent, write.request)]
                 if not write.xfer.abort():
                     running.append(write)
+                elif write.notified:
+                    ended.append(write.request)
+        for request in ended:  # nothing of ours is read by its WRITE any more
+            self.release(peer.agent, request)
         if not running:
             self.registration.forget_peer(peer.agent)
             return
@@ -124,9 +130,14 @@ class Writes:
                     "end", len(running), peer.agent)
         self._leaving[peer.agent] = len(running)
         for write in running:
-            self._orphans.add(write.xfer, lambda agent=peer.agent: self._orphan_ended(agent))
+            self._orphans.add(write.xfer, lambda agent=peer.agent, w=write: self._orphan_ended(
+                agent, w.request if w.notified else None))
 
-    def _orphan_ended(self, agent: str) -> None:
+    def _orphan_ended(self, agent: str, request: str | None = None) -> None:
+        """A departed decode's WRITE has ended (UCX completed it); ``request``: a push of
+        ours, released now that its WRITE reads our blocks no more."""
+        if request is not None:
+            self.release(agent, request)
         with self._peers_lock:
             left = self._leaving[agent] - 1
             if left:
@@ -401,9 +412,15 @@ class Pushes:
             else:
                 ids = {"src": frames.pack_ids(plan.block_ids()[0])}
             message = messages.READY_IDS.build(request=request, posted=posted, **ids)
-            if peer.mailbox is not None:  # it may read it there before the frame comes
-                message["ring"] = peer.mailbox.post(frames.encode_payload(message))
-            peer.send(message, self.timeout)
+            # from here its release (or its connection's end: prefill._drop_peer) ends it
+            peer.readied.add(request)
+            try:
+                if peer.mailbox is not None:  # it may read it there before the frame comes
+                    message["ring"] = peer.mailbox.post(frames.encode_payload(message))
+                peer.send(message, self.timeout)
+            except KVRuntimeError:
+                peer.readied.discard(request)  # our caller's blocks again: start_push raises
+                raise
             return
         self.writes.post(peer, request, plan, deadline, 1,
                          messages.PUSHED.build(request=request, posted=posted))

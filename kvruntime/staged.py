@@ -51,7 +51,12 @@ class StagedPull(CopyJob):
         super().__init__("READ", plan)
         self.peer = peer
         self.route = route
-        self.engine = route.engine
+        # what moves it, as its errors name it (jobs.Job): the READs of the prefill's pool
+        # runs, by NIXL or, host-staged on one host, the same-node engine's readers; its
+        # result names route.engine ("host_staged", or "nixl" for a coalesced request)
+        reader = "NIXL" if peer.pool_engine is None else peer.pool_engine.name
+        self.engine = (f"host_staged {reader} READ" if route.engine == "host_staged" else
+                       f"coalesced {reader} READ")
         tp = peer.head_slice  # which of the prefill's heads, to which of ours
         self._src_heads = tp.src if tp else None
         self._dst_heads = tp.dst if tp else None
@@ -338,7 +343,8 @@ class StagedPull(CopyJob):
 
         nbytes = self.plan.num_blocks * self._hs * self.route.pool.layout.block_bytes
         return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,  # our heads
-                              self._descriptors + len(self._chunks), None, engine=self.engine)
+                              self._descriptors + len(self._chunks), None,
+                              engine=self.route.engine)
 
 
 def pieces(blocks: int, heads: int, route: PoolRoute, request_id: str) -> list[tuple[int, int]]:

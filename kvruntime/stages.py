@@ -1,7 +1,8 @@
 """The prefill's side of requests through its staging pool (host-staged, or coalesced NIXL):
 a decode's "stage" is queued, gathered chunk by chunk into the pool, each chunk answered as soon
-as it is there, and the run held until the decode's "unstage" (or, if it never comes, an expiry
-well after the request's deadline). The decode's side is staged.py; the pools, staging.py."""
+as it is there, and the run held until the decode's "unstage" (or, if it never comes, the end of
+the decode's connection, or an expiry well after the request's deadline, which is capped at
+``max_seconds`` from the stage's arrival). The decode's side is staged.py; the pools, staging.py."""
 
 from __future__ import annotations
 
@@ -16,17 +17,28 @@ from .plan import check_range
 
 log = logging.getLogger(__name__)
 EXPIRED_KEPT_S = 600.0  # how long an expired request's late unstage is recognized
+# How far ahead of its arrival a stage's deadline may lie (PrefillServer's max_stage_seconds):
+# a run is held until the unstage or the deadline's expiry, so a decode naming a deadline
+# 10^7 s ahead would otherwise keep the units of a run it never unstages for good.
+MAX_STAGE_SECONDS = 300.0
 
 
 class Stages:
     """Staged requests of a prefill's decodes. ``pool``: the prefill's staging pool (None: it
     keeps none, and every stage is refused); ``release(agent, request)``: the request's blocks
-    are free; ``wake()``: the progress loop's, since queued requests may fit now."""
+    are free; ``wake()``: the progress loop's, since queued requests may fit now;
+    ``max_seconds``: how far ahead a stage's deadline is taken (a later one is capped).
 
-    def __init__(self, pool, cache, timeout: float, release, wake):
+    One run a (decode, request, piece): a second stage of one queued, gathered or held is
+    refused (a stage_failed that says so), never let replace the first: the first's run may
+    still be READ by the decode, and a replaced record was a run nothing would ever free."""
+
+    def __init__(self, pool, cache, timeout: float, release, wake,
+                 max_seconds: float = MAX_STAGE_SECONDS):
         self.pool = pool
         self.cache = cache
         self.timeout = timeout
+        self.max_seconds = max_seconds
         self._release = release
         self._wake = wake
         # (agent, request, piece) -> (start, n, expiry); a request larger than the pools
@@ -40,6 +52,9 @@ class Stages:
         # requests released by expiry, (agent, request) -> when: a late unstage releases
         # nothing more (their blocks may be the caller's again by then)
         self._expired: dict = {}
+        # requests between pieces (a piece unstaged with "more", the next not staged yet):
+        # (agent, request), released if the decode's connection ends before the next comes
+        self._between: set = set()
         self._lock = threading.Lock()
 
     @property
@@ -73,18 +88,25 @@ class Stages:
             left = deadline - time.time()
             if left <= 0:
                 raise KVRuntimeError(f"its deadline passed {-left:.3f}s before it was read")
+            left = min(left, self.max_seconds)  # held no longer than our cap, whatever it says
             units = len(src) * (heads[1] - heads[0])
             if units > self.pool.units:
                 raise KVRuntimeError(f"a request of {units} units ({len(src)} blocks x "
                                      f"{heads[1] - heads[0]} heads) cannot fit a staging pool "
                                      f"of {self.pool.units} units (the prefill's: "
                                      f"{self.pool.numbers(units)})")
+            key = (peer.agent, request, piece)
+            with self._lock:
+                if (key in self._staged or key in self._gathering
+                        or any((e[0].agent, e[1], e[2]) == key for e in self._queue)):
+                    raise KVRuntimeError(f"request {request!r} (piece {piece}) is already "
+                                         f"staged: one run a request piece, until its unstage")
+                self._between.discard(key[:2])
+                self._queue.append((peer, request, piece, src, heads, time.monotonic() + left,
+                                    time.monotonic()))
         except KVRuntimeError as exc:
             peer.send(messages.STAGE_FAILED.build(request=request, error=str(exc)), self.timeout)
             return
-        with self._lock:
-            self._queue.append((peer, request, piece, src, heads, time.monotonic() + left,
-                                time.monotonic()))
         self.serve()
 
     def serve(self) -> None:
@@ -191,6 +213,10 @@ class Stages:
         with self._lock:
             if (agent, request) in self._expired:
                 return  # freed and released when it expired
+            if more:
+                self._between.add(key[:2])
+            else:
+                self._between.discard(key[:2])
             staged = self._staged.pop(key, None)
             if staged is None and key in self._gathering:
                 self._early[key] = more
@@ -204,6 +230,42 @@ class Stages:
             self._release(agent, request)
         self._wake()  # queued requests may fit now
 
+    def drop(self, agent: str) -> set:
+        """Decode ``agent``'s connection ended: no unstage of it can come now. Its held runs
+        are freed and its queued stages dropped now, a run being gathered once the gather
+        stops (as an early unstage); each of its requests is released once. Returns the
+        requests released (now, or by the gather's end).
+
+        Why freeing now is safe for us: a decode only ever READs our pool (one-sided, from
+        its side); a READ it still has in flight writes nothing of ours, and reads bytes that
+        a peer which passed the handshake could read anyway (our NIXL metadata gives it the
+        whole registered pool). Its own requests are guarded on its side: a decode fails its
+        peer's requests before it hangs up (PrefillPeer.close), a READ of them lands only in
+        its own pool and no scatter follows a failure (staged.py), and a killed one reads
+        nothing. Our gathers, the only writers, are waited out (the early path)."""
+        with self._lock:
+            queued = [e for e in self._queue if e[0].agent == agent]
+            for entry in queued:
+                self._queue.remove(entry)
+            gathering = {k for k in self._gathering if k[0] == agent}
+            for key in gathering:
+                self._early[key] = False  # freed, and the request released, by its gather
+            held = [(k, self._staged.pop(k)) for k in list(self._staged)
+                    if k[0] == agent and k not in gathering]
+            between = {k for k in self._between if k[0] == agent}
+            self._between -= between
+        later = {k[1] for k in gathering}
+        now = ({e[1] for e in queued} | {k[1] for k, _ in held} | {k[1] for k in between}) - later
+        for _key, (start, n, _expiry) in held:
+            self.pool.release(start, n)
+        for request in sorted(now):
+            self._release(agent, request)
+        if held or queued:
+            log.info("decode %s left: %d staged run(s) freed, %d queued stage(s) dropped",
+                     agent, len(held), len(queued))
+            self._wake()  # queued requests may fit now
+        return now | later
+
     def expire(self) -> None:
         """Runs whose decode never unstaged them (it died, or lost its connection), well after
         their deadline (its READs have been aborted by then): freed, and the request released
@@ -216,6 +278,7 @@ class Stages:
                     del self._staged[key]
                     expired.append((key, start, n))
                     self._expired[key[:2]] = now
+                    self._between.discard(key[:2])
             for old in [k for k, at in self._expired.items() if now - at > EXPIRED_KEPT_S]:
                 del self._expired[old]
         for (agent, request, _piece_), start, n in expired:

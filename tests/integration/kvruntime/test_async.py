@@ -372,3 +372,47 @@ def test_a_copy_the_kernel_refuses_fails_and_gives_the_blocks_back():
             peer.pull([5], [9], timeout=20)
             assert dst.block_digest(9) == src.block_digest(5)
     src.close(), dst.close()
+
+
+@pytest.mark.parametrize("how", ["asked", "named"])
+def test_a_decode_closing_its_peer_settles_its_pending_pushes(pair, how):
+    """The decode closes its own peer (the prefill lives) with a push in flight that the
+    prefill WRITEs: one it asked for (start_push), or one it named and the prefill has not
+    pushed yet (expect_push). The close cancels it and waits for the prefill's answer, so
+    the failed push is settled, saying why, and get_settled reports it. (Before: failed with
+    settled False for good: nothing read the prefill's answer after the hang-up.)"""
+    server, client, peer, src, dst = pair
+    if how == "asked":
+        handle = peer.start_push([2, 3], [6, 7], request_id="c", timeout=20)
+    else:
+        handle = peer.expect_push([6, 7], request_id="c", timeout=20)
+        until = time.monotonic() + 10
+        while not server.expects("c") and time.monotonic() < until:
+            time.sleep(0.001)
+        assert server.expects("c")
+    peer.close()  # no poll before it: the prefill's answer is still unread
+    assert handle.state == "failed" and handle.settled, handle.error
+    assert "closed" in str(handle.error), handle.error
+    assert handle in client.get_settled()
+    assert not server.expects("c")  # the prefill dropped it too
+
+
+def test_a_close_that_gets_no_answer_leaves_the_push_unsettled_and_says_so(prefill, stall):
+    """The same close with the prefill stopped (SIGSTOP): no answer to the cancel can come,
+    the close reads for the client's timeout and then hangs up, and the push stays unsettled
+    (its WRITE may still run once the prefill resumes), its error saying so."""
+    layout = small()
+    with prefill([layout], seed=9) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl", timeout=0.5) as client:
+            peer = client.connect("127.0.0.1", ports[0], timeout=20)
+            peer.pull([0], [0], timeout=20)  # endpoints wired up while the prefill runs
+            stall(proc.pid)
+            try:
+                handle = peer.start_push([1, 2], [10, 11], request_id="s", timeout=20)
+                peer.close()
+                assert handle.state == "failed" and not handle.settled
+                assert "did not answer its cancel within" in str(handle.error), handle.error
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+        cache.close()

@@ -324,3 +324,25 @@ def test_a_prefill_that_refuses_pools_leaves_requests_direct(prefill):
     with pytest.raises(KVRuntimeError, match="coalesce must be one of auto, always, never"):
         DecodeClient(cache, coalesce="sometimes")
     cache.close()
+
+
+def test_start_pulls_of_a_direct_peer_coalesce_as_start_pull_does(prefill):
+    """coalesce="always" holds for a batch too: each request of ``start_pulls`` goes through
+    the pools, as ``start_pull`` would take it (before: posted direct, ``coalesced`` False)."""
+    layout = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
+    with prefill([layout], seed=9, staging_blocks=16) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(CANARY)
+        canary = cache.block_digest(0)
+        with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=16) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            requests = [([1, 5, 9], [10, 30, 31], None), ([2, 60], [0, 63], None)]
+            results = client.wait_all(peer.start_pulls(requests, timeout=20), timeout=30)
+            assert [r.coalesced for r in results] == [True, True]
+            assert {r.coalesce_reason for r in results} == {"coalesce='always'"}
+            for src, dst, _rid in requests:
+                assert peer.digests(src) == cache.block_digests(dst)
+            others = sorted(set(range(64)) - {10, 30, 31, 0, 63})
+            assert cache.block_digests(others) == [canary] * len(others)
+            assert client.pool.largest_free_run() == client.pool.units
+        cache.close()

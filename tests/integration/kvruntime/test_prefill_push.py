@@ -491,3 +491,100 @@ def test_a_pooled_push_that_fails_gives_the_prefill_its_blocks_back(coalesced_pa
     server.start_push("again", [1, 5, 9])
     assert handle.wait(10).coalesced
     assert dst.block_digests([20, 21, 22]) == src.block_digests([1, 5, 9])
+
+
+def _decode_that_names_then_sleeps(port: int, layout, request: str, engine: str, queue) -> None:
+    """A decode process: names ``request``'s blocks (expect_push), says its agent's name on
+    ``queue``, then sleeps without ever polling, until the test kills it (SIGKILL)."""
+    cache = KVCache.allocate_host(layout)
+    options = {"coalesce": "always"} if engine == "coalesced" else {}
+    client = DecodeClient(cache, engine="nixl" if engine == "coalesced" else engine,
+                          ucx_threads=0, **options)
+    peer = client.connect("127.0.0.1", port)
+    peer.expect_push([3, 4, 5], request_id=request, timeout=60)
+    queue.put(client.agent.name)
+    time.sleep(600)
+
+
+@pytest.mark.parametrize("engine", ["samenode", "coalesced"])
+def test_a_decode_killed_after_the_ready_still_has_the_push_released(engine):
+    """The decode names a push it copies itself (same-node, or through the pools), the prefill
+    starts it (its "ready" sent), and the decode is killed before it polls: no release or
+    unstage will ever come from it, and its connection's end releases the request, as
+    start_push promises. (Before: get_released never listed it.)"""
+    import multiprocessing
+    import os
+    import signal
+
+    layout = small()
+    src = KVCache.allocate_host(layout)
+    src.fill_random(8)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with PrefillServer(src) as server:
+        child = ctx.Process(target=_decode_that_names_then_sleeps, daemon=True,
+                            args=(server.address[1], layout, "orphan", engine, queue))
+        child.start()
+        try:
+            agent = queue.get(timeout=60)
+            _wait_expected(server, "orphan", agent, 30)
+            server.start_push("orphan", [10, 11, 12], peer=agent, timeout=60)
+            assert not server.expects("orphan")  # its ready has gone out
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(30)
+        assert child.exitcode == -signal.SIGKILL
+        assert server.wait_released("orphan", 10, peer=agent)
+        assert not server.wait_released("orphan", 0.2)  # once
+    queue.close()
+    src.close()
+
+
+def _decode_that_names_then_stops(port: int, layout, request: str, queue) -> None:
+    """A decode process: names ``request``'s blocks (a WRITE's: NIXL, direct), says its
+    agent's name on ``queue``, then stops itself (SIGSTOP) until the test kills it."""
+    import os
+    import signal
+
+    cache = KVCache.allocate_host(layout)
+    client = DecodeClient(cache, engine="nixl", coalesce="never", ucx_threads=0)
+    peer = client.connect("127.0.0.1", port)
+    peer.expect_push(list(range(64)), request_id=request, timeout=60)
+    queue.put(client.agent.name)
+    queue.close()
+    queue.join_thread()  # the name is on its way before we stop (the queue's thread writes it)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_decode_killed_under_a_write_still_has_the_push_released(monkeypatch, stall):
+    """A push of ours WRITEs 32 MiB over tcp into a decode that is stopped (the WRITE cannot
+    end: tcp needs the target's progress), then killed: its connection's end takes the WRITE
+    (aborted, or polled until UCX ends it) and the request is released, as start_push
+    promises. (Before: dropped with the connection, never released.)"""
+    import multiprocessing
+    import os
+    import signal
+
+    monkeypatch.setenv("UCX_TLS", "tcp")  # both processes: the decode is spawned with it
+    layout = KVLayout(CROSS_LAYER, 2, 128, 64, 8, 128, "float16")  # 512 KiB blocks
+    src = KVCache.allocate_host(layout)
+    src.fill_random(9)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    with PrefillServer(src, coalesce="never", ucx_threads=0) as server:
+        child = ctx.Process(target=_decode_that_names_then_stops, daemon=True,
+                            args=(server.address[1], layout, "under", queue))
+        child.start()
+        try:
+            agent = queue.get(timeout=60)
+            _wait_expected(server, "under", agent, 30)
+            stall(child.pid)
+            server.start_push("under", list(range(64, 128)), peer=agent, timeout=60)
+            assert server.writes.in_flight == 1  # posted, and it cannot end while stopped
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+            child.join(30)
+        assert server.wait_released("under", 20, peer=agent)
+        assert not server.wait_released("under", 0.2)  # once
+    queue.close()
+    src.close()

@@ -204,3 +204,163 @@ def test_a_stage_naming_blocks_outside_the_prefills_cache_is_refused(prefill, mo
             peer.pull([3, 4], [10, 11], timeout=10)
             assert cache.block_digests([10, 11]) == peer.digests([3, 4])
         cache.close()
+
+
+@pytest.mark.parametrize("engine", ["nixl", "auto"])
+@pytest.mark.parametrize("staging_blocks", [0, 8])
+def test_start_pulls_of_a_host_staged_peer_go_through_the_pools(prefill, engine,
+                                                                staging_blocks):
+    """A batch of pulls from a host-staged peer takes start_pull's road per request: the
+    pools. (Before: the batch READ was posted with the registration's descriptor lists, which
+    describe the staging pools, not the caches: with the default pool both requests came back
+    ok and the cache was unchanged; with a pool of 8 blocks NIXL refused the READ.) Every
+    block not named keeps its canary."""
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=17, kv_buffer="host_staged",
+                 staging_blocks=staging_blocks) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        cache.fill_value(0xA5)
+        canary = cache.block_digest(0)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=staging_blocks,
+                          engine=engine) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            requests = [([3, 9, 40], [20, 21, 50], "a"), ([7, 8], [2, 33], "b")]
+            handles = peer.start_pulls(requests, timeout=20)
+            for res in client.wait_all(handles, timeout=30):
+                assert res.engine == "host_staged"
+            for src, dst, _rid in requests:
+                assert peer.digests(src) == cache.block_digests(dst)
+            written = {b for _s, dst, _r in requests for b in dst}
+            others = sorted(set(range(layout.num_blocks)) - written)
+            assert cache.block_digests(others) == [canary] * len(others)
+        cache.close()
+
+
+def _staged_pair(**server_options):
+    """A host-staged prefill server in this process (its pool and releases looked at) and a
+    decode connected to it; the caches' blocks: random (prefill), a canary (decode)."""
+    layout = small(CROSS_LAYER)
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(21)
+    dst.fill_value(0xA5)
+    server = PrefillServer(src, kv_buffer="host_staged", staging_blocks=8, **server_options)
+    client = DecodeClient(dst, kv_buffer="host_staged", staging_blocks=8, engine="nixl")
+    return server, client, client.connect(*server.address), src, dst
+
+
+def _stage_frame(request, blocks, ahead):
+    from kvruntime import frames, messages
+
+    return messages.STAGE.build(request=request, src=frames.pack_ids(blocks),
+                                deadline=time.time() + ahead)
+
+
+def _until(condition, seconds=10.0):
+    """Poll ``condition`` until true or ``seconds`` pass (a bound, not a timing): its value."""
+    until = time.monotonic() + seconds
+    while not condition() and time.monotonic() < until:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_second_stage_of_one_request_piece_is_refused_and_the_first_run_freed(monkeypatch):
+    """A decode that stages one (request, piece) twice (its stage frame sent twice here): the
+    prefill keeps one run for it, refuses the second stage, and the unstage frees the pool
+    whole. (Before: the second record replaced the first, whose run was never freed, not even
+    at expiry.)"""
+    from kvruntime import staged
+
+    server, client, peer, src, dst = _staged_pair()
+    real = staged.StagedPull.send
+
+    def twice(self):
+        real(self)
+        real(self)
+
+    try:
+        monkeypatch.setattr(staged.StagedPull, "send", twice)
+        handle = peer.start_pull([1, 2, 3], [4, 5, 6], request_id="twice", timeout=10)
+        try:
+            handle.wait(10)
+        except KVRuntimeError:
+            pass  # refused (its second stage) or done first: either way one unstage goes
+        assert server.wait_released("twice", 10)
+        assert server.pool.largest_free_run() == server.pool.units
+        monkeypatch.setattr(staged.StagedPull, "send", real)
+        peer.pull([7, 8], [9, 10], timeout=10)  # the pool serves again
+        assert dst.block_digests([9, 10]) == src.block_digests([7, 8])
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+
+
+def test_a_decode_that_leaves_without_unstaging_has_its_runs_freed_and_released():
+    """A stage whose deadline lies 10^7 s ahead, then the decode closes without unstaging:
+    its connection's end frees the run and releases the request. (Before: the run stayed
+    taken until an expiry 10^7 s away.)"""
+    server, client, peer, src, dst = _staged_pair()
+    try:
+        peer.send(_stage_frame("held", [1, 2], 1e7))
+        assert _until(lambda: server.pool.largest_free_run() < server.pool.units)
+        client.close()  # "bye", no unstage
+        assert server.wait_released("held", 10)
+        assert server.pool.largest_free_run() == server.pool.units
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+
+
+def test_a_stage_deadline_far_ahead_is_capped_by_the_server():
+    """``max_stage_seconds``: a stage naming a deadline 10^7 s ahead, never unstaged while its
+    decode stays connected, is held only until the cap (then the 5 s expiry): freed and
+    released. (Before: no such option; such a run was held for good.)"""
+    server, client, peer, src, dst = _staged_pair(max_stage_seconds=0.5)
+    try:
+        peer.send(_stage_frame("far", [3], 1e7))
+        assert _until(lambda: server.pool.largest_free_run() < server.pool.units)
+        assert server.wait_released("far", 20)
+        assert server.pool.largest_free_run() == server.pool.units
+        assert not peer.closed
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+    with pytest.raises(KVRuntimeError, match="max_stage_seconds must be a positive"):
+        PrefillServer(src, max_stage_seconds=0)
+
+
+@pytest.mark.parametrize("mode,engine,named", [
+    ("host_staged", "nixl", "host_staged NIXL READ"),
+    ("host_staged", "auto", "host_staged samenode:process_vm_readv READ"),
+    ("coalesced", "nixl", "coalesced NIXL READ")])
+@pytest.mark.parametrize("op", ["pull", "push"])
+def test_a_failed_request_through_the_pools_names_its_engine(monkeypatch, mode, engine, named,
+                                                             op):
+    """A request through the pools that fails (the prefill refuses its stage: an id forged on
+    the way out) names what moves it, as a NIXL READ's failure does ("NIXL READ of ...").
+    (Before: "host_staged of 16384 bytes", "nixl of 16384 bytes": a result's engine name, a
+    coalesced request passing for a plain NIXL one.)"""
+    from kvruntime import staged
+
+    layout = small(CROSS_LAYER)
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    if mode == "host_staged":
+        sides = {"kv_buffer": "host_staged", "staging_blocks": 8}
+        server_options, client_options = sides, {**sides, "engine": engine}
+    else:
+        server_options, client_options = {}, {"engine": engine, "coalesce": "always"}
+    real = staged.frames.pack_ids
+    try:
+        with PrefillServer(src, **server_options) as server, \
+                DecodeClient(dst, **client_options) as client:
+            peer = client.connect(*server.address)
+            monkeypatch.setattr(staged.frames, "pack_ids", lambda ids: real([70]))
+            with pytest.raises(KVRuntimeError) as err:
+                getattr(peer, op)([1], [2], request_id="named", timeout=10)
+            monkeypatch.setattr(staged.frames, "pack_ids", real)
+            assert str(err.value).startswith(
+                f"{named} of {layout.block_bytes} bytes for request named failed: the "
+                f"prefill could not stage it: source block id 70 is outside 0..63"), err.value
+            res = getattr(peer, op)([1], [2], timeout=10)  # its result's engine: unchanged
+            assert res.engine == ("host_staged" if mode == "host_staged" else "nixl")
+    finally:
+        src.close(), dst.close()

@@ -46,3 +46,18 @@ def test_every_variable_is_read_through_the_table():
         assert not re.search(r"environ(\.get)?[\[(]\s*\"KVRUNTIME_", text), path
         named |= set(re.findall(r"KVRUNTIME_[A-Z_]+", text))
     assert named - {"KVRUNTIME_UCX_LOG"} == set(ENV)
+
+
+def test_the_kv_buffer_values_documented_are_the_ones_taken():
+    """What ENV's table (and README's from it) and Options' docstring say ``kv_buffer`` takes
+    are the values resolve_kv_buffer accepts. (Before: "direct", which it refuses.)"""
+    from kvruntime.options import Options
+    from kvruntime.staging import KV_BUFFERS, resolve_kv_buffer
+
+    _field, what = ENV["KVRUNTIME_KV_BUFFER"]
+    assert set(re.findall(r"`(\w+)`", what)) == set(KV_BUFFERS)
+    doc = " ".join(Options.__doc__.split())
+    said = re.search(r"``kv_buffer``: (.*?) \(", doc).group(1)
+    assert set(re.findall(r'"(\w+)"', said)) == set(KV_BUFFERS)
+    for value in KV_BUFFERS:
+        assert resolve_kv_buffer(value) == value
