@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from . import envfile
 from .errors import PrefixError
 
 PACKAGE = "nixl"
@@ -52,3 +53,21 @@ def write(site: Path, backend: str, platform: str, build_id: str) -> Path:
     tmp.write_text(text)
     os.replace(tmp, init)
     return init
+
+
+def site_for(build_dir: Path, backend: str, platform: str, build_id: str, into: Path) -> Path:
+    """The directory from which `import nixl` is the build's: its own site-packages when the
+    install wrote the package there, else `into`, given the package now and a link to the build's
+    module beside it (a build installed before kvstack wrote the package; the build is only read)."""
+    site = envfile.nixl_site_packages(build_dir)
+    if site is None or not (site / backend / "__init__.py").is_file():
+        raise PrefixError(f"{build_dir} holds no NIXL module {backend!r}", fix="install again")
+    if is_kvstack(site / PACKAGE):
+        return site
+    into.mkdir(parents=True, exist_ok=True)
+    link = into / backend
+    if link.is_symlink() or link.exists():
+        link.unlink()
+    link.symlink_to(site / backend, target_is_directory=True)
+    write(into, backend, platform, build_id)
+    return into
