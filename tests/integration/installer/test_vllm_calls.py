@@ -34,8 +34,12 @@ PAIR = Path(__file__).with_name("vllm_calls_pair.py")
 PINNED = ("CPU", "XPU", "XPU_IPC")
 
 
-@pytest.mark.parametrize("which", PINNED)
-def test_vllms_nixl_calls_move_kv_bit_exact_through_import_nixl(which, tmp_path):
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _pinned(which: str, tmp_path: Path):
+    """(build directory, its NIXL module, the `nixl` site, environment, Python) for the pinned
+    build KVSTACK_PINNED_PREFIX_<which>; skips without one."""
     prefix = os.environ.get(f"KVSTACK_PINNED_PREFIX_{which}")
     if not prefix:
         pytest.skip(f"KVSTACK_PINNED_PREFIX_{which} names no pinned build (ci/pinned-builds.sh)")
@@ -51,6 +55,12 @@ def test_vllms_nixl_calls_move_kv_bit_exact_through_import_nixl(which, tmp_path)
     env = envfile.apply({**manifest["env"], "PYTHONPATH": path}, base)
     py = str(manifest["python"]["path"])  # the Python the build's module was compiled for
     py = py if os.path.exists(py) else sys.executable
+    return build, backend, site, env, py
+
+
+@pytest.mark.parametrize("which", PINNED)
+def test_vllms_nixl_calls_move_kv_bit_exact_through_import_nixl(which, tmp_path):
+    build, backend, site, env, py = _pinned(which, tmp_path)
     r = subprocess.run([py, "-W", "ignore::RuntimeWarning", str(PAIR), "decode"], env=env,
                        cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
@@ -68,3 +78,19 @@ def test_vllms_nixl_calls_move_kv_bit_exact_through_import_nixl(which, tmp_path)
     for side, maps in (("decode", out["maps"]), ("prefill", pre["maps"])):
         ucp = [m for m in maps if "/libucp" in m]
         assert len(ucp) == 1 and ucp[0].startswith(str(build)), (side, maps)
+
+
+@pytest.mark.parametrize("which", PINNED)
+def test_kvruntime_which_names_the_builds_nixl_and_ucx(which, tmp_path):
+    """`python -m kvruntime which` (README: which NIXL and UCX a process loaded) on the build."""
+    build, backend, site, env, py = _pinned(which, tmp_path)
+    env["PYTHONPATH"] = f"{env['PYTHONPATH']}:{ROOT}"
+    r = subprocess.run([py, "-W", "ignore::RuntimeWarning", "-m", "kvruntime", "which", "--json"],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    info = json.loads(r.stdout[r.stdout.index("{"):])
+    assert info["file"] == str(site / "nixl" / "__init__.py")
+    assert info["kvstack"]["backend"] == backend
+    assert len(info["ucp"]) == 1 and info["ucp"][0].startswith(str(build / "ucx" / "lib")), info
+    assert info["ucx_info"] == str(build / "ucx" / "bin" / "ucx_info")
+    assert {"tcp", "posix"} <= set(info["transports"]), info["transports"]
