@@ -158,3 +158,43 @@ def test_the_builds_module_is_never_taken_to_be_the_nixl_package(tmp_path):
     nixlpackage.write(site, "nixl_cpu", "cpu", "x")
     assert envfile.nixl_site_packages(tmp_path) == site
     assert envfile.nixl_module(tmp_path, "nixl*") == "nixl_cpu"
+
+
+def _plan(tmp_path: Path, python: str = sys.executable):
+    from types import SimpleNamespace
+    install_dir = tmp_path / "P.builds" / "cpu-1"
+    site = install_dir / "nixl" / "lib" / "python3.11" / "site-packages"
+    _backend(site, "nixl_cpu")
+    (site / "nixl_cpu" / "_bindings.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    return SimpleNamespace(install_dir=install_dir, verify={"nixl": {"module": "nixl_cpu"}},
+                           platform="cpu", build_id="cpu-1", prefix=tmp_path / "P",
+                           target=SimpleNamespace(python=python)), site
+
+
+def test_the_install_writes_the_package_beside_the_builds_module(tmp_path):
+    from installer import install
+    plan, site = _plan(tmp_path)
+    assert install._write_nixl_package(plan) == str(site / "nixl" / "__init__.py")
+    assert "'backend': 'nixl_cpu'" in (site / "nixl" / "__init__.py").read_text()
+    plan.verify = {}  # a UCX-only build: nothing written
+    (site / "nixl" / "__init__.py").unlink()
+    assert install._write_nixl_package(plan) is None and not (site / "nixl" / "__init__.py").exists()
+
+
+def test_the_install_says_when_the_target_python_finds_another_nixl_first(tmp_path, caplog):
+    from installer import install
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    plan, _ = _plan(tmp_path, py)
+    install._warn_other_nixl(plan)
+    assert not caplog.records  # no nixl there at all
+    (Path(purelib) / "nixl").mkdir()
+    (Path(purelib) / "nixl" / "__init__.py").write_text("# PyPI's meta package\n")
+    install._warn_other_nixl(plan)
+    [record] = caplog.records
+    said = record.getMessage()
+    assert f"imports another nixl first ({purelib}/nixl/__init__.py)" in said
+    assert f"{py} -m pip uninstall nixl nixl-cu12 nixl-cu13" in said and "/P/env.sh" in said
