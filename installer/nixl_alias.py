@@ -142,7 +142,11 @@ def bind(config, modules=sys.modules, paths=None):
     for info in sorted(pkgutil.iter_modules(pkg.__path__), key=lambda i: i.name):
         if info.name.startswith("_kvstack"):
             continue  # the wheel's preload: the backend's own business
-        sub = importlib.import_module(f"{backend}.{info.name}")
+        try:
+            sub = importlib.import_module(f"{backend}.{info.name}")
+        except ImportError as e:  # an extension (_bindings, _utils) missing a library here
+            _refuse(f"{about}: {backend}.{info.name} does not import here ({e}): install the "
+                    f"build or wheel made for this host's platform")
         modules[f"nixl.{info.name}"] = sub
         exported[info.name] = sub
         for attr in dir(sub):

@@ -132,6 +132,13 @@ def test_a_backend_that_does_not_load_here_says_which_and_what_to_do(tmp_path):
     assert "libze_loader.so.1" in line and "made for this host's platform" in line
 
 
+def test_a_submodule_that_does_not_load_here_is_one_line_too(tmp_path):
+    site = _site(tmp_path)
+    (site / "nixl_cpu" / "_bindings.py").write_text("raise ImportError('libnixl.so: no such file')\n")
+    line = _error_line(_py("import nixl", site))
+    assert "nixl_cpu._api does not import here (libnixl.so: no such file)" in line
+
+
 @pytest.mark.parametrize("name", ["nixl", "nixl_cpu; import os", "nixl_cu", "os", "nixl_cpu\n"])
 def test_only_nixls_module_names_are_written(tmp_path, name):
     with pytest.raises(PrefixError):
