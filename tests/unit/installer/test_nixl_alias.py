@@ -134,7 +134,8 @@ def test_a_backend_that_does_not_load_here_says_which_and_what_to_do(tmp_path):
 
 def test_a_submodule_that_does_not_load_here_is_one_line_too(tmp_path):
     site = _site(tmp_path)
-    (site / "nixl_cpu" / "_bindings.py").write_text("raise ImportError('libnixl.so: no such file')\n")
+    broken = "raise ImportError('libnixl.so: no such file')\n"
+    (site / "nixl_cpu" / "_bindings.py").write_text(broken)
     line = _error_line(_py("import nixl", site))
     assert "nixl_cpu._api does not import here (libnixl.so: no such file)" in line
 
@@ -185,7 +186,8 @@ def test_the_install_writes_the_package_beside_the_builds_module(tmp_path):
     assert "'backend': 'nixl_cpu'" in (site / "nixl" / "__init__.py").read_text()
     plan.verify = {}  # a UCX-only build: nothing written
     (site / "nixl" / "__init__.py").unlink()
-    assert install._write_nixl_package(plan) is None and not (site / "nixl" / "__init__.py").exists()
+    assert install._write_nixl_package(plan) is None
+    assert not (site / "nixl" / "__init__.py").exists()
 
 
 def test_the_install_says_when_the_target_python_finds_another_nixl_first(tmp_path, caplog):
@@ -193,8 +195,9 @@ def test_the_install_says_when_the_target_python_finds_another_nixl_first(tmp_pa
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = str(venv / "bin" / "python")
-    purelib = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = subprocess.run([py, "-c", where], capture_output=True, text=True,
+                             check=True).stdout.strip()
     plan, _ = _plan(tmp_path, py)
     install._warn_other_nixl(plan)
     assert not caplog.records  # no nixl there at all
