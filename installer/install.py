@@ -47,6 +47,10 @@ def run(plan: Plan, *, mirror: str | None, system_packages: str = "install",
         previous = prefixmod.current(plan.prefix)
         if prefixmod.is_complete(plan.install_dir):
             manifest = json.loads((plan.install_dir / prefixmod.COMPLETE).read_text())
+            added = _ensure_nixl_package(plan)
+            if added:
+                log.info("wrote kvstack's nixl package into this build (made before it had "
+                         "one): %s", added)
             if previous != plan.install_dir.resolve():
                 prefixmod.switch(plan.prefix, plan.install_dir)
                 _link_python(plan)
@@ -420,6 +424,15 @@ def _write_nixl_package(plan: Plan) -> str | None:
     if site is None or module is None:
         return None
     return str(nixlpackage.write(site, module, plan.platform, plan.build_id))
+
+
+def _ensure_nixl_package(plan: Plan) -> str | None:
+    """The package in a finished build made before installs wrote it (nothing else of the build
+    changes: engines need `import nixl`); None when it is there already or has no place."""
+    site = envfile.nixl_site_packages(plan.install_dir)
+    if site is None or nixlpackage.is_kvstack(site / nixlpackage.PACKAGE):
+        return None
+    return _write_nixl_package(plan)
 
 
 # where the target Python finds `nixl` first (the .pth's directory comes after site-packages)

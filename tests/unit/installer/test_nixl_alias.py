@@ -190,6 +190,13 @@ def test_the_install_writes_the_package_beside_the_builds_module(tmp_path):
     assert not (site / "nixl" / "__init__.py").exists()
 
 
+def test_a_finished_build_without_the_package_gains_it_once(tmp_path):
+    from installer import install
+    plan, site = _plan(tmp_path)
+    assert install._ensure_nixl_package(plan) == str(site / "nixl" / "__init__.py")
+    assert install._ensure_nixl_package(plan) is None  # there now: left alone
+
+
 def test_the_install_says_when_the_target_python_finds_another_nixl_first(tmp_path, caplog):
     from installer import install
     venv = tmp_path / "venv"
