@@ -222,8 +222,10 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
             checks.append(_check("NIXL UCX memory types", bool(probe["ucx_mem_types"]),
                                  f"{probe['ucx_mem_types']} ({probe['file']})"))
             engine = probe.get("engine", {})
-            checks.append(_check(f"import nixl is {module}", engine.get("same") is True,
-                                 engine.get("error") or f"nixl: {engine.get('file')}"))
+            said = engine.get("error") or f"nixl: {engine.get('file')}"
+            if not engine.get("same"):  # an install before kvstack wrote it: the next adds it
+                said += "; install again (python -m installer ...) to write kvstack's nixl package"
+            checks.append(_check(f"import nixl is {module}", engine.get("same") is True, said))
     else:
         checks.append(_check("NIXL module", False, "no NIXL Python module in this build"))
     return _level(checks)
