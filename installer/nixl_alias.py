@@ -128,7 +128,11 @@ def bind(config, modules=sys.modules, paths=None):
     if backend in modules:  # imported before `nixl`: from where?
         first = os.path.realpath(os.path.dirname(getattr(modules[backend], "__file__", "") or "?"))
     else:
-        first = _where(importlib.util.find_spec(backend))
+        spec = importlib.util.find_spec(backend)
+        if spec is None:
+            _refuse(f"{about}: {backend} is beside it in {SITE}, which is not on sys.path: add "
+                    f"it (the install's kvstack-nixl.pth and env.sh do)")
+        first = _where(spec)
     if first != _where(mine):
         _refuse(f"{about}: two {backend} are installed, {_where(mine)} (this build's) and "
                 f"{first} (first on sys.path): keep one (pip uninstall nixl, or remove the "
@@ -156,8 +160,9 @@ def bind(config, modules=sys.modules, paths=None):
     if unused:
         names = ", ".join(f"{n} ({p})" for n, p in unused.items())
         warnings.warn(f"`import nixl` is {about}: {backend} from {_where(mine)}; also installed "
-                      f"and not used: {names}; uninstall them (pip uninstall "
-                      f"{' '.join(n.replace('_', '-') for n in unused)}) to keep one NIXL",
+                      f"and not used: {names}; to keep one NIXL, uninstall them (pip uninstall "
+                      f"{' '.join(n.replace('_', '-') for n in unused)}) or remove the "
+                      f"kvstack-nixl.pth naming their directory",
                       RuntimeWarning, stacklevel=3)
     exported["__kvstack__"] = {**config, "backend_file": _where(mine), "unused": unused}
     return exported

@@ -89,7 +89,7 @@ def test_other_nixls_installed_are_named_in_one_warning(tmp_path):
     assert len(warned) == 1, r.stderr
     assert f"nixl_cu12 ({(other / 'nixl_cu12').resolve()})" in warned[0]
     assert f"nixl ({(other / 'nixl').resolve()})" in warned[0]
-    assert "pip uninstall nixl nixl-cu12) to keep one NIXL" in warned[0]
+    assert "to keep one NIXL, uninstall them (pip uninstall nixl nixl-cu12)" in warned[0]
 
 
 def test_a_second_copy_of_the_backend_first_on_the_path_is_refused(tmp_path):
@@ -130,6 +130,15 @@ def test_a_backend_that_does_not_load_here_says_which_and_what_to_do(tmp_path):
     line = _error_line(_py("import nixl", site))
     assert "xpu build xpu-1" in line and "backend nixl_xpu does not import here" in line
     assert "libze_loader.so.1" in line and "made for this host's platform" in line
+
+
+def test_a_package_whose_directory_is_not_on_the_path_says_so(tmp_path):
+    site = _site(tmp_path)
+    code = (f"import importlib.util as u, sys\n"
+            f"s = u.spec_from_file_location('nixl', {str(site / 'nixl' / '__init__.py')!r})\n"
+            f"m = u.module_from_spec(s); sys.modules['nixl'] = m; s.loader.exec_module(m)")
+    line = _error_line(_py(code))
+    assert f"nixl_cpu is beside it in {site}, which is not on sys.path" in line
 
 
 def test_a_submodule_that_does_not_load_here_is_one_line_too(tmp_path):
