@@ -94,6 +94,9 @@ join_job "$builds" "$builds_log" "the pinned builds"
 
 step "tests on the pinned builds (the stacks' transports and policy)"
 run_pytest builds -m build --ignore=tests/integration/containers --ignore=tests/integration/installer/test_wheel.py "$@"
+
+step "NIXL's own Python tests and examples on each pinned build, through import nixl (ci/nixl-suite.sh)"
+PY=$PY bash ci/nixl-suite.sh
 rmdir "$tmp"
 
 if [ "$containers" = 1 ]; then

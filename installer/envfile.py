@@ -21,7 +21,9 @@ def nixl_module(build_dir: Path, pattern: str) -> str | None:
     site = nixl_site_packages(build_dir)
     if site is None:
         return None
-    mods = sorted(p.name for p in site.glob(pattern) if (p / "__init__.py").exists())
+    # NIXL's own module holds _bindings; kvstack's `nixl` beside it (nixlpackage.py) does not
+    mods = sorted(p.name for p in site.glob(pattern)
+                  if (p / "__init__.py").exists() and any(p.glob("_bindings*.so")))
     return mods[0] if mods else None
 
 

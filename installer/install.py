@@ -21,7 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import binarycache, configcache, elf, envfile, prefix as prefixmod, rdma, schedule, syspkgs, tools, verify
+from . import binarycache, configcache, elf, envfile, nixlpackage, prefix as prefixmod, rdma, schedule
+from . import syspkgs, tools, verify
 from .cache import Cache
 from .errors import BinaryCacheError, BuildError, BuildToolsError, HostError, InstallerError, VerifyError
 from .buildsys import pkgconfig
@@ -46,6 +47,10 @@ def run(plan: Plan, *, mirror: str | None, system_packages: str = "install",
         previous = prefixmod.current(plan.prefix)
         if prefixmod.is_complete(plan.install_dir):
             manifest = json.loads((plan.install_dir / prefixmod.COMPLETE).read_text())
+            added = _ensure_nixl_package(plan)
+            if added:
+                log.info("wrote kvstack's nixl package into this build (made before it had "
+                         "one): %s", added)
             if previous != plan.install_dir.resolve():
                 prefixmod.switch(plan.prefix, plan.install_dir)
                 _link_python(plan)
@@ -78,6 +83,7 @@ def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, 
     if manifest is None:
         return None
     try:
+        _write_nixl_package(plan)  # a cached build made before kvstack wrote one gains it
         renv = envfile.runtime_env(plan, plan.install_dir)
         (plan.install_dir / "env.sh").write_text(envfile.render(plan, renv))
         report = verify.verify_build(plan, renv, None, None, log_dir)
@@ -180,6 +186,7 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
         finally:
             manifest["components"]["seconds"] = round(time.monotonic() - components_started, 1)
         _fix_python_extensions(plan, venv)
+        _write_nixl_package(plan)
         renv = envfile.runtime_env(plan, plan.install_dir)
         (plan.install_dir / "env.sh").write_text(envfile.render(plan, renv))
         manifest["env"] = renv
@@ -412,6 +419,43 @@ def _fix_python_extensions(plan: Plan, venv: Path) -> None:
             log.warning("patchelf %s: %s", so, (e.stderr or "").strip())
 
 
+def _write_nixl_package(plan: Plan) -> str | None:
+    """kvstack's `nixl` package beside the build's NIXL module, bound to it: engines import
+    `nixl` (installer/nixlpackage.py). None for a build without NIXL's module."""
+    site = envfile.nixl_site_packages(plan.install_dir)
+    want = plan.verify.get("nixl", {}).get("module")
+    module = envfile.nixl_module(plan.install_dir, want) if site and want else None
+    if site is None or module is None:
+        return None
+    return str(nixlpackage.write(site, module, plan.platform, plan.build_id))
+
+
+def _ensure_nixl_package(plan: Plan) -> str | None:
+    """The package in a finished build made before installs wrote it (nothing else of the build
+    changes: engines need `import nixl`); None when it is there already or has no place."""
+    site = envfile.nixl_site_packages(plan.install_dir)
+    if site is None or nixlpackage.is_kvstack(site / nixlpackage.PACKAGE):
+        return None
+    return _write_nixl_package(plan)
+
+
+# where the target Python finds `nixl` first (the .pth's directory comes after site-packages)
+FIRST_NIXL = "import importlib.util as u; s = u.find_spec('nixl'); print(s.origin if s else '')"
+
+
+def _warn_other_nixl(plan: Plan) -> None:
+    """One line when `import nixl` in the target Python is not this build's: another NIXL (PyPI's
+    nixl meta package, a kvstack wheel) sits in its site-packages, ahead of the .pth's."""
+    r = subprocess.run([plan.target.python, "-I", "-c", FIRST_NIXL], capture_output=True, text=True)
+    found = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else ""
+    mine = os.path.realpath(plan.install_dir)
+    if found and not os.path.realpath(found).startswith(mine + os.sep):
+        py = plan.target.python
+        log.warning("%s imports another nixl first (%s), not this build's: `%s -m pip uninstall "
+                    "nixl nixl-cu12 nixl-cu13` there, or `. %s/env.sh` before starting it",
+                    py, found, py, plan.prefix)
+
+
 def _link_python(plan: Plan) -> str | None:
     """A .pth in the target Python naming NIXL's module directory through the prefix link, so
     `import nixl_cpu` works there and follows later switches."""
@@ -429,6 +473,7 @@ def _link_python(plan: Plan) -> str | None:
     tmp = pth.with_suffix(".pth.tmp")
     tmp.write_text(f"{via_prefix}\n")
     os.replace(tmp, pth)
+    _warn_other_nixl(plan)
     return str(pth)
 
 

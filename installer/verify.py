@@ -46,8 +46,14 @@ import importlib, json, sys
 mod = sys.argv[1]
 api = importlib.import_module(mod + "._api")
 agent = api.nixl_agent("kvstack-verify", api.nixl_agent_config(backends=["UCX"]))
+try:  # as engines import NIXL: kvstack's `nixl`, bound to this module (nixlpackage.py)
+    import warnings; warnings.simplefilter("ignore", RuntimeWarning)  # another NIXL installed
+    import nixl, nixl._api
+    engine = {"file": nixl.__file__, "same": nixl._api is api}
+except Exception as e:
+    engine = {"file": None, "same": False, "error": f"{type(e).__name__}: {e}"}
 print(json.dumps({"module": mod, "file": importlib.import_module(mod).__file__,
-                  "plugins": sorted(agent.get_plugin_list()),
+                  "plugins": sorted(agent.get_plugin_list()), "engine": engine,
                   "ucx_mem_types": sorted(agent.get_backend_mem_types("UCX"))}))
 """
 
@@ -275,6 +281,11 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
                 checks.append(_check(f"NIXL plugin {p}", p in probe["plugins"], f"plugins: {probe['plugins']}"))
             checks.append(_check("NIXL UCX memory types", bool(probe["ucx_mem_types"]),
                                  f"{probe['ucx_mem_types']} ({probe['file']})"))
+            engine = probe.get("engine", {})
+            said = engine.get("error") or f"nixl: {engine.get('file')}"
+            if not engine.get("same"):  # an install before kvstack wrote it: the next adds it
+                said += "; install again (python -m installer ...) to write kvstack's nixl package"
+            checks.append(_check(f"import nixl is {module}", engine.get("same") is True, said))
     else:
         checks.append(_check("NIXL module", False, "no NIXL Python module in this build"))
     return _level(checks)

@@ -2,6 +2,7 @@
 verified build, with UCX (private SONAMEs), UCX's transport modules and NIXL's plugins inside.
 
     <module>/                  NIXL's package (nixl_cpu, nixl_cu13, ...) + _kvstack_preload.py
+    nixl/                      kvstack's `nixl`, bound to <module> (installer/nixlpackage.py)
     <distribution>.libs/       what auditwheel grafted: NIXL's libraries and UCX's, under private
                                SONAMEs (libucp-<hash>.so.0, libnixl-<hash>.so, ...)
     <distribution>.libs/ucx/     UCX's modules: UCX looks in <directory of libucs>/ucx
@@ -9,7 +10,12 @@ verified build, with UCX (private SONAMEs), UCX's transport modules and NIXL's p
     <dist-info>/kvstack-manifest.json   the build's manifest
 
 Every RUNPATH is $ORIGIN-relative, so `pip install` of the wheel is the whole set-up: no env.sh,
-no LD_LIBRARY_PATH, no NIXL_PLUGIN_DIR. The build directory is only read."""
+no LD_LIBRARY_PATH, no NIXL_PLUGIN_DIR. The build directory is only read.
+
+The distribution is NIXL's own name, `nixl`, with kvstack's local version label
+(nixl-1.4.0+kvstack.cpu.<id>): pip then replaces PyPI's `nixl` (the meta package, whose
+nixl/ would otherwise overlay ours file by file) rather than installing beside it, and an
+engine's requirement on `nixl` is met by this build instead of pulling NIXL from an index."""
 from __future__ import annotations
 
 import json
@@ -22,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import elf, envfile, prefix as prefixmod, privateucx, repair, wheeldeps, wheelformat
+from . import elf, envfile, nixlpackage, prefix as prefixmod, privateucx, repair, wheeldeps, \
+    wheelformat
 from .errors import HostError, PrefixError, SystemPackagesError
 
 log = logging.getLogger("kvstack.installer")
@@ -108,13 +115,14 @@ def read_build(prefix: Path) -> Build:
 
 
 def version(manifest: dict[str, Any]) -> str:
-    """NIXL's release (its source's tag) with the build id as local version: 1.4.0+cpu.9cd985e552e4"""
+    """NIXL's release (its source's tag), kvstack's build id as local version:
+    1.4.0+kvstack.cpu.9cd985e552e4 (pip compares 1.4.0 with an engine's requirement on nixl)"""
     recipe = manifest.get("recipe", {})
     source = recipe.get("components", {}).get("nixl", {}).get("source", "nixl")
     tag = str(recipe.get("sources", {}).get(source, {}).get("tag", "0"))
     release = (tag[1:] if tag[:1] in ("v", "V") and tag[1:2].isdigit() else tag) or "0"
     local = ".".join(p for p in str(manifest["build_id"]).replace("_", "-").split("-") if p)
-    return f"{release}+{local}"
+    return f"{release}+kvstack.{local}"
 
 
 def check_output(out: Path) -> None:
@@ -161,7 +169,7 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
     m = build.module
     py_version = build.manifest.get("python", {}).get("version") or build.manifest["kvstack_plan"]["target"]["version"]
     tag = wheelformat.tag_for_extensions([p.name for p in build.package.rglob("*.so")], py_version)
-    name = f"kvstack-{m.replace('_', '-')}"
+    name = nixlpackage.PACKAGE  # NIXL's distribution name: see the module's docstring
     ver = version(build.manifest)
     dist = wheelformat.distribution_filename(name)
     libs = f"{dist}.libs"  # where auditwheel grafts: <distribution>.libs
@@ -198,15 +206,19 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
         _write_preload(root / m, {"libs": libs, "ucp_soname": ucp_soname, "env": build.env,
                                   "from_pip": [d.path for d in from_pip]})
         _import_preload_first(root / m / "__init__.py")
+        (root / nixlpackage.PACKAGE).mkdir()
+        platform, build_id = str(build.manifest.get("platform")), str(build.manifest["build_id"])
+        shim = nixlpackage.source(m, platform, build_id)
+        (root / nixlpackage.PACKAGE / "__init__.py").write_text(shim)
 
         requires = list(build.manifest.get("recipe", {}).get("build_tools", {}).get("target", []))
         requires += sorted({d.requirement for d in from_pip} - set(requires))
         summary = (f"NIXL {ver.split('+')[0]} ({m}) with a private UCX, built by kvstack "
                    f"({build.manifest.get('platform')}, build {build.manifest['build_id']})")
-        entries = _entries(root, [m, libs]) + [
+        entries = _entries(root, [m, nixlpackage.PACKAGE, libs]) + [
             wheelformat.Entry(f"{dist_info}/METADATA", wheelformat.metadata_text(name, ver, summary, requires, py_version)),
             wheelformat.Entry(f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack installer")),
-            wheelformat.Entry(f"{dist_info}/top_level.txt", f"{m}\n".encode()),
+            wheelformat.Entry(f"{dist_info}/top_level.txt", f"{m}\nnixl\n".encode()),
             wheelformat.Entry(f"{dist_info}/{MANIFEST}", json.dumps(build.manifest, indent=2, default=str).encode()),
         ]
         unrepaired = Path(tmp) / "unrepaired" / wheelformat.wheel_name(name, ver, tag)
@@ -220,7 +232,7 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
             zf.extractall(made)
             files = zf.namelist()
         _check(made, libs, set(staged), ucp_soname, ending, builds, patchelf)
-        _check_build_named(made, [m, libs], builds)
+        _check_build_named(made, [m, nixlpackage.PACKAGE, libs], builds)
         dest = out / repaired.name
         try:
             os.replace(repaired, dest)

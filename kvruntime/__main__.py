@@ -1,4 +1,4 @@
-"""CLI: ``python -m kvruntime selftest|bench|policy [--json]``. The only place that prints.
+"""CLI: ``python -m kvruntime selftest|bench|policy|which [--json]``. The only place that prints.
 
 Its parser and exit codes follow the convention both programs share (tools/cli.py: README,
 "Exit codes").
@@ -276,6 +276,20 @@ def _tp_lines(t: dict) -> list[str]:
     return lines
 
 
+def _which(args) -> int:
+    """UNUSABLE when `import nixl` fails or the process holds no, or two, libucp."""
+    from .tools.which import render, which
+
+    module = args.nixl_module or "nixl"  # as engines import it, unless told otherwise
+    try:
+        info = which(module)
+    except Exception as exc:  # ImportError (kvstack's nixl says why in one line), NIXL's own
+        print(f"{module}: does not load here: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return UNUSABLE
+    print(json.dumps(info, indent=2) if args.json else "\n".join(render(info)))
+    return OK if len(info["ucp"]) == 1 else UNUSABLE
+
+
 def main(argv=None) -> int:
     from .tools.workload import BENCH_HEADS  # the model's KV heads the TP pairs split, in each command
     from .tools.selftest import TP_HEADS
@@ -308,6 +322,9 @@ def main(argv=None) -> int:
     st.add_argument("--pairs-at-once", type=_positive_int, default=None, metavar="N",
                     help="process pairs run side by side (host, host staged, TP, each device's "
                          "direct and staged; default: one per four CPUs)")
+    w = sub.add_parser("which", help="which NIXL and which UCX `import nixl` loads here: the "
+                       "module's file, libucp's, its transports")
+    w.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="GB/s and descriptors per request vs memcpy")
     b.add_argument("--json", action="store_true")
     b.add_argument("--compact", action="store_true")
@@ -392,6 +409,8 @@ def main(argv=None) -> int:
                             stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
         with _report_stream() as out:
             return _policy(args, out)
+    if args.command == "which":
+        return _which(args)
     if args.command == "bench" and args.scenario:
         preset = SCENARIOS[args.scenario]
         args.tp_pairs = _tp_pairs(BENCH_HEADS)(",".join(preset["groups"]))

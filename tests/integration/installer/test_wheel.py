@@ -151,6 +151,21 @@ def test_an_agent_comes_up_where_deepbind_crashed(built, venv):
     assert r.returncode == 0 and "AGENT UP" in r.stdout, (base, r.returncode, r.stderr[-3000:])
 
 
+def test_import_nixl_is_the_wheels_backend_as_engines_import_it(built, venv):
+    """vLLM, SGLang and Dynamo `from nixl._api import nixl_agent`: the wheel is the distribution
+    `nixl` (kvstack's local version) and its `nixl` is the backend's modules, not copies."""
+    module = built["manifest"]["recipe"]["verify"]["nixl"]["module"]
+    code = (f"import nixl, {module}\nfrom nixl._api import nixl_agent, nixl_agent_config\n"
+            f"assert nixl._api is {module}._api and nixl._bindings is {module}._bindings\n"
+            f"assert nixl.logging is {module}.logging\n"
+            f"nixl_agent('a', nixl_agent_config(backends=['UCX']))\n"
+            f"from importlib.metadata import version\nprint('NIXL', version('nixl'))")
+    r = _run([str(venv), "-W", "error::RuntimeWarning", "-c", code], env=_clean_env(),
+             cwd=built["tmp"], timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"^NIXL \d+\.\d+\.\d+\+kvstack\.", r.stdout, re.M), r.stdout
+
+
 def _pair(built, venv, foreign, scope: str) -> tuple[str, dict]:
     """nixl_pair.py in the fresh venv with the other UCX loaded first in `scope`: (module, its JSON)."""
     module = built["manifest"]["recipe"]["verify"]["nixl"]["module"]
@@ -176,4 +191,4 @@ def test_a_ucx_loaded_globally_first_stops_the_import_with_one_line(built, venv,
     assert out["refused"] == (f"ImportError: {module}: another UCX is loaded with RTLD_GLOBAL in this process "
                               f"({os.path.realpath(foreign)}) and would take the place of this wheel's own; load that "
                               f"one RTLD_LOCAL (not by LD_PRELOAD), or not at all, before importing {module}"), out
-    assert not [m for m in out["maps"] if f"/kvstack_{module}.libs/" in m], out["maps"]  # nothing of ours was loaded
+    assert not [m for m in out["maps"] if "/nixl.libs/" in m], out["maps"]  # nothing of ours loaded

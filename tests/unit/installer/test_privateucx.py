@@ -97,10 +97,10 @@ def test_without_auditwheel_making_a_wheel_stops_with_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("tag, build_id, want", [
-    ("v1.4.0", "cpu-9cd985e552e4", "1.4.0+cpu.9cd985e552e4"),
-    ("1.4.0", "cuda-673d0b4c6f66", "1.4.0+cuda.673d0b4c6f66"),
-    (None, "xpu-1", "0+xpu.1"),
-    ("", "tpu-2", "0+tpu.2"),
+    ("v1.4.0", "cpu-9cd985e552e4", "1.4.0+kvstack.cpu.9cd985e552e4"),
+    ("1.4.0", "cuda-673d0b4c6f66", "1.4.0+kvstack.cuda.673d0b4c6f66"),
+    (None, "xpu-1", "0+kvstack.xpu.1"),
+    ("", "tpu-2", "0+kvstack.tpu.2"),
 ])
 def test_wheel_version_is_nixl_release_plus_build_id(tag, build_id, want):
     src = {"url": "x"} if tag is None else {"tag": tag}
