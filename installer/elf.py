@@ -75,7 +75,10 @@ def section_at(table: list[Section], offset: int) -> str | None:
 def replace_strings(path: Path, prefixes: list[bytes], section: str, by: bytes) -> list[str]:
     """Each NUL-terminated string in `section` of path that starts with one of prefixes becomes
     `by`, padded with NULs to the string's length, so nothing in the file moves. A string shorter
-    than `by` is left as it was. Returns the strings replaced."""
+    than `by` is left as it was. Returns the strings replaced. A prefix inside a longer string
+    (a message naming a path) is replaced from where it starts, and so is one whose string the
+    linker placed right after other data with no NUL between them (seen: Abseil's __FILE__ in
+    NIXL's libserdes)."""
     data = bytearray(path.read_bytes())
     sec = next((s for s in sections(bytes(data)) if s.name == section), None)
     if sec is None:
@@ -84,11 +87,10 @@ def replace_strings(path: Path, prefixes: list[bytes], section: str, by: bytes) 
     for prefix in prefixes:
         at = data.find(prefix, sec.offset, sec.offset + sec.size)
         while at != -1:
-            start = data.rfind(b"\0", sec.offset, at) + 1 or sec.offset
             end = data.index(b"\0", at)
-            if start == at and end - start >= len(by):
-                done.append(data[start:end].decode(errors="replace"))
-                data[start:end] = by.ljust(end - start, b"\0")
+            if end - at >= len(by):
+                done.append(data[at:end].decode(errors="replace"))
+                data[at:end] = by.ljust(end - at, b"\0")
             at = data.find(prefix, end, sec.offset + sec.size)
     if done:
         path.write_bytes(bytes(data))

@@ -197,9 +197,18 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
         needs = {f: patchelf.dynamic(f) for f in elves}
         outside = wheeldeps.load()
         from_pip = outside.from_pip({n for dyn in needs.values() for n in dyn.needed})
-        excluded = outside.excluded(from_pip)
+        # UCX modules that link another module (libuct_ib_mlx5, _efa and libuct_rdmacm need
+        # libuct_ib.so.0): the wheel holds it beside them, and UCX has loaded it by the time it
+        # loads them (the ib framework loads its own providers), so auditwheel must not graft a
+        # second copy of it; $ORIGIN finds it for anything else that looks
+        siblings = {dst.name for dst in placed if dst.parent.name == "ucx"}
+        linked = sorted(siblings & {n for dyn in needs.values() for n in dyn.needed})
+        excluded = outside.excluded(from_pip) + linked
         for f, dyn in needs.items():
-            patchelf.set_rpath(f, _staged_runpath(dyn, f.parent == stage, set(staged), set(excluded), builds))
+            runpath = _staged_runpath(dyn, f.parent == stage, set(staged), set(excluded), builds)
+            if f.parent.name == "ucx" and set(dyn.needed) & siblings:
+                runpath = ":".join(["$ORIGIN", *filter(None, [runpath])])
+            patchelf.set_rpath(f, runpath)
         unnamed = {(str(f.relative_to(root)) if f.is_relative_to(root) else f.name): said for f in elves
                    if (said := elf.replace_strings(f, [d.encode() for d in builds], ".rodata", NOWHERE))}
         ucp_soname = privateucx.grafted_name(staged[libucp])
