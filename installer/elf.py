@@ -75,10 +75,10 @@ def section_at(table: list[Section], offset: int) -> str | None:
 def replace_strings(path: Path, prefixes: list[bytes], section: str, by: bytes) -> list[str]:
     """Each NUL-terminated string in `section` of path that starts with one of prefixes becomes
     `by`, padded with NULs to the string's length, so nothing in the file moves. A string shorter
-    than `by` is left as it was. Returns the strings replaced. A prefix inside a longer string
-    (a message naming a path) is replaced from where it starts, and so is one whose string the
-    linker placed right after other data with no NUL between them (seen: Abseil's __FILE__ in
-    NIXL's libserdes)."""
+    than `by` is left as it was. Returns the strings replaced. A string starts after a NUL, or
+    after a byte no text has: the linker can place one right after other data (seen: Abseil's
+    __FILE__ in NIXL's libserdes). A prefix further inside a text is left (the wheel's check then
+    names it)."""
     data = bytearray(path.read_bytes())
     sec = next((s for s in sections(bytes(data)) if s.name == section), None)
     if sec is None:
@@ -88,7 +88,8 @@ def replace_strings(path: Path, prefixes: list[bytes], section: str, by: bytes) 
         at = data.find(prefix, sec.offset, sec.offset + sec.size)
         while at != -1:
             end = data.index(b"\0", at)
-            if end - at >= len(by):
+            starts = at == sec.offset or data[at - 1] == 0 or not 0x09 <= data[at - 1] <= 0x7e
+            if starts and end - at >= len(by):
                 done.append(data[at:end].decode(errors="replace"))
                 data[at:end] = by.ljust(end - at, b"\0")
             at = data.find(prefix, end, sec.offset + sec.size)
