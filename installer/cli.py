@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import signal
 import sys
@@ -63,7 +64,8 @@ def _install_parser() -> argparse.ArgumentParser:
                       help="components built side by side at most (default: as many as their dependencies allow, "
                            "e.g. UCX configures while Abseil compiles; 1: one after another). Same build either way")
     inst.add_argument("--python", default=sys.executable, help="the Python environment that receives NIXL's module (default: this one)")
-    inst.add_argument("--mirror", help="take every source from this directory or URL instead of upstream")
+    inst.add_argument("--mirror", type=_mirror_location,
+                      help="take every source from this directory or URL instead of upstream")
     inst.add_argument("--recipe-overlay", type=Path, action="append", default=[], metavar="TOML",
                       help="lay this TOML over the platform recipe (repeatable)")
     inst.add_argument("--system-packages", choices=("install", "check", "ignore"), default="install",
@@ -75,6 +77,12 @@ def _install_parser() -> argparse.ArgumentParser:
     inst.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON; otherwise the manifest")
     _common(inst)
     return inst
+
+
+def _mirror_location(value: str) -> str:
+    """A directory becomes absolute: the builds run in directories of their own, where NIXL's
+    meson passes the mirror's wheels to uv by this path (a relative one named nothing there)."""
+    return value if "://" in value else os.path.abspath(value)
 
 
 def _mirror_parser() -> argparse.ArgumentParser:

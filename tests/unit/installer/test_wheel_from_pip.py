@@ -25,7 +25,7 @@ def test_the_table_names_the_cuda_runtime_and_what_auditwheel_leaves_out():
     assert found[0].path == "nvidia/cu13/lib/libcudart.so.13"
     # the drivers and the host's rdma-core stay the host's (wheeldeps.toml says why)
     assert outside.excluded(found) == ["libcuda.so.1", "libnvidia-ml.so.1", "libze_loader.so.1",
-                                       "libibverbs.so.1", "librdmacm.so.1", "libmlx5.so.1", "libefa.so.1",
+                                       "libgdrapi.so.2", "libibverbs.so.1", "librdmacm.so.1", "libmlx5.so.1", "libefa.so.1",
                                        "libcudart.so.13"]
     assert outside.from_pip({"libc.so.6", "libucp.so.0"}) == []  # the cpu build's files
 
