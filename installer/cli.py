@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import logging
+import os
 import signal
 import sys
 from dataclasses import dataclass
