@@ -78,10 +78,20 @@ POLICY_CHECK = "kvruntime's UCX_TLS"  # verify's loaded-level check of the trans
 
 def policy_comment(report: dict) -> str:
     """env.sh's note of the transport choice the loaded level saw kvruntime make on this build's
-    own `ucx_info -d` (xpu: ze_ipc, or the ze_copy fallback and why); "" when none was made."""
-    for check in report.get("levels", {}).get("loaded", {}).get("checks", []):
+    own `ucx_info -d` (xpu: ze_ipc, or the ze_copy fallback and why), and of what verification
+    proved of RDMA here; "" when it shows neither."""
+    levels = report.get("levels", {})
+    lines = []
+    for check in levels.get("loaded", {}).get("checks", []):
         if check["check"].startswith(POLICY_CHECK) and check["ok"]:
-            return (f"# {check['check']}, from this build's ucx_info -d when it was verified: "
-                    f"{check['detail']}\n# Each process chooses again from the ucx_info on its PATH "
-                    f"(`python -m kvruntime selftest` prints its choice).\n")
-    return ""
+            lines += [f"# {check['check']}, from this build's ucx_info -d when it was verified: {check['detail']}",
+                      "# Each process chooses again from the ucx_info on its PATH (`python -m kvruntime "
+                      "selftest` prints its choice)."]
+    rdma = [c for c in levels.get("moved", {}).get("checks", []) if "RDMA" in c["check"] or "rdmap" in c["check"]]
+    if rdma:
+        lines.append("# RDMA when this build was verified: " + "; ".join(
+            f"{c['check']}: {'passed' if c['ok'] else 'FAILED' if c['ok'] is False else 'not proven here'}"
+            for c in rdma))
+        lines.append("# Between hosts each process chooses its wire (RDMA device, nearest NIC, GPUDirect) "
+                     "and says why: `python -m kvruntime policy`.")
+    return "".join(line + "\n" for line in lines)

@@ -102,6 +102,19 @@ def test_env_sh_notes_the_transport_choice_the_loaded_level_saw():
     assert envfile.policy_comment({"levels": {"loaded": {"checks": []}}}) == ""
 
 
+def test_env_sh_notes_what_verification_proved_of_rdma_and_what_it_did_not():
+    from installer import envfile
+
+    report = {"levels": {"moved": {"checks": [
+        verify._check("moved host/cross_layer/pull/nixl", True, "..."),
+        verify._check("moved 4 MiB READ over rdmap0:1 (one process, two NIXL agents)", True, "bit-exact"),
+        verify._not_here("RDMA data path between processes and hosts", verify.NO_HCA)]}}}
+    note = envfile.policy_comment(report).splitlines()
+    assert note[0] == ("# RDMA when this build was verified: moved 4 MiB READ over rdmap0:1 (one process, "
+                       "two NIXL agents): passed; RDMA data path between processes and hosts: not proven here")
+    assert "python -m kvruntime policy" in note[1] and len(note) == 2
+
+
 # Rows of UCX_PROTO_INFO=y tables as UCX v1.22.0 (the pinned build) printed them for a READ under
 # UCX's fake EFA device with UCX_TLS=ud_verbs,posix,cma (installer/verify.py RDMA_MOVE_PROBE)
 PROTO_INFO = """\
