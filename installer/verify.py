@@ -358,6 +358,10 @@ def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, comp
     if rdma is not None:
         module = envfile.nixl_module(build_dir, nixl_module) if nixl_module else None
         checks += _rdma_moved(rdma, env, python, module, ibmock_dir)
+        if platform in ("cuda", "xpu"):  # device memory registered by the NIC: no mock can show it
+            checks.append(_not_here(f"GPUDirect RDMA ({platform} memory registered by the IB domain)",
+                                    "it needs a real RDMA device beside the GPU (and nvidia-peermem or "
+                                    "DMA-BUF; for xpu the xe driver): not proven on this host"))
     level = _level(checks)
     level["selftest"] = result
     return level
