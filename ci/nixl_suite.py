@@ -12,7 +12,6 @@ when anything failed or nothing ran. Run from the repository root (it imports th
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -28,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from installer import envfile, nixlpackage  # noqa: E402
+from installer.cache import sha256_file  # noqa: E402
 
 PARTS = ("test/python/", "examples/python/")
 OK_LINE = "Test Complete."
@@ -47,14 +47,6 @@ PLUGIN_PROBE = ("import json, nixl, nixl._api as a\nag = a.nixl_agent('suite-pro
                 "nixl.__kvstack__['backend_file'], 'unused': nixl.__kvstack__['unused']}))")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def archive(manifest: dict, mirror: Path | None) -> Path:
     """The NIXL archive the build was made from, proven by the manifest's sha256."""
     source = manifest["recipe"]["components"]["nixl"]["source"]
@@ -64,7 +56,7 @@ def archive(manifest: dict, mirror: Path | None) -> Path:
     if mirror:
         candidates.append(mirror / str(pin.get("filename", "")))
     for c in candidates:
-        if re.fullmatch(r"[0-9a-f]{64}", want) and c.is_file() and _sha256(c) == want:
+        if re.fullmatch(r"[0-9a-f]{64}", want) and c.is_file() and sha256_file(c) == want:
             return c
     raise SystemExit(f"error: no archive with sha256 {want or '?'} (the build's NIXL source) at "
                      f"{', '.join(map(str, candidates))}: give --mirror the build's mirror")

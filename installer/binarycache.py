@@ -14,7 +14,6 @@ directory served by any web server), downloading the entry beside the prefix fir
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from . import elf, prefix as prefixmod
+from .cache import sha256_file
 from .errors import BinaryCacheError
 from .extract import extract_safely
 
@@ -51,14 +51,6 @@ def cache_root(where: str | Path) -> Path:
                                    fix="mount or copy the cache and give its directory")
         return Path(url.path)
     return Path(text)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _identity(manifest: dict[str, Any]) -> str:
@@ -98,7 +90,7 @@ def publish(prefix: Path, where: str | Path) -> dict[str, Any]:
                 tarfile.open(fileobj=gz, mode="w") as tf:
             for child in sorted(build_dir.iterdir()):
                 tf.add(child, arcname=child.name)
-        digest = _sha256(tmp / ARCHIVE)
+        digest = sha256_file(tmp / ARCHIVE)
         (tmp / (ARCHIVE + ".sha256")).write_text(f"{digest}  {ARCHIVE}\n")
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
         os.rename(tmp, entry)
