@@ -152,7 +152,7 @@ def _take_local(build_id: str, install_dir: Path, where: str | Path, tools_venv:
     if manifest.get("build_id") != build_id or manifest.get("complete") is not True:
         raise BinaryCacheError(f"binary cache entry {shown}: its manifest is for build {manifest.get('build_id')!r}, "
                                f"not {build_id}, or not complete", fix="it was not used")
-    got = _sha256(entry / ARCHIVE)
+    got = sha256_file(entry / ARCHIVE)
     if got != want:
         raise BinaryCacheError(f"binary cache entry {shown}: {ARCHIVE} has sha256 {got}, expected {want}", fix="it was not used")
     incoming = install_dir.parent / f".{install_dir.name}.incoming-{os.getpid()}"
