@@ -140,6 +140,10 @@ class Agent:
         self.binding = binding or load_nixl()
         # device_id: the GPU whose nearest NIC carries its memory to other hosts (transports)
         self.ucx_env = apply_ucx_settings(device_kind, device_id=device_id)
+        clash = self.binding.efa_clash()
+        if clash and "UCX_MODULES" not in os.environ:  # read when the UCX backend starts, below
+            os.environ["UCX_MODULES"] = self.ucx_env["UCX_MODULES"] = "^efa"
+            log.info("UCX_MODULES=^efa: %s", clash)
         self.ucx_log = ucxlog.this_process()
         # a peer on another host is reached over these, not TCP (check_device_lanes)
         self.rdma_ports = active_rdma_ports()

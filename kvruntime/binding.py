@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 from .errors import NixlNotFoundError
@@ -31,6 +32,27 @@ class NixlBinding:
     @property
     def config_class(self):
         return self.api.nixl_agent_config
+
+    def efa_clash(self) -> str | None:
+        """Why UCX's efa module must stay unloaded under this NIXL, or None.
+
+        PyPI's NIXL wheels (nixl-cu12 1.5.1) bundle a private libibverbs and UCX's efa module but
+        not libefa: on a host with rdma-core that module loads the host's libefa, which brings
+        the host's libibverbs in beside the private one, and the process dies (SIGSEGV) when the
+        agent is destroyed. Seen on Debian 12 with rdma-core 44; the clash NIXL PR #1929 is
+        about. kvstack's own builds link the host's libibverbs alone and are not affected."""
+        import ctypes.util
+
+        package = Path(self.api.__file__).parent
+        libs = package.parent / f"{package.name}.libs"
+        private = any(libs.glob("libibverbs-*.so*")) and not any(libs.glob("libefa*.so*"))
+        if not private or not any((libs / "ucx").glob("libuct_ib_efa*.so*")):
+            return None
+        if ctypes.util.find_library("efa") is None:
+            return None
+        return (f"{package.name}'s wheel bundles its own libibverbs but not libefa: UCX's efa "
+                f"module would load this host's libefa and with it a second libibverbs, which "
+                f"crashes the process when the agent is destroyed (NIXL PR #1929)")
 
     @property
     def version(self) -> str:
