@@ -80,9 +80,12 @@ handle = reader.initialize_xfer("READ", descs(reader, dst, False), descs(owner, 
 state, deadline = reader.transfer(handle), time.monotonic() + 60
 while state not in ("DONE", "ERR") and time.monotonic() < deadline:
     state = reader.check_xfer_state(handle)
-print("KVSTACK-RESULT " + json.dumps({"state": state, "bit_exact": bool((src == dst).all()), "bytes": size}))
+# on a line of its own, flushed: UCX writes its protocol tables to the same stdout unbuffered
+print("\nKVSTACK-RESULT " + json.dumps({"state": state, "bit_exact": bool((src == dst).all()), "bytes": size}),
+      flush=True)
 """
 RDMA_MOVE_BYTES = 4 << 20
+_RESULT = re.compile(r"KVSTACK-RESULT (\{[^\n]*\})")
 # a lane in the Config column of UCX_PROTO_INFO's tables: transport/device (ud_verbs/rdmap0:1,
 # cma/memory, tcp/lo)
 _LANE = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.\-]+(?::\d+)?)")
@@ -540,8 +543,8 @@ def _rdma_moved(rdma: dict, env: dict[str, str], python: str, module: str | None
             r = _run([python, "-c", RDMA_MOVE_PROBE, module, str(RDMA_MOVE_BYTES)], menv, timeout=180)
     except ibmock.Unavailable as e:
         return [_not_here(title, str(e)), rest]
-    result = next((json.loads(line.split(" ", 1)[1]) for line in r.stdout.splitlines()
-                   if line.startswith("KVSTACK-RESULT ")), None)
+    found = _RESULT.search(r.stdout)
+    result = json.loads(found.group(1)) if found else None
     if result is None:
         return [_check(title, False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-400:]}"), rest]
     lanes = proto_lanes(r.stdout + r.stderr, between_peers=True)
