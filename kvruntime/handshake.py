@@ -324,9 +324,11 @@ def _expect_or_raise(message: dict, type_: str) -> dict:
         code, text = message.get("code"), str(message.get("message", "no reason given"))
         if code == "incompatible":
             fields = message.get("fields")
+            # the prefill's words: its "ours" is the prefill, its "peer" this decode
+            sides = " (ours: the prefill's, peer: this decode's)" if "ours=" in text else ""
             raise IncompatiblePeerError(
-                text, [f for f in fields if isinstance(f, str)] if isinstance(fields, list) else []
-            )
+                f"the prefill refused the connection: {text}{sides}",
+                [f for f in fields if isinstance(f, str)] if isinstance(fields, list) else [])
         if code == "auth":
             raise AuthError(f"peer refused: {text}")
         raise PeerError(f"peer refused: {text}")

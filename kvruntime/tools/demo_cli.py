@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import os
 import sys
 
 from .cli import MODE_FAILED, OK, UNUSABLE
@@ -45,7 +46,8 @@ def add_parser(sub, types) -> None:
     d.add_argument("--decode-tokens-per-block", type=types["at_least"](1), default=16,
                    help="the decode's block size (another than 16: refused at the handshake)")
     d.add_argument("--timeout", type=types["seconds"], default=60.0)
-    d.add_argument("--secret", help="shared secret for the handshake (env KVRUNTIME_SECRET)")
+    d.add_argument("--secret", help="shared secret for the handshake (env KVRUNTIME_SECRET; "
+                   "default: a random one)")
 
 
 def _tp_pairs(text: str) -> tuple[tuple[int, int], ...]:
@@ -63,9 +65,11 @@ def _tp_pairs(text: str) -> tuple[tuple[int, int], ...]:
 
 def run(args, out, secret: bytes | None) -> int:
     say = functools.partial(print, file=out)
-    if importlib.util.find_spec("transformers") is None:
-        print(f"demo: Hugging Face transformers is not installed in {sys.executable}: "
-              f"pip install '{TRANSFORMERS}' (or the kvstack[demo] extra)", file=sys.stderr)
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"demo: {' and '.join(missing)} not installed in {sys.executable}: pip install "
+              f"{'torch ' if 'torch' in missing else ''}'{TRANSFORMERS}' (or the kvstack[demo] "
+              f"extra)", file=sys.stderr)
         return UNUSABLE
     from .demo import DemoConfig, case_name, run_demo
 
@@ -74,7 +78,8 @@ def run(args, out, secret: bytes | None) -> int:
         kinds=tuple(args.layouts), engines=tuple(args.engines), ops=tuple(args.ops),
         tp_pairs=args.tp, device=args.device, device_ids=tuple(args.device_ids),
         decode_seed=args.decode_seed, decode_tokens_per_block=args.decode_tokens_per_block,
-        timeout=args.timeout, nixl_module=args.nixl_module, secret=secret))
+        timeout=args.timeout, nixl_module=args.nixl_module,
+        secret=secret or os.urandom(16)))  # the handshake authenticated, as an engine's is
     if args.json:
         say(json.dumps(report, indent=None if args.compact else 2))
     else:
