@@ -71,6 +71,15 @@ def run(args, out, secret: bytes | None) -> int:
               f"{'torch ' if 'torch' in missing else ''}'{TRANSFORMERS}' (or the kvstack[demo] "
               f"extra)", file=sys.stderr)
         return UNUSABLE
+    if args.device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if max(args.device_ids) >= count:
+            fix = f"give ids below {count}" if count else "run it with --device cpu"
+            print(f"demo: --device cuda --device-ids {args.device_ids[0]} {args.device_ids[1]}: "
+                  f"this host has {count} CUDA device(s); {fix}", file=sys.stderr)
+            return UNUSABLE
     from .demo import DemoConfig, case_name, run_demo
 
     report = run_demo(DemoConfig(
