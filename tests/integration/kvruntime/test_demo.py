@@ -79,3 +79,15 @@ def test_a_decode_with_another_block_size_is_refused_at_the_handshake():
         "IncompatiblePeerError: the prefill refused the connection: peer KV layout is "
         "incompatible: tokens_per_block: ours=16 peer=8 (ours: the prefill's, peer: this "
         "decode's)")
+
+
+def test_cuda_on_a_host_without_those_gpus_is_one_line_before_any_process_starts():
+    torch = pytest.importorskip("torch")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    r = subprocess.run([sys.executable, "-m", "kvruntime", "demo", "--device", "cuda",
+                        "--device-ids", "0", str(count)], capture_output=True, text=True,
+                       timeout=120)
+    fix = f"give ids below {count}" if count else "run it with --device cpu"
+    assert r.returncode == 3 and r.stdout == ""
+    assert r.stderr == (f"demo: --device cuda --device-ids 0 {count}: this host has {count} CUDA "
+                        f"device(s); {fix}\n")
