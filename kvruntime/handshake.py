@@ -4,7 +4,7 @@ Socket-level and NIXL-free: each side hands in its ``PeerInfo`` (layout, agent n
 metadata, region addresses) and gets the peer's back. The order is chosen so that nothing that
 grants memory access (NIXL metadata) is sent before the peer proved it knows the secret::
 
-    decode -> prefill  hello     {layout, nonce}
+    decode -> prefill  hello     {layout, nonce, kv_buffer, app}
     prefill -> decode  challenge {nonce, auth}
     decode -> prefill  auth      {proof}         HMAC(secret, "c" | H(hello, challenge))
     prefill -> decode  welcome   {proof, info}   HMAC(secret, "s" | H(hello, challenge, auth, info))
