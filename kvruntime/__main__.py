@@ -1,4 +1,4 @@
-"""CLI: ``python -m kvruntime selftest|bench|policy|which [--json]``. The only place that prints.
+"""CLI: ``python -m kvruntime selftest|bench|policy|which|demo [--json]``. The only place that prints.
 
 Its parser and exit codes follow the convention both programs share (tools/cli.py: README,
 "Exit codes").
@@ -396,6 +396,9 @@ def main(argv=None) -> int:
                    default=[4, 32], help="decode peers and requests kept in flight on one "
                    "prefill, beside one request of the same bytes: the peers as clients of "
                    "this process, and as decode processes of their own (0 0: skip)")
+    from .tools import demo_cli
+
+    demo_cli.add_parser(sub, {"at_least": _at_least, "seconds": _seconds})
     po = sub.add_parser("policy", help="the UCX settings each memory kind gets here and why, "
                         "on one host and across hosts (RDMA, the GPU's nearest NIC), moving "
                         "nothing")
@@ -411,6 +414,14 @@ def main(argv=None) -> int:
             return _policy(args, out)
     if args.command == "which":
         return _which(args)
+    if args.command == "demo":
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+        try:
+            with _report_stream() as out:
+                return demo_cli.run(args, out, _secret(args))
+        except KeyboardInterrupt:
+            return INTERRUPTED
     if args.command == "bench" and args.scenario:
         preset = SCENARIOS[args.scenario]
         args.tp_pairs = _tp_pairs(BENCH_HEADS)(",".join(preset["groups"]))

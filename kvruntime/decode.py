@@ -522,7 +522,8 @@ class DecodeClient:
                          (time.perf_counter() - start) * 1e3)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                                  self.registration.region_triples(), registered.mem_type,
-                                 o.kv_buffer, cache.layout if self.staging else None, o.tp_rank)
+                                 o.kv_buffer, cache.layout if self.staging else None, o.tp_rank,
+                                 o.app)
         except Exception:
             if self._pool_reg is not None:
                 self._pool_reg.close()

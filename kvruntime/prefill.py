@@ -201,7 +201,7 @@ class PrefillServer:
         registered = self.staging.cache if self.staging else cache
         self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                              self.registration.region_triples(), registered.mem_type, o.kv_buffer,
-                             cache.layout if self.staging else None, o.tp_rank)
+                             cache.layout if self.staging else None, o.tp_rank, o.app)
         self.listener.spawn(self.listener.accept_loop, "kvr-accept")
         self.listener.spawn(self._progress_loop, "kvr-progress")
 

@@ -153,3 +153,18 @@ def test_lanes_between_peers_leave_out_self_endpoints_and_device_memory():
     every = PROTO_INFO + SELF_TABLE + DEVICE_TABLE
     assert verify.proto_lanes(every) == ["cma/memory", "cuda_copy/cuda", "cuda_ipc/cuda", "ud_verbs/rdmap0:1"]
     assert verify.proto_lanes(every, between_peers=True) == ["cma/memory", "ud_verbs/rdmap0:1"]
+
+
+def test_the_demo_is_not_checked_where_the_target_python_has_no_transformers(tmp_path):
+    """A real interpreter without torch or transformers (a bare venv): the moved level shows the
+    demo as not checked, with what to install, and runs nothing."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "v")],
+                   check=True)
+    python = str(tmp_path / "v" / "bin" / "python")
+    check = verify._demo(dict(os.environ, PYTHONPATH=""), python, "cpu", {}, 60)
+    assert check["check"] == verify.DEMO and check["ok"] is None
+    assert check["detail"] == (f"not checked here: torch and transformers are not importable by "
+                               f"{python} (pip install torch 'kvstack[demo]' there to run it)")

@@ -2,6 +2,7 @@
 
 import socket
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -152,3 +153,59 @@ def test_connect_refused_literal_times_out_with_reason():
     srv.close()  # nothing listens there now
     with pytest.raises(HandshakeTimeout, match=f"127.0.0.1:{port}"):
         handshake.connect("127.0.0.1", port, 0.3, attempts=2)
+
+
+MODEL = {"model": "llama", "hidden_size": 128, "num_key_value_heads": 4, "weights": "ab12"}
+
+
+def app_info(name, app):
+    return replace(info(name), app=app)
+
+
+@pytest.mark.parametrize("decode_app,fields", [
+    ({**MODEL, "hidden_size": 64, "weights": "cd34"}, ["app.hidden_size", "app.weights"]),
+    ({k: v for k, v in MODEL.items() if k != "weights"}, ["app.weights"]),
+    (None, ["app"])])
+def test_a_differing_app_descriptor_is_refused_with_both_values(decode_app, fields):
+    """The prefill refuses at the hello, before its metadata goes out, naming every key and
+    both sides' values; the decode gets that line."""
+    out = run(app_info("p", MODEL), app_info("d", decode_app))
+    for side in ("client_error", "server_error"):
+        err = out[side]
+        assert isinstance(err, IncompatiblePeerError) and err.fields == fields, err
+    text = str(out["client_error"])
+    if decode_app and "hidden_size" in fields[0]:
+        assert "app.hidden_size: prefill=128 decode=64" in text
+        assert "app.weights: prefill='ab12' decode='cd34'" in text
+    # the prefill's refusal (at the hello, before its welcome carries any metadata), relayed
+    assert text.startswith("the prefill refused the connection: the application descriptors")
+
+
+def test_the_same_app_descriptor_pairs_and_crosses():
+    out = run(app_info("p", MODEL), app_info("d", dict(MODEL)), b"s", b"s")
+    assert out["client"].app == MODEL and out["server"].app == MODEL
+
+
+def test_a_prefill_without_a_descriptor_refuses_a_decode_with_one():
+    out = run(info("p"), app_info("d", MODEL))
+    assert out["server_error"].fields == ["app"] and "prefill=<none>" in str(out["client_error"])
+
+
+@pytest.mark.parametrize("app,why", [
+    ([1, 2], "must be a JSON object"),
+    ({f"k{i}": i for i in range(33)}, "at most 32"),
+    ({"a b": 1}, "is not 1-64 of"),
+    ({"k": [1]}, "must be a string"),
+    ({"k": float("nan")}, "must be a string"),
+    ({"k": "x" * 257}, "must be a string"),
+    ({"k": 2**70}, "must be a string")])
+def test_a_bad_descriptor_is_refused_where_it_is_made_and_where_it_arrives(app, why):
+    from kvruntime import Options
+    from kvruntime.errors import LayoutError
+
+    with pytest.raises(LayoutError, match=why):
+        Options.of(None, {"app": app})
+    wire = app_info("d", None).to_dict()
+    wire["app"] = app
+    with pytest.raises(FrameError, match=why):
+        PeerInfo.from_dict(wire)
