@@ -29,7 +29,7 @@ _LAZY = {
     "DecodeClient": "decode",
     "KVCache": "memory",
     "TransferHandle": "inflight",
-    "TransferResult": "transfer",
+    "TransferResult": "jobs",
 }
 
 __all__ = ["CROSS_LAYER", "PER_LAYER", "DecodeClient", "KVCache", "KVLayout", "KVRuntimeError",

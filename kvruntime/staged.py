@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from . import frames, messages
 from .errors import KVRuntimeError
+from .jobs import CopyJob, TransferResult
 from .plan import TransferPlan
-from .samenode import CopyJob
 from .staging import StagingExhausted, StagingPool, done, wait
 
 @dataclass(frozen=True)
@@ -339,8 +339,6 @@ class StagedPull(CopyJob):
         return True
 
     def result(self):
-        from .transfer import TransferResult
-
         nbytes = self.plan.num_blocks * self._hs * self.route.pool.layout.block_bytes
         return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,  # our heads
                               self._descriptors + len(self._chunks), None,
