@@ -121,7 +121,8 @@ def route_from(reply: dict, pool: StagingPool) -> PoolRoute:
     """Our route through the pools from the prefill's "pool" answer, checked: its region is a
     range it registered, its units are the size of ours (the same model)."""
     if "unavailable" in reply:
-        raise KVRuntimeError(f"the prefill offers no staging pool: {str(reply['unavailable'])[:200]}")
+        why = str(reply["unavailable"])[:200]
+        raise KVRuntimeError(f"the prefill offers no staging pool: {why}")
     region, units, unit = reply.get("region"), reply.get("units"), reply.get("unit_bytes")
     ints = isinstance(region, list) and len(region) == 3 and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in region)

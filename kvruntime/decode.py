@@ -31,12 +31,13 @@ import time
 from dataclasses import replace
 
 from . import coalesce as coalescing
-from . import engines, frames, messages, pushed
+from . import engines, frames, messages, native, pushed
 from .agent import Agent, shm_free, ucx_threads, unique_name
 from .channel import PeerChannel
 from .errors import KVRuntimeError, PeerError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
+from .jobs import TransferResult
 from .memory import KVCache
 from .options import Options
 from .plan import Planner, TransferPlan
@@ -44,12 +45,10 @@ from .registration import Registration
 from .releases import Pending, ReleaseSender
 from .samenode import ENGINES, REHEARSALS, Batch, SharedJob, host_copy_streams
 from .staged import StagedPull
-from . import native
 from .staging import StagingPool, resolve_kv_buffer
-from .transports import offered_transports
 from .tp import head_rows
-from .jobs import TransferResult
 from .transfer import Draining, PostedTransfer, Rows, split_runs
+from .transports import offered_transports
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count()

@@ -37,11 +37,11 @@ import numpy as np
 
 from . import cudart, frames
 from .errors import KVRuntimeError
+from .jobs import CopyJob, TransferResult
 from .layout import KVLayout
 from .peercred import owner_uid, prove_peer
-from .procmem import read_remote
 from .plan import TransferPlan
-from .jobs import CopyJob, TransferResult
+from .procmem import read_remote
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from .jobs import CopyJob, TransferResult
 from .plan import TransferPlan
 from .staging import StagingExhausted, StagingPool, done, wait
 
+
 @dataclass(frozen=True)
 class PoolRoute:
     """How a peer's requests go through the pools: ours, the peer's (its registered region, of
@@ -185,7 +186,8 @@ class StagedPull(CopyJob):
         if self._remote is not None and self._local is None:
             self._local = pool.try_acquire(self._remote[1])
             if self._local is None:
-                self.waiting = f"the decode's staging pool is exhausted: {pool.numbers(self._units)}"
+                self.waiting = ("the decode's staging pool is exhausted: "
+                                f"{pool.numbers(self._units)}")
                 return self.state  # waits for pool blocks until the handle's deadline
             self.waiting = "its READ of the staged run had not ended (peer dead or stalled)"
         if self._local is not None and len(self._chunks) < len(self._ready):

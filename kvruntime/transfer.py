@@ -159,7 +159,8 @@ class PostedTransfer:
         return self.rows.nbytes if self.rows is not None else self.plan.nbytes
 
     def result(self) -> TransferResult:
-        pieces = len(self.rows.local) if self.rows is not None else self.plan.piece_count(self.split)
+        pieces = (len(self.rows.local) if self.rows is not None
+                  else self.plan.piece_count(self.split))
         return TransferResult(self.op, self.nbytes, self.seconds, self.plan.num_runs, pieces,
                               self.descriptors_posted)
 
