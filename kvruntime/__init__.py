@@ -11,9 +11,9 @@ in a ``TransferResult``. ``Options`` holds what both sides take (their keyword a
 it). Every error is a ``errors.KVRuntimeError``.
 
 Pure layers (no NIXL, no torch): ``layout``, ``plan``, ``frames``, ``handshake``, ``options``,
-``app``. The classes that
-touch NIXL, numpy or torch are imported on first use, so ``import kvruntime`` stays cheap and the
-pure layers work on any Python. Every other module is internal: its names may change.
+``app``. The classes that touch NIXL, numpy or torch are imported on first use, so ``import
+kvruntime`` stays cheap and the pure layers work on any Python. Every other module is internal:
+its names may change.
 """
 
 from importlib import import_module
@@ -30,7 +30,7 @@ _LAZY = {
     "DecodeClient": "decode",
     "KVCache": "memory",
     "TransferHandle": "inflight",
-    "TransferResult": "transfer",
+    "TransferResult": "jobs",
 }
 
 __all__ = ["CROSS_LAYER", "PER_LAYER", "DecodeClient", "KVCache", "KVLayout", "KVRuntimeError",

@@ -321,7 +321,8 @@ def write_frame(sock: socket.socket, message: dict, timeout: float | None = None
     try:
         sock.sendall(data)
     except OSError as exc:
-        raise PeerError(f"side channel failed while sending {message.get('type')!r}: {exc}") from None
+        raise PeerError(f"side channel failed while sending {message.get('type')!r}: "
+                        f"{exc}") from None
 
 
 def b64(data: bytes) -> str:

@@ -33,13 +33,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from . import frames, messages
+from . import coalesce as coalescing
+from . import frames, messages, native
 from .agent import Agent, shm_free, ucx_threads, unique_name
 from .channel import Channel
 from .errors import KVRuntimeError, PeerError
 from .handshake import PeerInfo, serve_handshake
 from .layout import KVLayout
 from .listener import Listener
+from .mailbox import Mailbox
 from .memory import KVCache
 from .naps import tighten_timer_slack
 from .options import Options
@@ -47,14 +49,11 @@ from .plan import Planner, make_plan
 from .pushes import Pushes, Writes
 from .registration import Registration
 from .releases import Released
-from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
 from .stages import MAX_STAGE_SECONDS, Stages
-from . import coalesce as coalescing
-from . import native
 from .staging import StagingPool, resolve_kv_buffer
-from .transports import offered_transports
 from .tp import HeadSlice, direct_slice
+from .transports import offered_transports
 
 log = logging.getLogger(__name__)
 
