@@ -108,6 +108,24 @@ def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, 
     return manifest
 
 
+def fetch_sources(plan: Plan, fetcher: Fetcher) -> dict[str, Fetched]:
+    """The fetch phase: every source the plan builds from, into the cache, each checked against
+    its pin on the way in."""
+    with fetcher.cache.locked():
+        partial = fetcher.cache.drop_partial()
+        if partial:
+            log.warning("removed downloads a killed run left unfinished: %s", ", ".join(p.name for p in partial))
+        return {n: fetcher.fetch(n, plan.sources[n]) for n in plan.used_sources()}
+
+
+def fetch_only(plan: Plan, mirror: str | None) -> dict[str, dict[str, Any]]:
+    """`install --fetch-only`: the fetch and check phases alone, nothing built (a pin that cannot
+    be had shows before a long build; a cache filled before going offline)."""
+    fetcher = Fetcher(Cache(plan.cache_dir), mirror)
+    fetched = fetch_sources(plan, fetcher)
+    return {n: fetcher.check(f, plan.sources[n]) for n, f in fetched.items()}
+
+
 def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path | None) -> dict[str, Any]:
     phases = PhaseLog()
     log_dir = plan.work_dir / "logs"
@@ -116,14 +134,9 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     manifest = _manifest_head(plan, mirror)
     started = time.monotonic()
     try:
-        cache = Cache(plan.cache_dir)
-        fetcher = Fetcher(cache, mirror)
+        fetcher = Fetcher(Cache(plan.cache_dir), mirror)
         with phases.phase("fetch") as rec:
-            with cache.locked():
-                partial = cache.drop_partial()
-                if partial:
-                    log.warning("removed downloads a killed run left unfinished: %s", ", ".join(p.name for p in partial))
-                fetched = {n: fetcher.fetch(n, plan.sources[n]) for n in plan.used_sources()}
+            fetched = fetch_sources(plan, fetcher)
         with phases.phase("check") as rec:
             manifest["sources"] = {n: fetcher.check(f, plan.sources[n]) for n, f in fetched.items()}
         with phases.phase("system-packages") as rec:
