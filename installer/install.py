@@ -223,14 +223,18 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
         if _out_of_space(e):
             # a build step's own write fails the same way as ours: both are the host's, and the
             # half-built files would otherwise keep the disk full
+            kept = _keep_logs(plan, log_dir)
             removed = _drop_unfinished(plan)
             said = (e.what if isinstance(e, InstallerError) else
                     os.strerror(errno.ENOSPC) if isinstance(e, shutil.Error) else (e.strerror or str(e)))
-            error = HostError(f"no space left on device during {running}: {said}", log=getattr(e, "log", None),
+            step_log = getattr(e, "log", None)
+            error = HostError(f"no space left on device during {running}: {said}",
+                              log=_moved(step_log, str(log_dir), str(kept)) if kept else None,
                               detail=getattr(e, "detail", None),
                               fix=f"free space there and run again; removed the unfinished build ({len(removed)} "
                                   f"directories: {plan.install_dir} and the source and build trees under {plan.work_dir})"
-                                  f"; {plan.prefix} still points to {previous or 'nothing'}")
+                                  + (f", its logs kept in {kept}" if kept else "")
+                                  + f"; {plan.prefix} still points to {previous or 'nothing'}")
         manifest.update(complete=False, phases=phases.records, error=getattr(error, "line", lambda: "interrupted")())
         if plan.install_dir.exists():  # not where a full disk made us remove the unfinished build
             try:
@@ -281,6 +285,21 @@ def _out_of_space(e: BaseException) -> bool:
     if isinstance(e, OSError):
         return e.errno == errno.ENOSPC
     return isinstance(e, BuildError) and "No space left on device" in (e.detail or "")
+
+
+def _keep_logs(plan: Plan, log_dir: Path) -> Path | None:
+    """The logs of a build about to be removed for a full disk, moved out of it first: to
+    `P.builds/<build id>.failed-logs` (the last such failure's), by a rename on the same file
+    system, which needs no space. None when there are none or they cannot be moved."""
+    kept = plan.install_dir.with_name(plan.install_dir.name + ".failed-logs")
+    if not log_dir.is_dir():
+        return None
+    shutil.rmtree(kept, ignore_errors=True)
+    try:
+        os.rename(log_dir, kept)
+    except OSError:
+        return None
+    return kept
 
 
 def _drop_unfinished(plan: Plan) -> list[str]:
