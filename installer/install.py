@@ -220,6 +220,10 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     except (InstallerError, KeyboardInterrupt, OSError) as e:
         running = next((n for n, r in phases.records.items() if r.get("status") in ("running", "failed")), "install")
         error = HostError.from_oserror(e, f"during {running}") if isinstance(e, OSError) else e
+        ignored = phases.records.get("system-packages", {})
+        if isinstance(e, BuildError) and ignored.get("ignored"):  # a likely cause, said in the line
+            e.fix = (f"{e.fix}; " if e.fix else "") + ("missing and ignored (--system-packages ignore): "
+                                                      f"{' '.join(ignored['missing'])}")
         if _out_of_space(e):
             # a build step's own write fails the same way as ours: both are the host's, and the
             # half-built files would otherwise keep the disk full

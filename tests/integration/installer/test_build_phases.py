@@ -202,6 +202,20 @@ def test_failing_step_shows_its_log_and_keeps_the_previous_install(world, instal
     assert installed.resolve() == before and prefixmod.is_complete(before)
 
 
+def test_a_build_that_fails_after_ignored_packages_names_them(world, installed, tmp_path):
+    """--system-packages ignore goes on without a package (as a host without libtool would); the
+    build's failure then names what was missing and ignored, not only the step's tail."""
+    overlay = _overlay(tmp_path, '[system_packages.debian]\nkvstack-no-such-package = "a test"\n\n'
+                                 '[components.hello-cmake.defines]\nHELLO_FAIL = true\n')
+    cmd = _cmd(world, installed, "--recipe-overlay", overlay)
+    cmd[cmd.index("--system-packages") + 1] = "ignore"
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 8, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("build failed: hello-cmake: step cmake-configure failed"), last
+    assert last.endswith("; missing and ignored (--system-packages ignore): kvstack-no-such-package"), last
+
+
 def _wait_for(path_glob: str, root: Path, proc: subprocess.Popen, timeout: float = 300) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
