@@ -30,12 +30,15 @@ extra=("$@")
 if [ -n "${KVSTACK_MIRROR:-}" ] || [ -e ../shared/mirror ]; then
   mirror=${KVSTACK_MIRROR:-../shared/mirror}
   if [ ! -f "$mirror/SHA256SUMS" ]; then
-    echo "error: $mirror is no source mirror (no SHA256SUMS); fill it with: python -m installer mirror $mirror" >&2
+    echo "error: $mirror is no source mirror (no SHA256SUMS);" \
+      "fill it with: python -m installer mirror $mirror" >&2
     exit 1
   fi
   sources=(--mirror "$mirror")
   # kvstack's own mirror holds asio as its headers from a clone, pinned by this overlay (its README)
-  if [ -f "$mirror/asio-overlay.toml" ]; then sources+=(--recipe-overlay "$mirror/asio-overlay.toml"); fi
+  if [ -f "$mirror/asio-overlay.toml" ]; then
+    sources+=(--recipe-overlay "$mirror/asio-overlay.toml")
+  fi
   where="the mirror $mirror"
 else
   sources=()

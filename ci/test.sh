@@ -54,7 +54,8 @@ run_pytest() {
 # mostly on sockets and processes: the builds run in the background, in a process group of their
 # own (killed if this script stops first) and in a venv of their own (ci/pinned-builds.sh), their
 # log shown whole when they finish; the tests of each build run once it is verified.
-step "pinned builds start (cpu, xpu, xpu --variant ze-ipc from ../shared/mirror or KVSTACK_MIRROR, else upstream, each verified: ci/pinned-builds.sh, in the background)"
+step "pinned builds start (cpu, xpu, xpu --variant ze-ipc from a mirror, else upstream, each \
+verified: ci/pinned-builds.sh, in the background)"
 mkdir -p _work/pinned && rm -f _work/pinned/env.sh  # a run before this one named its builds there
 builds_log=_work/pinned/builds.log
 setsid bash ci/pinned-builds.sh > "$builds_log" 2>&1 &

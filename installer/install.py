@@ -114,7 +114,8 @@ def fetch_sources(plan: Plan, fetcher: Fetcher) -> dict[str, Fetched]:
     with fetcher.cache.locked():
         partial = fetcher.cache.drop_partial()
         if partial:
-            log.warning("removed downloads a killed run left unfinished: %s", ", ".join(p.name for p in partial))
+            log.warning("removed downloads a killed run left unfinished: %s",
+                        ", ".join(p.name for p in partial))
         return {n: fetcher.fetch(n, plan.sources[n]) for n in plan.used_sources()}
 
 
@@ -222,8 +223,8 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
         error = HostError.from_oserror(e, f"during {running}") if isinstance(e, OSError) else e
         ignored = phases.records.get("system-packages", {})
         if isinstance(e, BuildError) and ignored.get("ignored"):  # a likely cause, said in the line
-            e.fix = (f"{e.fix}; " if e.fix else "") + ("missing and ignored (--system-packages ignore): "
-                                                      f"{' '.join(ignored['missing'])}")
+            said = f"missing and ignored (--system-packages ignore): {' '.join(ignored['missing'])}"
+            e.fix = f"{e.fix}; {said}" if e.fix else said
         if _out_of_space(e):
             # a build step's own write fails the same way as ours: both are the host's, and the
             # half-built files would otherwise keep the disk full

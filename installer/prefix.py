@@ -35,9 +35,10 @@ def check_placeable(prefix: Path) -> None:
         raise HostError.from_oserror(e, f"--prefix {prefix}: cannot make {prefix.parent}") from None
     if prefix.is_symlink():
         if not made_by_us(prefix):
-            raise PrefixError(f"--prefix {prefix} is a symbolic link to {os.readlink(prefix)}, which is not one of "
-                              f"kvstack's builds ({prefix.name}.builds/<build id>)",
-                              fix="choose another --prefix, or remove that link if it is not needed")
+            raise PrefixError(f"--prefix {prefix} is a symbolic link to {os.readlink(prefix)}, "
+                              f"which is not one of kvstack's builds ({prefix.name}.builds/<build id>)",
+                              fix="choose another --prefix, or remove that link if it is not "
+                                  "needed")
     elif prefix.is_dir() and is_mount_point(prefix):
         raise PrefixError(f"--prefix {prefix} is a mount point: the prefix becomes a link to its build, and a mount "
                           f"point cannot be replaced by one", fix=f"give a path inside it, e.g. --prefix {prefix / 'kvstack'}")
@@ -57,7 +58,7 @@ def made_by_us(link: Path) -> bool:
     switch writes it, or the same place absolute), whether or not that build still exists."""
     target = Path(os.readlink(link))
     builds = (link.parent / f"{link.name}.builds").absolute()
-    where = Path(os.path.normpath(target if target.is_absolute() else link.parent.absolute() / target))
+    where = Path(os.path.normpath(link.parent.absolute() / target))  # an absolute target wins
     return where.parent == builds and where.name not in ("", ".", "..")
 
 

@@ -145,7 +145,8 @@ def stop_leftovers(log_dir: Path) -> list[int]:
             marker.unlink(missing_ok=True)
         killed = kill_session(sid)
         if killed:
-            log.warning("stopped %d leftover build processes of an earlier, killed run (session %d)", killed, sid)
+            log.warning("stopped %d leftover build processes of an earlier, killed run "
+                        "(session %d)", killed, sid)
             stopped.append(sid)
     return stopped
 

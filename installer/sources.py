@@ -75,7 +75,7 @@ class Fetcher:
             return Fetched(name, "archive", hit, "cache", True, sha256=want)
         locations = self._archive_locations(src)
         unreachable: list[str] = []
-        refused: list[InstallerError] = []  # a wrong file or a 4xx: the next location may serve the pin
+        refused: list[InstallerError] = []  # a wrong file or a 4xx: the next may serve the pin
         for loc in locations:
             tmp = self.cache.temp_file()
             try:
@@ -93,10 +93,11 @@ class Fetcher:
                 raise
             if got != want:
                 tmp.unlink(missing_ok=True)
-                refused.append(ChecksumError(f"{name}: {src['filename']} from {loc} does not match its pin",
-                                             expected=f"sha256 {want}", actual=f"sha256 {got}",
-                                             fix="the file was removed; if upstream really changed it, find out "
-                                                 "why before you change the recipe's sha256"))
+                refused.append(ChecksumError(
+                    f"{name}: {src['filename']} from {loc} does not match its pin",
+                    expected=f"sha256 {want}", actual=f"sha256 {got}",
+                    fix="the file was removed; if upstream really changed it, find out why before "
+                        "you change the recipe's sha256"))
                 continue
             path = self.cache.put(tmp, want)
             for e in refused:

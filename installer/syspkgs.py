@@ -61,11 +61,13 @@ def aclocal_finds(macro_file: str, path: str | None = None) -> bool:
     return any((d / macro_file).is_file() for d in dirs)
 
 
-def looked_for(packages: list[str], provides: dict[str, tuple[str, ...]] = PROVIDES, dpkg: bool = True) -> str:
+def looked_for(packages: list[str], provides: dict[str, tuple[str, ...]] = PROVIDES,
+               dpkg: bool = True) -> str:
     def where(p: str) -> str:
         if p not in provides:
             return "dpkg"
-        tools = f"{'/'.join(provides[p])} on PATH" + (f" with {MACROS[p]} for aclocal" if p in MACROS else "")
+        tools = f"{'/'.join(provides[p])} on PATH"
+        tools += f" with {MACROS[p]} for aclocal" if p in MACROS else ""
         return f"dpkg or {tools}" if dpkg else tools
     return ", ".join(f"{p} ({where(p)})" for p in packages)
 
@@ -142,9 +144,11 @@ def _tools_only(table: dict[str, dict[str, str]], mode: str, family: str | None,
     tools = [p for p in packages if p in provides]
     on_path = provided_on_path(tools, path, provides)
     missing = [p for p in tools if p not in on_path]
-    log.warning("system packages: no list for this distribution; libraries and headers unchecked: %s",
+    log.warning("system packages: no list for this distribution; libraries and headers "
+                "unchecked: %s",
                 ", ".join(p for p in packages if p not in provides))
-    record = {"family": family, "checked": "tools on PATH", "missing": missing, "provided_by_path": on_path}
+    record = {"family": family, "checked": "tools on PATH", "missing": missing,
+              "provided_by_path": on_path}
     if missing and mode == "ignore":
         log.warning("build tools missing, going on anyway (--system-packages ignore): %s",
                     looked_for(missing, provides, dpkg=False))
@@ -152,6 +156,7 @@ def _tools_only(table: dict[str, dict[str, str]], mode: str, family: str | None,
     elif missing:
         raise SystemPackagesError(f"missing build tools: {' '.join(missing)}; looked for: "
                                   f"{looked_for(missing, provides, dpkg=False)}",
-                                  fix="install them with this distribution's package manager (the "
-                                      "recipe's system_packages list names Debian's), then run again")
+                                  fix="install them with this distribution's package manager "
+                                      "(the recipe's system_packages list names Debian's), then "
+                                      "run again")
     return record

@@ -239,22 +239,25 @@ def _shell_only_base(client, tmp_path) -> str:
 def test_docker_build_of_the_checkout_says_to_use_installer_image(daemon, tmp_path):
     """`docker build .` at the root (no staged _work/, none of installer image's build arguments)
     stops at the Containerfile's first step, saying what to run; with the staging argument it gets
-    past that step and stops at the first COPY of _work/ (the step it used to stop at, unexplained)."""
+    past that step and stops at the first COPY of _work/ (where it used to stop, unexplained)."""
     client, _ = daemon
     checkout = tmp_path / "ctx"
-    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(".git", ".venv", "_work", "__pycache__"))
+    shutil.copytree(ROOT, checkout,
+                    ignore=shutil.ignore_patterns(".git", ".venv", "_work", "__pycache__"))
     base = _shell_only_base(client, tmp_path)
 
     def build(**args) -> str:
         out = []
-        for chunk in client.api.build(path=str(checkout), dockerfile="Containerfile", rm=True, forcerm=True,
-                                      buildargs={"BASE_IMAGE": base, **args}, decode=True, pull=False):
+        for chunk in client.api.build(path=str(checkout), dockerfile="Containerfile", rm=True,
+                                      forcerm=True, buildargs={"BASE_IMAGE": base, **args},
+                                      decode=True, pull=False):
             out.append(chunk.get("stream", "") + chunk.get("error", ""))
         return "".join(out)
     plain = build()
-    assert ("error: docker build . alone cannot make this image: its inputs are staged under _work/ by: "
-            "python -m installer image --platform cpu|cuda|xpu") in plain, plain[-2000:]
+    assert ("error: docker build . alone cannot make this image: its inputs are staged under "
+            "_work/ by: python -m installer image --platform cpu|cuda|xpu") in plain, plain[-2000:]
     assert "returned a non-zero code: 1" in plain and "image-ca.crt" not in plain
     staged = build(KVSTACK_STAGED="1")
     assert "returned a non-zero code" not in staged, staged[-2000:]
-    assert "COPY _work/image-ca.crt" in staged.splitlines()[-2] and "image-ca.crt" in staged.splitlines()[-1]
+    *_, copy, failed = staged.splitlines()
+    assert "COPY _work/image-ca.crt" in copy and "image-ca.crt" in failed

@@ -213,7 +213,8 @@ def test_a_build_that_fails_after_ignored_packages_names_them(world, installed, 
     assert r.returncode == 8, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("build failed: hello-cmake: step cmake-configure failed"), last
-    assert last.endswith("; missing and ignored (--system-packages ignore): kvstack-no-such-package"), last
+    assert last.endswith("; missing and ignored (--system-packages ignore): "
+                         "kvstack-no-such-package"), last
 
 
 def _wait_for(path_glob: str, root: Path, proc: subprocess.Popen, timeout: float = 300) -> Path:
@@ -418,7 +419,8 @@ def small_disk(tmp_path):
     needs root (CI runs as root)."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     yield mnt
@@ -430,8 +432,8 @@ def test_a_disk_that_fills_during_a_step_keeps_the_log_it_names(world, small_dis
     unfinished build is removed, and the step's log the line names is kept beside the builds."""
     prefix = small_disk / "kv"
     fill = _overlay(tmp_path, "[components.hello-cmake.defines]\nHELLO_FILL = true\n")
-    plan = json.loads(subprocess.run(_cmd(world, prefix, "--recipe-overlay", fill, "--dry-run", "--json"), cwd=ROOT,
-                                     capture_output=True, text=True, check=True).stdout)
+    plan = json.loads(subprocess.run(_cmd(world, prefix, "--recipe-overlay", fill, "--dry-run", "--json"),
+                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     r = _install(world, prefix, "--recipe-overlay", fill, "--component-jobs", "1")
     assert r.returncode == 11, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]

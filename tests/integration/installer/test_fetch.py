@@ -188,7 +188,9 @@ def test_a_wrong_file_everywhere_is_refused_with_its_hashes(server, tmp_path):
 def test_upstream_base_fetches_every_url_from_a_local_server(server, tmp_path, monkeypatch):
     """KVSTACK_UPSTREAM_BASE (tests only): https://HOST/PATH is fetched from BASE/HOST/PATH."""
     server.files["/github.com/o/lib/archive/v1.tar.gz"] = BODY
-    src = {"url": "https://github.com/o/lib/archive/v1.tar.gz", "filename": "lib-1.0.tar.gz", "sha256": sha256(BODY)}
+    src = {"url": "https://github.com/o/lib/archive/v1.tar.gz", "filename": "lib-1.0.tar.gz",
+           "sha256": sha256(BODY)}
     monkeypatch.setenv("KVSTACK_UPSTREAM_BASE", server.url(""))
     f = _fetcher(tmp_path).fetch("lib", src)
-    assert f.origin == server.url("/github.com/o/lib/archive/v1.tar.gz") and f.path.read_bytes() == BODY
+    assert f.origin == server.url("/github.com/o/lib/archive/v1.tar.gz")
+    assert f.path.read_bytes() == BODY

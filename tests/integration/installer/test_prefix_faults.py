@@ -105,8 +105,9 @@ def test_a_dangling_symbolic_link_that_kvstack_did_not_make(world, tmp_path):
     prefix = tmp_path / "kv"
     os.symlink(tmp_path / "nowhere", prefix)
     assert _refused(world, prefix) == (
-        f"prefix: --prefix {prefix} is a symbolic link to {tmp_path / 'nowhere'}, which is not one of kvstack's "
-        "builds (kv.builds/<build id>); choose another --prefix, or remove that link if it is not needed")
+        f"prefix: --prefix {prefix} is a symbolic link to {tmp_path / 'nowhere'}, which is not one "
+        "of kvstack's builds (kv.builds/<build id>); choose another --prefix, or remove that link "
+        "if it is not needed")
     assert os.readlink(prefix) == str(tmp_path / "nowhere")
 
 
@@ -116,7 +117,8 @@ def test_a_symbolic_link_to_the_users_own_directory(world, tmp_path):
     (own / "notes.txt").write_text("the user's\n")
     prefix = tmp_path / "kv"
     os.symlink("mine", prefix)
-    assert _refused(world, prefix).startswith(f"prefix: --prefix {prefix} is a symbolic link to mine, which is not")
+    assert _refused(world, prefix).startswith(
+        f"prefix: --prefix {prefix} is a symbolic link to mine, which is not")
     assert os.readlink(prefix) == "mine" and (own / "notes.txt").read_text() == "the user's\n"
 
 
@@ -124,7 +126,8 @@ def test_a_directory_with_something_in_it(world, tmp_path):
     prefix = tmp_path / "kv"
     prefix.mkdir()
     (prefix / "bin").mkdir()
-    assert _refused(world, prefix).startswith(f"prefix: {prefix} exists and is not a kvstack prefix")
+    assert _refused(world, prefix).startswith(
+        f"prefix: {prefix} exists and is not a kvstack prefix")
     assert [p.name for p in prefix.iterdir()] == ["bin"]
 
 
@@ -142,8 +145,8 @@ def bind_mounts():
 
     def bind(source: Path, at: Path, *options: str) -> Path:
         at.mkdir(parents=True, exist_ok=True)
-        for cmd in (["mount", "--bind", str(source), str(at)],
-                    *([["mount", "-o", ",".join(["remount", "bind", *options]), str(at)]] if options else [])):
+        remount = ["mount", "-o", ",".join(["remount", "bind", *options]), str(at)]
+        for cmd in (["mount", "--bind", str(source), str(at)], *([remount] if options else [])):
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode:
                 if made and made[-1] == at:
@@ -163,4 +166,5 @@ def test_a_read_only_bind_mount_of_the_same_file_system(world, bind_mounts, tmp_
     prefix = bind_mounts(tmp_path / "empty", tmp_path / "kv", "ro")
     assert not os.path.ismount(prefix)
     last = _refused(world, prefix)
-    assert last.startswith(f"prefix: --prefix {prefix} is a mount point: ") and f"--prefix {prefix / 'kvstack'}" in last
+    assert last.startswith(f"prefix: --prefix {prefix} is a mount point: ")
+    assert f"--prefix {prefix / 'kvstack'}" in last

@@ -79,7 +79,8 @@ def test_a_stopped_step_kills_its_jobs_in_other_process_groups(tmp_path):
 
     def build():
         try:
-            run_step(step, component="ucx", env=ENV, log_dir=tmp_path / "logs", actions={}, stop=stop)
+            run_step(step, component="ucx", env=ENV, log_dir=tmp_path / "logs", actions={},
+                     stop=stop)
         except BaseException as e:  # noqa: BLE001 (recorded for the assertion below)
             raised.append(e)
     t = threading.Thread(target=build)
@@ -95,8 +96,9 @@ def test_a_sigkilled_installer_takes_its_steps_jobs_down(tmp_path):
     step, out = _step(tmp_path)
     code = ("import sys; from pathlib import Path; from installer.buildsys.step import Step; "
             "from installer.runner import run_step; "
-            f"run_step(Step('build', 'build', {step.argv!r}, cwd=Path({str(tmp_path)!r})), component='ucx', "
-            f"env={ENV!r}, log_dir=Path({str(tmp_path / 'logs')!r}), actions={{}})")
+            f"run_step(Step('build', 'build', {step.argv!r}, cwd=Path({str(tmp_path)!r})), "
+            f"component='ucx', env={ENV!r}, log_dir=Path({str(tmp_path / 'logs')!r}), "
+            "actions={})")
     installer = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
     pids = _job_pids(out)
     installer.kill()

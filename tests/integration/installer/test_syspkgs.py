@@ -92,14 +92,14 @@ def test_libtoolize_without_its_macros_for_aclocal_is_missing_libtool(tmp_path):
     provides = {"kvstack-no-libtool": syspkgs.PROVIDES["libtool"]}
     syspkgs.MACROS["kvstack-no-libtool"] = "libtool.m4"
     try:
+        table = {"debian": {"kvstack-no-libtool": "y"}}
         with pytest.raises(SystemPackagesError) as e:
-            syspkgs.ensure({"debian": {"kvstack-no-libtool": "y"}}, mode="check", log_path=tmp_path / "l",
-                           path=path, provides=provides)
-        assert ("looked for: kvstack-no-libtool (dpkg or libtoolize on PATH with libtool.m4 for aclocal)"
-                in e.value.line())
+            syspkgs.ensure(table, mode="check", log_path=tmp_path / "l", path=path, provides=provides)
+        assert ("looked for: kvstack-no-libtool (dpkg or libtoolize on PATH with libtool.m4 for "
+                "aclocal)") in e.value.line()
         (empty / "libtool.m4").write_text("dnl\n")  # the macros where aclocal looks: present
-        rec = syspkgs.ensure({"debian": {"kvstack-no-libtool": "y"}}, mode="check", log_path=tmp_path / "l",
-                             path=path, provides=provides)
+        rec = syspkgs.ensure(table, mode="check", log_path=tmp_path / "l", path=path,
+                             provides=provides)
         assert rec["provided_by_path"] == {"kvstack-no-libtool": f"{path}/libtoolize"}
     finally:
         del syspkgs.MACROS["kvstack-no-libtool"]
@@ -112,7 +112,8 @@ def test_a_distribution_without_a_list_has_its_tools_looked_for_on_path(tmp_path
     path = _tools(tmp_path, "make")
     with pytest.raises(SystemPackagesError) as e:
         syspkgs.ensure(table, mode="check", log_path=tmp_path / "l", family="other", path=path)
-    assert e.value.line().startswith("system packages: missing build tools: cmake; looked for: cmake (cmake on PATH)")
+    assert e.value.line().startswith(
+        "system packages: missing build tools: cmake; looked for: cmake (cmake on PATH)")
     assert e.value.exit_code == 7
     rec = syspkgs.ensure(table, mode="ignore", log_path=tmp_path / "l", family="other", path=path)
     assert rec["missing"] == ["cmake"] and rec["ignored"] is True
