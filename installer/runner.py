@@ -120,6 +120,23 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path, stop: 
                          detail=tail(log_path))
 
 
+def run_supervised(cmd: list[str], env: dict[str, str],
+                   timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=...) under the supervising
+    shell, in a session of its own: a timeout, a Ctrl-C or the installer's death (even SIGKILL)
+    kills every process it started (verification's selftests start peers of their own)."""
+    proc = subprocess.Popen([*SUPERVISOR, *cmd], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        _stop_step(proc)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def _wait(proc: subprocess.Popen, stop: threading.Event) -> int:
     while True:
         try:

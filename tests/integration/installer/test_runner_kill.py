@@ -121,3 +121,22 @@ def test_the_next_runs_sweep_finds_jobs_whose_supervisor_died_first(tmp_path):
     assert stop_leftovers(logs) == [leader.pid]
     assert _still_alive(pids) == []
     assert not list(logs.iterdir())
+
+
+def test_a_sigkilled_installer_takes_verifications_processes_down(tmp_path):
+    """Verification's commands (the moved level's selftest starts peers of its own) run under the
+    same supervisor, in a session of their own."""
+    out = tmp_path / "job-pids"
+    code = ("import sys; from installer.runner import run_supervised; "
+            f"run_supervised([sys.executable, '-c', {NINJA_LIKE!r}, {str(out)!r}], {ENV!r}, 3600)")
+    installer = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
+    pids = _job_pids(out)
+    installer.kill()
+    installer.wait()
+    assert _still_alive(pids) == []
+
+
+def test_a_supervised_command_gives_its_output_and_exit_code(tmp_path):
+    from installer.runner import run_supervised
+    r = run_supervised(["sh", "-c", "echo out; echo err >&2; exit 3"], ENV, 60)
+    assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
