@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command of README.md. Installs what the tests need on a fresh Debian/Ubuntu machine
-# (as root; otherwise it says what is missing), builds the pinned stacks from the offline mirror
+# (as root; otherwise it says what is missing), builds the pinned stacks from a source mirror
+# (KVSTACK_MIRROR or ../shared/mirror) or, without one, from the recipes' upstream URLs
 # (ci/pinned-builds.sh: cpu, xpu, xpu ze-ipc, each verified) while the unit and integration
 # suites run beside them, then the tests that use those builds.
 # Usage: ci/test.sh [--containers] [PYTEST_ARGS...]; --containers (CI's .ci/run) also runs the
@@ -57,7 +58,8 @@ run_pytest() {
 # mostly on sockets and processes: the builds run in the background, in a process group of their
 # own (killed if this script stops first) and in a venv of their own (ci/pinned-builds.sh), their
 # log shown whole when they finish; the tests of each build run once it is verified.
-step "pinned builds start (cpu, xpu, xpu --variant ze-ipc from ../shared/mirror, each verified: ci/pinned-builds.sh, in the background)"
+step "pinned builds start (cpu, xpu, xpu --variant ze-ipc from a mirror, else upstream, each \
+verified: ci/pinned-builds.sh, in the background)"
 mkdir -p _work/pinned && rm -f _work/pinned/env.sh  # a run before this one named its builds there
 builds_log=_work/pinned/builds.log
 setsid bash ci/pinned-builds.sh > "$builds_log" 2>&1 &

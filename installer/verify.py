@@ -28,7 +28,7 @@ from .buildsys.step import Step
 from .detect import detect_platform
 from .errors import PrefixError
 from .extract import extract
-from .runner import run_step
+from .runner import run_step, run_supervised
 
 if TYPE_CHECKING:  # annotations only: plan imports nothing of verify, and verify needs no plan at run time
     from .plan import Plan
@@ -117,7 +117,9 @@ def _level(checks: list[dict], skipped: str | None = None) -> dict[str, Any]:
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if not (os.sep in cmd[0] or shutil.which(cmd[0], path=env.get("PATH"))):
+            raise FileNotFoundError(f"No such file or directory: {cmd[0]!r}")
+        return run_supervised(cmd, env, timeout)
     except FileNotFoundError as e:
         return subprocess.CompletedProcess(cmd, 127, "", str(e))
     except subprocess.TimeoutExpired:
