@@ -93,6 +93,7 @@ class Writes:
         self._to_warm: list = []
         self._warming: dict[str, _Write] = {}
         self._scratch: Scratch | None = None  # the warming READs' destination, made once
+        self.warmed = 0  # decodes whose warming READ ended well
 
     @property
     def in_flight(self) -> int:
@@ -218,7 +219,9 @@ class Writes:
                 continue
             warming.xfer.finish()
             del self._warming[agent]
-            if state != "DONE":
+            if state == "DONE":
+                self.warmed += 1
+            else:
                 log.info("warming the WRITEs to %s: the READ of its memory failed", agent)
 
     # -- posting, polling, answering --------------------------------------------------------------
