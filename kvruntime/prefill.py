@@ -261,8 +261,6 @@ class PrefillServer:
             peer = _Peer(info, name, Channel(sock, info.session),
                          head_slice=self._head_slice(info))
             self._peers[name] = peer
-            if self.staging is None and info.kv_buffer != "host_staged":  # we may WRITE to it
-                self.writes.warm(peer)
             return peer
 
     def _head_slice(self, info: PeerInfo) -> HeadSlice | None:

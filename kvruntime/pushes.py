@@ -21,13 +21,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
-
 from . import frames, messages
 from .errors import KVRuntimeError
 from .inflight import Pace
 from .plan import Planner, make_plan
-from .registration import Scratch
 from .tp import head_rows
 from .transfer import Draining, PostedTransfer, Rows
 
@@ -96,11 +93,6 @@ class Writes:
         # how fast our WRITEs have ended: how long the progress loop spins on one (``spinning``)
         self._pace = Pace()
         self._spin_until = 0.0  # perf_counter
-        # decodes whose WRITE path is warmed by a READ of theirs (``warm``): queued, in flight
-        self._to_warm: list = []
-        self._warming: dict[str, _Write] = {}
-        self._scratch: Scratch | None = None  # the warming READs' destination, made once
-        self.warmed = 0  # decodes whose warming READ ended well
 
     @property
     def in_flight(self) -> int:
@@ -135,12 +127,6 @@ class Writes:
         now, and the release is what gives our caller its blocks back."""
         running, ended = [], []
         with self.lock:
-            self._to_warm = [p for p in self._to_warm if p is not peer]
-            warming = self._warming.get(peer.agent)
-            if warming is not None and warming.peer is peer:
-                del self._warming[peer.agent]
-                if not warming.xfer.abort():  # its READ uses the agent's rkeys until it ends
-                    running.append(warming)
             for write in [w for w in self._writes.values() if w.peer is peer]:
                 del self._writes[(peer.agent, write.request)]
                 if not write.xfer.abort():
@@ -173,63 +159,8 @@ class Writes:
             self.registration.forget_peer(agent)
 
     def close(self) -> None:
-        with self.lock:
-            self._to_warm = []
-            for warming in self._warming.values():
-                if not warming.xfer.abort():
-                    self._orphans.add(warming.xfer, lambda: None)
-            self._warming = {}
         if self._orphans.drain(self.timeout):  # the agent goes now: its worker's end stops them
             log.error("closing with WRITEs still in flight after %.1fs", self.timeout)
-        if self._scratch is not None:
-            self._scratch.close()
-
-    # -- a decode's first WRITE, paid at its connect --------------------------------------------
-    def warm(self, peer) -> None:
-        """``peer`` has just shaken hands: the progress loop READs a few bytes of each of its
-        regions into our scratch, so that what our first WRITE to it would pay — UCX's
-        endpoint to it made usable, the mapping of its memory (CUDA IPC opens a peer's
-        allocation once a process) — is paid while the decode makes its own connect, not by
-        its first push (3-6x a push's median on H100 and H200). Never fatal: a warming that
-        fails is logged and the first push pays it. Nothing of the decode's is written."""
-        with self.lock:
-            self._to_warm.append(peer)
-        self.wake()
-
-    def _start_warming(self) -> None:
-        """Post the queued warming READs (under ``lock``, in the progress loop)."""
-        queued, self._to_warm = self._to_warm, []
-        for peer in queued:
-            try:
-                if self._scratch is None:
-                    self._scratch = Scratch(self.agent, self.registration.cache)
-                regions = np.array(peer.info.regions[:Scratch.NBYTES], dtype=np.uint64)
-                n = Scratch.NBYTES // len(regions)  # a slice of the scratch a region
-                local = np.repeat(self._scratch.descriptor(n), len(regions), axis=0)
-                local[:, 0] += np.arange(len(regions), dtype=np.uint64) * np.uint64(n)
-                regions[:, 1] = n
-                rows = Rows(local, regions, peer.agent, self._scratch.mem_type,
-                            peer.info.mem_type)
-                xfer = PostedTransfer(self.agent, "READ", make_plan(peer.info.layout, [0]),
-                                      None, None, True, b"", 1, rows)
-            except KVRuntimeError as exc:
-                log.info("warming the WRITEs to %s: %s", peer.agent, exc)
-                continue
-            self._warming[peer.agent] = _Write(peer, "", xfer, time.monotonic() + self.timeout)
-
-    def _poll_warming(self) -> None:
-        """Release the warming READs that ended (under ``lock``); one still in flight at its
-        deadline is left to end (nothing stops a READ, transfer.py), polled as the others."""
-        for agent, warming in list(self._warming.items()):
-            state = warming.xfer.poll()
-            if state == "PROC":
-                continue
-            warming.xfer.finish()
-            del self._warming[agent]
-            if state == "DONE":
-                self.warmed += 1
-            else:
-                log.info("warming the WRITEs to %s: the READ of its memory failed", agent)
 
     # -- posting, polling, answering --------------------------------------------------------------
     def post(self, peer, request: str, plan, deadline: float, split: int = 1,
@@ -283,10 +214,6 @@ class Writes:
         if len(self._orphans):
             self._orphans.poll()
         with self.lock:
-            if self._to_warm:
-                self._start_warming()
-            if self._warming:
-                self._poll_warming()
             for write in list(self._writes.values()):
                 state = write.xfer.poll()
                 if state == "DONE":

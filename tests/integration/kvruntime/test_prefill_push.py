@@ -282,30 +282,6 @@ def test_a_push_started_just_after_the_decodes_deadline_writes_nothing(either_pa
     assert dst.block_digest(7) == before
 
 
-@pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
-def test_each_decodes_write_path_is_warmed_at_its_connect_writing_nothing(kind):
-    """At a decode's connect the prefill READs a few bytes of each of its regions into a
-    scratch of its own (per_layer: one a layer's K and V), so that what a first WRITE to it
-    pays (UCX's endpoint made usable; on GPUs the mapping of its memory) is paid there, not
-    by its first push. Nothing of either cache changes; a push after it lands."""
-    src, dst = KVCache.allocate_host(small(kind)), KVCache.allocate_host(small(kind))
-    src.fill_random(3)
-    dst.fill_random(4)
-    ours, theirs = src.block_digests(range(128)), dst.block_digests(range(128))
-    with PrefillServer(src) as server, DecodeClient(dst, engine="nixl") as client:
-        peer = client.connect(*server.address)
-        until = time.monotonic() + 10
-        while server.writes.warmed < 1:  # the progress loop posts it and polls it
-            client.progress_settling()  # our worker's progress, should its READ need it
-            assert time.monotonic() < until, "the prefill never warmed the decode's WRITEs"
-            time.sleep(0.001)
-        assert dst.block_digests(range(128)) == theirs
-        assert src.block_digests(range(128)) == ours
-        peer.push([5, 6], [9, 10], timeout=10)
-        assert dst.block_digests([9, 10]) == ours[5:7]
-    src.close(), dst.close()
-
-
 def test_a_prefill_process_pushes_into_a_decode_process(pushing_prefill):
     """The shape engines run: the prefill in its own process starts the push (after the
     decode named the blocks); timed from its start_push by the host's wall clock."""
