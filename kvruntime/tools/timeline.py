@@ -148,6 +148,55 @@ def timeline(events: list, t0: float, t1: float) -> dict:
             "steps": _merge_polls(steps)}
 
 
+# A request's phases: (name, from, to), each end a (side, step, "start" | "end", which): the
+# first or last such step of the request. A push asked by the decode crosses the side channel
+# twice; a pull crosses it not at all (its release goes later, batched).
+PHASES = {
+    "push": (
+        ("decode: plan", None, ("decode", "frame out", "start", "first")),
+        ("request frame to the prefill's handler", ("decode", "frame out", "start", "first"),
+         ("prefill", "handle frame", "start", "first")),
+        ("prefill: parse, plan, prepare", ("prefill", "handle frame", "start", "first"),
+         ("prefill", "nixl transfer", "start", "first")),
+        ("WRITE: posted to seen done", ("prefill", "nixl transfer", "start", "first"),
+         ("prefill", "answer WRITE", "start", "first")),
+        ("prefill: answer frame out", ("prefill", "answer WRITE", "start", "first"),
+         ("prefill", "frame out", "end", "last")),
+        ("answer frame to the decode", ("prefill", "frame out", "end", "last"),
+         ("decode", "frame in", "start", "last")),
+        ("decode: finish", ("decode", "frame in", "start", "last"), None)),
+    "pull": (
+        ("decode: plan, prepare", None, ("decode", "nixl transfer", "start", "first")),
+        ("READ: posted to seen done", ("decode", "nixl transfer", "start", "first"),
+         ("decode", "nixl check_xfer_state", "end", "last")),
+        ("decode: finish", ("decode", "nixl check_xfer_state", "end", "last"), None)),
+}
+
+
+def phases(op: str, report: dict) -> dict:
+    """``op``'s phases (µs) from a ``timeline`` report; a phase whose ends are missing (a
+    WRITE done inside its post is polled by no one) is left out."""
+    steps = report["steps"]
+
+    def at(end):
+        if end is None:
+            return None
+        side, name, edge, which = end
+        found = [s for s in steps if s["side"] == side and s["step"] == name]
+        if not found:
+            return None
+        s = found[0] if which == "first" else found[-1]
+        return s["start_us"] + (s["us"] if edge == "end" else 0.0)
+
+    out = {}
+    for name, a, b in PHASES[op]:
+        t0 = 0.0 if a is None else at(a)
+        t1 = report["total_us"] if b is None else at(b)
+        if t0 is not None and t1 is not None:
+            out[name] = round(t1 - t0, 1)
+    return out
+
+
 def _merge_polls(steps: list) -> list:
     """Runs of one poll call on one thread (check_xfer_state...) as one line with a count."""
     out = []
@@ -213,6 +262,7 @@ def run(args) -> dict:
             later = sorted(rows[1:], key=lambda r: r[0]["total_us"])
             median = later[len(later) // 2]
             report["requests"][op] = {
+                "phases_first": phases(op, rows[0][0]), "phases_median": phases(op, median[0]),
                 "first": rows[0][0], "median": median[0],
                 "descriptors": median[1].descriptors, "runs": median[1].runs,
                 "nixl_descriptors": median[1].nixl_descriptors,
