@@ -538,8 +538,9 @@ class DecodeClient:
             stale.close()
         start = time.perf_counter()
         sock = connect(host, port, timeout)
-        try:
-            info = client_handshake(sock, self.info, self.secret, timeout)
+        added = []  # the prefill's agent, once added
+
+        def admit(info: PeerInfo) -> None:  # while the prefill admits us (client_handshake)
             for peer in list(self._peers.values()):
                 if peer.info.agent == info.agent:  # same name from another address
                     peer.close()
@@ -551,14 +552,16 @@ class DecodeClient:
                                     f"in flight after {timeout:.1f}s; connect again later")
             if info.agent in self.registration.peers:
                 self.registration.forget_peer(info.agent)
-            name = self.agent.add_remote(info.metadata)
-            try:
-                self.registration.prepare_peer(name, info.layout, info.regions, info.mem_type)
-            except Exception:
-                self.registration.forget_peer(name)
-                raise
+            added.append(self.agent.add_remote(info.metadata))
+            self.registration.prepare_peer(added[0], info.layout, info.regions, info.mem_type)
+
+        try:
+            info = client_handshake(sock, self.info, self.secret, timeout, admit)
+            name = added[0]
         except BaseException:
             sock.close()
+            if added:  # its list (if made), then its agent
+                self.registration.forget_peer(added[0])
             raise
         peer = PrefillPeer(self, address, sock, info, name, 0.0)
         try:

@@ -280,9 +280,13 @@ def serve_handshake(
 
 
 def client_handshake(
-    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float
+    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float, admit=None
 ) -> PeerInfo:
-    """Decode side. Returns the prefill peer's info or raises."""
+    """Decode side. Returns the prefill peer's info or raises. ``admit(info)`` runs once our
+    info is sent, while the prefill admits us, before its ``ready`` is read (the client adds
+    the prefill's agent there: the two sides' NIXL work overlaps, not one after the other);
+    its info is proved by then (the welcome's proof). A handshake that fails after it raises
+    as any other: the caller undoes what ``admit`` did."""
     transcript = _Transcript()
     client_nonce = os.urandom(NONCE_BYTES)
     hello = messages.HELLO.build(layout=local.layout.to_dict(), nonce=frames.b64(client_nonce),
@@ -314,6 +318,8 @@ def client_handshake(
     info["proof"] = transcript.proof(secret, b"i") if secret is not None else ""
     frames.write_frame(sock, info, timeout)
     session = transcript.session(secret, decode_side=True)
+    if admit is not None:
+        admit(peer)
     _expect_or_raise(frames.read_frame(sock, timeout, session=session, unsealed_error=True),
                      messages.READY.type)
     return replace(peer, session=session)

@@ -363,13 +363,16 @@ class PrefillServer:
 
     # -- completion --------------------------------------------------------------------------
     def _progress_loop(self) -> None:
-        """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls tightly
-        while WRITEs are in flight, every millisecond otherwise (a new push wakes it); its naps
-        end on time (this thread's timer slack is 1 µs, not 50: naps.py)."""
+        """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls without
+        sleeping while a WRITE should end soon (``Writes.spinning``), tightly while WRITEs are
+        in flight, every millisecond otherwise (a new push wakes it); its naps end on time
+        (this thread's timer slack is 1 µs, not 50: naps.py)."""
         tighten_timer_slack()
         busy = False
         while not self._stop.is_set():
-            if busy or self.stages.queued:
+            if busy and self.writes.spinning:  # a WRITE that should end soon: no sleep's delay
+                os.sched_yield()
+            elif busy or self.stages.queued:
                 time.sleep(0.00005)
             else:
                 self._work.wait(0.001)

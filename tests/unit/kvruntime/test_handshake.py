@@ -51,6 +51,68 @@ def test_success_exchanges_both_infos():
     assert out["server"].agent == "d" and out["server"].layout.num_blocks == 99
 
 
+def test_both_sides_admit_at_once():
+    """The decode adds the prefill's agent while the prefill adds its own, not after the
+    prefill's ready: forced here by the prefill's admit, which returns (and so lets its ready
+    go) only once the decode's admit has run, with the prefill's info, proved. Before, the
+    decode admitted only after the ready: this handshake could not finish."""
+    a, b = socket.socketpair()
+    decode_admitted = threading.Event()
+    out = {}
+
+    def prefill_admit(peer):
+        out["prefill_saw_decode_first"] = decode_admitted.wait(5)
+
+    def serve():
+        try:
+            out["server"] = serve_handshake(a, info("p"), b"s3cret", 10.0, prefill_admit)
+        except Exception as exc:
+            out["server_error"] = exc
+
+    def decode_admit(peer):
+        out["decode_admitted"] = peer.agent, peer.metadata
+        decode_admitted.set()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        out["client"] = client_handshake(b, info("d"), b"s3cret", 10.0, decode_admit)
+    finally:
+        t.join(10)
+        a.close()
+        b.close()
+    assert out["prefill_saw_decode_first"] and out["decode_admitted"] == ("p", b"META-p")
+    assert out["client"].agent == "p" and out["server"].agent == "d"
+
+
+def test_a_refusal_after_the_decode_admitted_still_raises():
+    """The decode's admit runs before the prefill's last word: a prefill that refuses then
+    (its admit fails, as an agent NIXL refuses would) still fails the decode's handshake,
+    and the decode saw the info it must undo (DecodeClient.connect removes the agent)."""
+    a, b = socket.socketpair()
+    admitted = []
+
+    def serve():
+        def refuse(peer):
+            raise IncompatiblePeerError("refused at admit", ["agent"])
+        try:
+            serve_handshake(a, info("p"), None, 5.0, refuse)
+        except Exception:
+            pass
+        finally:
+            a.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with pytest.raises(PeerError):
+            client_handshake(b, info("d"), None, 5.0, lambda peer: admitted.append(peer.agent))
+    finally:
+        t.join(10)
+        b.close()
+    assert admitted == ["p"]
+
+
 @pytest.mark.parametrize("field,value", [
     ("kind", PER_LAYER), ("dtype", "bfloat16"), ("tokens_per_block", 32), ("num_kv_heads", 4),
     ("head_dim", 16), ("num_layers", 3), ("tp_size", 2)])
