@@ -34,7 +34,7 @@ from . import coalesce as coalescing
 from . import engines, frames, messages, pushed
 from .agent import Agent, shm_free, ucx_threads, unique_name
 from .channel import PeerChannel
-from .errors import KVRuntimeError, PeerError, WaitTimeout
+from .errors import IncompatiblePeerError, KVRuntimeError, PeerError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
 from .memory import KVCache
@@ -46,7 +46,8 @@ from .samenode import ENGINES, REHEARSALS, Batch, SharedJob, host_copy_streams
 from .staged import StagedPull
 from . import native
 from .staging import StagingPool, resolve_kv_buffer
-from .transports import offered_transports
+from .peercred import peer_uid
+from .transports import offered_transports, shm_am_across_users
 from .tp import head_rows
 from .transfer import Draining, PostedTransfer, Rows, TransferResult
 
@@ -540,6 +541,10 @@ class DecodeClient:
         start = time.perf_counter()
         sock = connect(host, port, timeout)
         try:
+            refusal = shm_am_across_users(os.geteuid(), peer_uid(sock), os.environ,
+                                          f"the prefill {host}:{port}")
+            if refusal is not None:  # before its metadata: our agent never meets it
+                raise IncompatiblePeerError(refusal, ["uid"])
             info = client_handshake(sock, self.info, self.secret, timeout)
             for peer in list(self._peers.values()):
                 if peer.info.agent == info.agent:  # same name from another address

@@ -53,7 +53,8 @@ from .stages import MAX_STAGE_SECONDS, Stages
 from . import coalesce as coalescing
 from . import native
 from .staging import StagingPool, resolve_kv_buffer
-from .transports import offered_transports
+from .peercred import peer_uid
+from .transports import offered_transports, shm_am_across_users
 from .tp import HeadSlice, direct_slice
 
 log = logging.getLogger(__name__)
@@ -219,7 +220,9 @@ class PrefillServer:
             self.listener.admitted(addr[0])
 
         try:
-            serve_handshake(sock, self.info, self.secret, self.timeout, admit)
+            serve_handshake(sock, self.info, self.secret, self.timeout, admit,
+                            shm_am_across_users(os.geteuid(), peer_uid(sock), os.environ,
+                                                "the decode"))
             peer = admitted[0]
             self.stats.handshakes += 1
             while not self._stop.is_set():
