@@ -279,6 +279,11 @@ class TransferHandle:
     # -- events from the peer (frames) ----------------------------------------------------------
     def on_reply(self, message: dict) -> None:
         kind = message.get("type")
+        if kind == messages.STAGE_QUEUED.type:  # the staged job's: why it waits
+            heard = getattr(self._xfer, "on_reply", None)
+            if heard is not None:
+                heard(message)
+            return
         if kind in (messages.STAGED.type, messages.STAGE_FAILED.type):  # the staged job's
             if kind == messages.STAGE_FAILED.type or (  # no more chunks (of its last piece)
                     message.get("last") is True and getattr(self._xfer, "last_piece", True)):

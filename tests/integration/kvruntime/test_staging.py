@@ -175,6 +175,51 @@ def test_an_exhausted_decode_pool_fails_at_the_deadline_with_its_numbers(prefill
         cache.close()
 
 
+def test_an_exhausted_prefill_pool_fails_the_decode_with_the_prefills_numbers():
+    """The prefill's pool holds too few units (taken here straight from it): the stage waits
+    in its queue, and the request fails at its deadline naming the prefill's pool and its
+    numbers. (Before: the decode's deadline came first and said "the prefill had not staged
+    it"; the prefill's stage_failed with the numbers came after and was dropped.)"""
+    server, client, peer, src, dst = _staged_pair()
+    try:
+        held = server.pool.try_acquire(28)  # of 8 blocks x 4 heads: 4 units left
+        with pytest.raises(KVRuntimeError, match=r"the prefill's staging pool is exhausted: "
+                           r"8 units asked, 4 free \(largest free run 4\) of 32"):
+            peer.pull([3, 4], [3, 4], timeout=3)
+        server.pool.release(held, 28)
+        peer.pull([3, 4], [3, 4], timeout=10)  # served again once the units are back
+        assert dst.block_digests([3, 4]) == src.block_digests([3, 4])
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+
+
+def test_an_exhausted_decode_pool_is_named_while_the_prefill_is_stopped(prefill, stall):
+    """The decode's pool cannot take the run and the prefill is stopped (SIGSTOP), so it
+    never answers: the deadline's error still names the decode's pool with its numbers.
+    (Before: "the prefill had not staged it", no numbers: the decode only looked at its
+    pool once the prefill's answer came.)"""
+    import os
+    import signal
+
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=3, kv_buffer="host_staged", staging_blocks=16) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=3) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            held = client.staging.try_acquire(8)
+            stall(proc.pid)
+            try:
+                with pytest.raises(KVRuntimeError, match=r"the decode's staging pool is "
+                                   r"exhausted too: 8 units asked, 4 free \(largest free run "
+                                   r"4\) of 12"):
+                    peer.pull([3, 4], [3, 4], timeout=0.5)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            client.staging.release(held, 8)
+        cache.close()
+
+
 def test_a_stage_naming_blocks_outside_the_prefills_cache_is_refused(prefill, monkeypatch):
     """The prefill gathers a stage's ids without planning them (stages.py): the range check is
     what keeps its reads inside its cache. A decode whose own plan was sound but whose frame
