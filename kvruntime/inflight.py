@@ -198,8 +198,10 @@ class TransferHandle:
                 return
             if self._xfer is not None:
                 self._advance_local()
-            else:
-                self._advance_push()
+                return
+            missed = self._advance_push()
+        if missed:  # sent outside our lock: a send that fails loses the channel, which
+            self.peer.cancel(self)  # fails its pending handles, this one too (under its lock)
 
     def _advance_local(self) -> None:
         """A copy this process drives: a NIXL READ, a same-node engine's gather, a staged pull."""
@@ -252,7 +254,9 @@ class TransferHandle:
         finally:
             self.lock.release()
 
-    def _advance_push(self) -> None:
+    def _advance_push(self) -> bool:
+        """A push: finished once the prefill's answer came; failed at its deadline (True: its
+        cancel is to be sent, once our lock is let go)."""
         if self._reply is not None:  # sent once NIXL flushed the WRITE: it has landed
             r = self._reply
             posted = _seconds(r.get("posted")) if self.by_prefill else None
@@ -266,7 +270,6 @@ class TransferHandle:
         elif time.monotonic() > self.deadline:
             # Ask the prefill to cancel; it also refuses any push read after its deadline, so
             # a stalled prefill that wakes up later never writes. Settled once it answers.
-            self.peer.cancel(self)
             why = ("the prefill had not pushed it or its WRITE had not landed" if self.by_prefill
                    else "the prefill had not answered it")
             why += ("; cancel sent: a WRITE the prefill has started cannot be stopped, so the "
@@ -275,6 +278,8 @@ class TransferHandle:
             self.fail(TransferTimeout(
                 f"push of request {self.request_id} ({self.nbytes} bytes) missed its "
                 f"{self.timeout:.3f}s deadline; {why}"), settled=False)
+            return True
+        return False
 
     # -- events from the peer (frames) ----------------------------------------------------------
     def on_reply(self, message: dict) -> None:
