@@ -434,6 +434,7 @@ class PrefillServer:
         self.listener.close()
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
+        self.pushes.close()
         self.writes.close()
         self.registration.close()
         if self._pool_reg is not None:
