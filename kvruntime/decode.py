@@ -396,6 +396,15 @@ class PrefillPeer:
     def await_frame(self, seconds: float) -> None:
         self.channel.await_frame(seconds)
 
+    def advance_pooled(self, waiting: TransferHandle) -> None:
+        """Poll our other requests through the pools while ``waiting`` is waited on: a piece
+        the prefill staged holds its pool units until its READ ends, which only a poll of its
+        own handle drives; a caller waiting on one handle of a batch (start_pulls) left the
+        others' READs unposted while the first waited for those units, until its deadline."""
+        for handle in self.client.inflight_handles():
+            if handle is not waiting and handle.peer is self and handle.pooled:
+                handle.advance()
+
     def settled(self, handle: TransferHandle) -> None:
         self.channel.settled(handle)
 

@@ -133,6 +133,8 @@ class TransferHandle:
             self.peer.pace.spin_seconds(self.op, self.nbytes) if spins else 0.0)
         nap = NAP_FIRST
         while self.poll() == PENDING:
+            if self.pooled:  # the others through the pools move too (their runs free ours)
+                self.peer.advance_pooled(self)
             if until is not None and time.monotonic() > until:
                 raise WaitTimeout(f"{self.op} request {self.request_id} still in flight after "
                                   f"{timeout:.3f}s (its own deadline is {self.timeout:.3f}s)")
@@ -151,6 +153,12 @@ class TransferHandle:
             nap = min(nap * 2, NAP_MAX)
         self.peer.client.consumed(self)
         return self.result()
+
+    @property
+    def pooled(self) -> bool:
+        """Its copy goes through the staging pools (staged.StagedPull): it may wait for pool
+        units another request of its peer holds until that one is polled."""
+        return getattr(self._xfer, "route", None) is not None
 
     def wait_settled(self, timeout: float) -> bool:
         """Poll until nothing more can land in this request's blocks (``settled``), at most

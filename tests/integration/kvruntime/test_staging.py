@@ -339,6 +339,26 @@ def test_a_second_stage_of_one_request_piece_is_refused_and_the_first_run_freed(
         src.close(), dst.close()
 
 
+def test_a_batch_larger_than_the_pools_lands_waited_on_in_order():
+    """start_pulls of three requests of 12 blocks each through pools of 8 (pieces of 8 and
+    4), waited on one after the other: each lands. (Before: the first request's second piece
+    waited for the prefill's pool, which the second request's first piece held until its
+    READ ended, and nothing polled the second while the caller waited on the first: all
+    three failed at their deadline.)"""
+    server, client, peer, src, dst = _staged_pair()
+    try:
+        requests = [(list(range(12 * i, 12 * i + 12)), list(range(28 + 12 * i, 40 + 12 * i)),
+                     f"batch-{i}") for i in range(3)]
+        handles = peer.start_pulls(requests, timeout=5)
+        for handle in handles:
+            handle.wait()
+        for s_blocks, d_blocks, _rid in requests:
+            assert dst.block_digests(d_blocks) == src.block_digests(s_blocks)
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+
+
 def test_a_decode_that_leaves_without_unstaging_has_its_runs_freed_and_released():
     """A stage whose deadline lies 10^7 s ahead, then the decode closes without unstaging:
     its connection's end frees the run and releases the request. (Before: the run stayed
