@@ -221,8 +221,8 @@ class PrefillServer:
 
         try:
             serve_handshake(sock, self.info, self.secret, self.timeout, admit,
-                            shm_am_across_users(os.geteuid(), peer_uid(sock), os.environ,
-                                                "the decode"))
+                            lambda: shm_am_across_users(os.geteuid(), peer_uid(sock),
+                                                        os.environ, "the decode"))
             peer = admitted[0]
             self.stats.handshakes += 1
             while not self._stop.is_set():
