@@ -75,7 +75,8 @@ step "unit and integration tests (beside the pinned builds)"
 # tests/integration/containers build images against a daemon: CI's container step (ci/containers.sh) runs them
 run_pytest unit -m "not build" --ignore=tests/integration/containers "$@"
 
-step "kvruntime's push, late-write and async tests again with the decodes' UCX threads off (above: on, kvruntime's choice on this host)"
+step "kvruntime's push, late-write and async tests with the decodes' UCX threads off"
+# (the suite above ran them with kvruntime's choice: on for a host-memory decode on 2 cores)
 # KVRUNTIME_UCX_THREADS (options.ENV): NIXL's UCX threads of every decode whose caller did not
 # choose; 0 here, so the polls of the caller alone progress UCX, as on a one-core host or a
 # device cache
