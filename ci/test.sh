@@ -81,6 +81,15 @@ step "unit and integration tests (beside the pinned builds)"
 # tests/integration/containers build images against a daemon: CI's container step (ci/containers.sh) runs them
 run_pytest unit -m "not build" --ignore=tests/integration/containers "$@"
 
+step "kvruntime's push, late-write and async tests with the decodes' UCX threads off"
+# (the suite above ran them with kvruntime's choice: on for a host-memory decode on 2 cores)
+# KVRUNTIME_UCX_THREADS (options.ENV): NIXL's UCX threads of every decode whose caller did not
+# choose; 0 here, so the polls of the caller alone progress UCX, as on a one-core host or a
+# device cache
+KVRUNTIME_UCX_THREADS=0 run_pytest threads_off -m "not build" \
+  tests/integration/kvruntime/test_async.py tests/integration/kvruntime/test_late_writes.py \
+  tests/integration/kvruntime/test_prefill_push.py
+
 step "tests on the pinned cpu build, once it is verified (its wheel in a fresh venv), beside the xpu builds"
 if pinned_wait CPU; then
   (. _work/pinned/env.sh && run_pytest wheel -m build tests/integration/installer/test_wheel.py "$@")

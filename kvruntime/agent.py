@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from . import nics, ucxlog
 from .binding import NixlBinding, as_str, load_nixl
 from .errors import KVRuntimeError, NixlError, TransportError
+from .options import environment
 from .transports import apply_ucx_settings, forced_by_user
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 # prefill keeps none by default: NIXL 1.5.1 segfaulted in its get_new_notifs with threads on
 # both sides across the CPU suite (commit 8e95a24), never with them on a decode's.
 UCX_READ_THREADS = 4
+MAX_UCX_THREADS = 64  # what KVRUNTIME_UCX_THREADS may ask
 # Each UCX worker keeps a ~4 MiB receive pool in /dev/shm (posix), and the thread pool is a
 # worker a thread: one agent took 5 / 9 / 13 / 21 MiB with 0 / 1 / 2 / 4 threads. A container's
 # /dev/shm is 64 MiB unless sized (docker's default), which a TP group's decodes on threads
@@ -48,8 +50,9 @@ def shm_free(path: str = "/dev/shm") -> int | None:
 
 
 def ucx_threads(requested, role: str, nixl_memory: str, cpus: int,
-                shm: int | None) -> tuple[int, str]:
-    """NIXL's UCX threads for this side, and why — pure. ``requested`` (None: choose) wins;
+                shm: int | None, environ=None) -> tuple[int, str]:
+    """NIXL's UCX threads for this side, and why. ``requested`` (None: choose) wins, then, on
+    a decode, KVRUNTIME_UCX_THREADS in ``environ`` (None: the process's);
     a decode whose NIXL moves host memory (``nixl_memory`` "cpu": a host cache or a
     host-staged pool) on a host of 2 cores or more, with ``UCX_THREADS_MIN_SHM`` of /dev/shm
     free (``shm`` bytes), takes one a core, at most ``UCX_READ_THREADS``; anything else none
@@ -59,6 +62,13 @@ def ucx_threads(requested, role: str, nixl_memory: str, cpus: int,
             raise KVRuntimeError(f"ucx_threads must be 0 or more, or None (choose), got "
                                  f"{requested!r}")
         return requested, "yours"
+    chosen = environment("KVRUNTIME_UCX_THREADS", environ) if role == "decode" else None
+    if chosen is not None:
+        if not (chosen.isdigit() and len(chosen) <= 2 and int(chosen) <= MAX_UCX_THREADS):
+            raise KVRuntimeError(f"KVRUNTIME_UCX_THREADS must be a number of threads from 0 to "
+                                 f"{MAX_UCX_THREADS}, got {chosen[:20]!r}; unset it to let "
+                                 f"kvruntime choose")
+        return int(chosen), "KVRUNTIME_UCX_THREADS"
     if role != "decode":
         return 0, "a prefill's READs are the decode's: its NIXL calls progress in its own loop"
     if nixl_memory != "cpu":

@@ -34,12 +34,13 @@ from . import coalesce as coalescing
 from . import engines, frames, messages, native, pushed
 from .agent import Agent, shm_free, ucx_threads, unique_name
 from .channel import PeerChannel
-from .errors import KVRuntimeError, PeerError, WaitTimeout
+from .errors import IncompatiblePeerError, KVRuntimeError, PeerError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
 from .jobs import TransferResult
 from .memory import KVCache
 from .options import Options
+from .peercred import peer_uid
 from .plan import Planner, TransferPlan
 from .registration import Registration
 from .releases import Pending, ReleaseSender
@@ -48,7 +49,7 @@ from .staged import StagedPull
 from .staging import StagingPool, resolve_kv_buffer
 from .tp import head_rows
 from .transfer import Draining, PostedTransfer, Rows, split_runs
-from .transports import offered_transports
+from .transports import offered_transports, shm_am_across_users
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count()
@@ -393,6 +394,15 @@ class PrefillPeer:
     def await_frame(self, seconds: float) -> None:
         self.channel.await_frame(seconds)
 
+    def advance_pooled(self, waiting: TransferHandle) -> None:
+        """Poll our other requests through the pools while ``waiting`` is waited on: a piece
+        the prefill staged holds its pool units until its READ ends, which only a poll of its
+        own handle drives; a caller waiting on one handle of a batch (start_pulls) left the
+        others' READs unposted while the first waited for those units, until its deadline."""
+        for handle in self.client.inflight_handles():
+            if handle is not waiting and handle.peer is self and handle.pooled:
+                handle.advance()
+
     def settled(self, handle: TransferHandle) -> None:
         self.channel.settled(handle)
 
@@ -556,6 +566,10 @@ class DecodeClient:
             self.registration.prepare_peer(added[0], info.layout, info.regions, info.mem_type)
 
         try:
+            refusal = shm_am_across_users(os.geteuid(), peer_uid(sock), os.environ,
+                                          f"the prefill {host}:{port}")
+            if refusal is not None:  # before its metadata: our agent never meets it
+                raise IncompatiblePeerError(refusal, ["uid"])
             info = client_handshake(sock, self.info, self.secret, timeout, admit)
             name = added[0]
         except BaseException:

@@ -209,12 +209,16 @@ def _nonce(message: dict) -> bytes:
 
 
 def serve_handshake(
-    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float, admit=None
+    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float, admit=None,
+    refusal=None,
 ) -> PeerInfo:
     """Prefill side. Returns the decode peer's info; on any failure sends an error frame
     (when the socket still works) and raises. ``admit(info)`` runs before ``ready`` is sent
     (the server adds the decode's agent there), so a decode that got ``ready`` can be served at
-    once. The caller closes the socket."""
+    once. ``refusal()``: why this decode cannot be served whatever it sends (its process, as
+    the kernel names it), or None; asked once it proved the secret (a flood of connections
+    that cannot costs no look at the kernel's tables) and before our metadata goes. The
+    caller closes the socket."""
     transcript = _Transcript()
     session = None  # from the decode's info on, every frame of ours is sealed (errors too)
     try:
@@ -236,6 +240,9 @@ def serve_handshake(
             raise AuthError("peer failed the shared-secret challenge (wrong or no secret)")
         transcript.add(auth)
         try:
+            why = refusal() if refusal is not None else None
+            if why is not None:
+                raise IncompatiblePeerError(why, ["uid"])
             if hello.get("kv_buffer", "device") != local.kv_buffer:
                 raise IncompatiblePeerError(
                     f"peer KV buffer differs: kv_buffer: ours={local.kv_buffer!r} peer="

@@ -132,6 +132,8 @@ class TransferHandle:
             self.peer.pace.spin_seconds(self.op, self.nbytes) if spins else 0.0)
         nap = NAP_FIRST
         while self.poll() == PENDING:
+            if self.pooled:  # the others through the pools move too (their runs free ours)
+                self.peer.advance_pooled(self)
             if until is not None and time.monotonic() > until:
                 raise WaitTimeout(f"{self.op} request {self.request_id} still in flight after "
                                   f"{timeout:.3f}s (its own deadline is {self.timeout:.3f}s)")
@@ -150,6 +152,12 @@ class TransferHandle:
             nap = min(nap * 2, NAP_MAX)
         self.peer.client.consumed(self)
         return self.result()
+
+    @property
+    def pooled(self) -> bool:
+        """Its copy goes through the staging pools (staged.StagedPull): it may wait for pool
+        units another request of its peer holds until that one is polled."""
+        return getattr(self._xfer, "route", None) is not None
 
     def wait_settled(self, timeout: float) -> bool:
         """Poll until nothing more can land in this request's blocks (``settled``), at most
@@ -197,8 +205,10 @@ class TransferHandle:
                 return
             if self._xfer is not None:
                 self._advance_local()
-            else:
-                self._advance_push()
+                return
+            missed = self._advance_push()
+        if missed:  # sent outside our lock: a send that fails loses the channel, which
+            self.peer.cancel(self)  # fails its pending handles, this one too (under its lock)
 
     def _advance_local(self) -> None:
         """A copy this process drives: a NIXL READ, a same-node engine's gather, a staged pull."""
@@ -251,7 +261,9 @@ class TransferHandle:
         finally:
             self.lock.release()
 
-    def _advance_push(self) -> None:
+    def _advance_push(self) -> bool:
+        """A push: finished once the prefill's answer came; failed at its deadline (True: its
+        cancel is to be sent, once our lock is let go)."""
         if self._reply is not None:  # sent once NIXL flushed the WRITE: it has landed
             r = self._reply
             posted = _seconds(r.get("posted")) if self.by_prefill else None
@@ -265,7 +277,6 @@ class TransferHandle:
         elif time.monotonic() > self.deadline:
             # Ask the prefill to cancel; it also refuses any push read after its deadline, so
             # a stalled prefill that wakes up later never writes. Settled once it answers.
-            self.peer.cancel(self)
             why = ("the prefill had not pushed it or its WRITE had not landed" if self.by_prefill
                    else "the prefill had not answered it")
             why += ("; cancel sent: a WRITE the prefill has started cannot be stopped, so the "
@@ -274,10 +285,17 @@ class TransferHandle:
             self.fail(TransferTimeout(
                 f"push of request {self.request_id} ({self.nbytes} bytes) missed its "
                 f"{self.timeout:.3f}s deadline; {why}"), settled=False)
+            return True
+        return False
 
     # -- events from the peer (frames) ----------------------------------------------------------
     def on_reply(self, message: dict) -> None:
         kind = message.get("type")
+        if kind == messages.STAGE_QUEUED.type:  # the staged job's: why it waits
+            heard = getattr(self._xfer, "on_reply", None)
+            if heard is not None:
+                heard(message)
+            return
         if kind in (messages.STAGED.type, messages.STAGE_FAILED.type):  # the staged job's
             if kind == messages.STAGE_FAILED.type or (  # no more chunks (of its last piece)
                     message.get("last") is True and getattr(self._xfer, "last_piece", True)):

@@ -91,13 +91,16 @@ READY_IDS = Message("ready", PREFILL, ("request", "posted"), ("src", "src_spans"
 STAGED = Message("staged", PREFILL, ("request", "start", "count"), ("rows", "last"),
                 "a chunk of a staged run is in the pool (rows; last: no more come)")
 STAGE_FAILED = Message("stage_failed", PREFILL, ("request", "error"), (), "a stage refused")
+STAGE_QUEUED = Message("stage_queued", PREFILL, ("request", "pool"), ("piece",),
+                       "a stage waits for pool blocks: the pool's numbers as it queued, so a "
+                       "decode whose deadline comes first can say which pool was full")
 
 CATALOG = (HELLO, CHALLENGE, AUTH, WELCOME, INFO, READY, ERROR, PUSH, EXPECT, CANCEL, SAMENODE,
            STAGE, UNSTAGE, POOL, RELEASE, DIGESTS, BYE, PUSHED, PUSH_FAILED, CANCELLED,
-           READY_IDS, STAGED, STAGE_FAILED)
+           READY_IDS, STAGED, STAGE_FAILED, STAGE_QUEUED)
 # What a connected decode may ask (the prefill refuses any other type).
 REQUESTS = {m.type: m for m in (PUSH, EXPECT, CANCEL, SAMENODE, STAGE, UNSTAGE, POOL,
                                 RELEASE, DIGESTS, BYE)}
 # Answers that go to the handle of their request (the decode's channel.py).
 HANDLE_REPLIES = frozenset(m.type for m in (PUSHED, PUSH_FAILED, CANCELLED, STAGED,
-                                            STAGE_FAILED, READY_IDS))
+                                            STAGE_FAILED, STAGE_QUEUED, READY_IDS))

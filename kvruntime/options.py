@@ -28,6 +28,9 @@ ENV = {
     "KVRUNTIME_NATIVE": (None, "`0`: block-id lists are read by Python, not the compiled reader"),
     "KVRUNTIME_CACHE_DIR": (None, "where the compiled reader is kept (default: "
                             "$XDG_CACHE_HOME/kvruntime)"),
+    "KVRUNTIME_UCX_THREADS": (None, "a decode's NIXL UCX threads (0-64) when its caller did "
+                              "not choose (`ucx_threads=None`): 0 off, a number on, whatever "
+                              "kvruntime would choose (how the suites run both ways)"),
 }
 
 

@@ -39,9 +39,9 @@ def _hex_endpoint(address: tuple) -> set[str]:
     return forms
 
 
-def peer_socket_inode(sock: socket.socket) -> int | None:
-    """The inode of the socket at the other end of ``sock``'s TCP connection, when that end
-    is on this host (in our network namespace); None otherwise."""
+def _peer_entry(sock: socket.socket) -> list[str] | None:
+    """The kernel's socket-table line (split) of the other end of ``sock``'s TCP connection,
+    when that end is on this host (in our network namespace); None otherwise."""
     try:
         ours, theirs = sock.getsockname(), sock.getpeername()
     except OSError:
@@ -55,10 +55,24 @@ def peer_socket_inode(sock: socket.socket) -> int | None:
                     fields = line.split()
                     if (len(fields) > 9 and fields[1] in their_local
                             and fields[2] in their_remote):
-                        return int(fields[9])
+                        return fields
         except OSError:
             continue
     return None
+
+
+def peer_socket_inode(sock: socket.socket) -> int | None:
+    """The inode of the socket at the other end of ``sock``'s TCP connection, when that end
+    is on this host (in our network namespace); None otherwise."""
+    entry = _peer_entry(sock)
+    return None if entry is None else int(entry[9])
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The user that owns the socket at the other end of ``sock``'s TCP connection (the
+    effective uid that made it), when that end is on this host; None otherwise."""
+    entry = _peer_entry(sock)
+    return None if entry is None else int(entry[7])
 
 
 def holds_socket(pid: int, inode: int) -> bool:

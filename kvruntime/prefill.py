@@ -45,6 +45,7 @@ from .mailbox import Mailbox
 from .memory import KVCache
 from .naps import tighten_timer_slack
 from .options import Options
+from .peercred import peer_uid
 from .plan import Planner, make_plan
 from .pushes import Pushes, Writes
 from .registration import Registration
@@ -53,7 +54,7 @@ from .samenode import NodeToken, serve_offer
 from .stages import MAX_STAGE_SECONDS, Stages
 from .staging import StagingPool, resolve_kv_buffer
 from .tp import HeadSlice, direct_slice
-from .transports import offered_transports
+from .transports import offered_transports, shm_am_across_users
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,9 @@ class PrefillServer:
             self.listener.admitted(addr[0])
 
         try:
-            serve_handshake(sock, self.info, self.secret, self.timeout, admit)
+            serve_handshake(sock, self.info, self.secret, self.timeout, admit,
+                            lambda: shm_am_across_users(os.geteuid(), peer_uid(sock),
+                                                        os.environ, "the decode"))
             peer = admitted[0]
             self.stats.handshakes += 1
             while not self._stop.is_set():
@@ -433,6 +436,7 @@ class PrefillServer:
         self.listener.close()
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
+        self.pushes.close()
         self.writes.close()
         self.registration.close()
         if self._pool_reg is not None:

@@ -518,6 +518,17 @@ class Pushes:
             self._push_failed(peer, request, "the prefill had not pushed it by its deadline",
                               release=False)
 
+    def close(self) -> None:
+        """The server closes: pushes no decode named are dropped and released with agent ""
+        (their blocks are the caller's again; the progress loop that would expire them is
+        stopped)."""
+        with self.writes.lock:
+            dropped, self._offers = sorted(self._offers), {}
+        for request in dropped:
+            log.info("push %s: the server closed before a decode named its blocks; released",
+                     request)
+            self._release("", request)
+
     def cancel(self, peer, request: str) -> None:
         with self.writes.lock:
             if self.writes.cancel(peer, request):

@@ -74,6 +74,7 @@ class StagedPull(CopyJob):
         # this one has landed
         self._asked_next = False
         self._next_answers: list[dict] = []
+        self._queued: dict[int, str] = {}  # piece -> the prefill's pool, as it queued its stage
         self._begin()
 
     def _begin(self) -> None:
@@ -83,7 +84,7 @@ class StagedPull(CopyJob):
         self._units = (hi - lo) * self._hs
         self._rows = 2 * self.peer.client.cache.layout.num_layers * (hi - lo)
         # what it waits for, for the deadline's error: the prefill's run, then our pool blocks
-        self.waiting = "the prefill had not staged it (its pool busy, or it stalled or died)"
+        self.waiting = self._why_unstaged(self.route.pool)
         self._remote: tuple[int, int] | None = None
         self._local: int | None = None
         self._ready: list[tuple[int, int]] = []  # row ranges the prefill has gathered
@@ -155,6 +156,12 @@ class StagedPull(CopyJob):
     def on_reply(self, message: dict) -> None:
         if self.state != "PROC":
             return
+        if messages.STAGE_QUEUED.is_(message):
+            piece, pool = message.get("piece", 0), message.get("pool")
+            if isinstance(piece, int) and isinstance(pool, str) and len(self._queued) < len(
+                    self._pieces) and 0 <= piece < len(self._pieces):
+                self._queued[piece] = pool[:300]
+            return
         if message.get("type") != "staged":
             self._fail(f"the prefill could not stage it: {message.get('error')}")
             return
@@ -183,6 +190,8 @@ class StagedPull(CopyJob):
         if self.state != "PROC":
             return self.state
         pool = self.route.pool
+        if self._remote is None:  # the prefill has not staged it: why, as far as we know
+            self.waiting = self._why_unstaged(pool)
         if self._remote is not None and self._local is None:
             self._local = pool.try_acquire(self._remote[1])
             if self._local is None:
@@ -237,6 +246,15 @@ class StagedPull(CopyJob):
                 return self.state
             self._done("DONE")
         return self.state
+
+    def _why_unstaged(self, pool) -> str:
+        """What a piece the prefill has not staged waits for: the prefill's pool, with its
+        numbers once it said it queued the stage; ours too when it could not take the run."""
+        why = self._queued.get(self._piece) or ("the prefill had not staged it (its pool busy, "
+                                                "or it stalled or died)")
+        if pool.largest_free_run() < self._units:
+            why += f"; the decode's staging pool is exhausted too: {pool.numbers(self._units)}"
+        return why
 
     def block(self, seconds: float) -> None:
         """Sleep until something this request waits for may have happened, at most

@@ -108,6 +108,13 @@ class Stages:
             peer.send(messages.STAGE_FAILED.build(request=request, error=str(exc)), self.timeout)
             return
         self.serve()
+        with self._lock:  # not served at once: the decode hears of our pool's numbers now
+            queued = any((e[0].agent, e[1], e[2]) == key for e in self._queue)
+        if queued:
+            peer.send(messages.STAGE_QUEUED.build(
+                request=request, pool=f"the prefill's staging pool is exhausted: "
+                                      f"{self.pool.numbers(units)}",
+                **({"piece": piece} if "piece" in message else {})), self.timeout)
 
     def serve(self) -> None:
         """Gather queued requests, in order, while pool blocks are free; fail those whose

@@ -124,6 +124,23 @@ def usable_am(env: Mapping[str, str]) -> set[str]:
             (t in SHM_AM and shm_error_handling(env, t))}
 
 
+def shm_am_across_users(own_uid: int, peer_uid: int | None, env: Mapping[str, str],
+                        peer: str) -> str | None:
+    """Why an agent under ``env`` must not meet ``peer`` of user ``peer_uid`` on this host
+    (None: it may; ``peer_uid`` None: not on this host). With posix as an AM lane (its error
+    handling on), UCX picks it for a peer whose shared memory it can open: a root process
+    opens any user's, that user cannot open root's (mode 0600, /proc/<pid>/fd), and the side
+    that cannot gets a lane it cannot reach: NIXL 1.5 then dies with SIGSEGV in
+    get_new_notifs (UCX 1.22: "no active messages transport ... posix/memory"). Either side
+    may be the one with posix on, so each refuses it for itself."""
+    if peer_uid is None or peer_uid == own_uid or "posix" not in usable_am(env):
+        return None
+    return (f"{peer} runs as uid {peer_uid} on this host and this process as uid {own_uid}: "
+            f"UCX's shared-memory lane ({SHM_AM_SETTING}=y, kvruntime's default) opens one way "
+            f"only between users and NIXL crashes on it; run both as one user, or set "
+            f"{SHM_AM_SETTING}=n in both processes (their active messages then take tcp)")
+
+
 # Why each setting is made (reported beside the settings: bench's ucx_policy).
 REASONS = {
     SHM_AM_SETTING: "NIXL's active messages over posix shared memory instead of tcp on one host",

@@ -416,3 +416,37 @@ def test_a_close_that_gets_no_answer_leaves_the_push_unsettled_and_says_so(prefi
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
         cache.close()
+
+
+def test_a_push_whose_cancel_cannot_be_sent_fails_without_a_deadlock(prefill, stall):
+    """A push misses its deadline and its cancel's send fails (the prefill is stopped, so
+    nothing is read; our socket's write side is shut down, so the send fails at once): the
+    failed send loses the channel, which fails its pending handles under their locks. The
+    wait raises. (Before: the cancel was sent under the handle's own lock, the loss took it
+    again, and the waiting thread hung for good.)"""
+    layout = KVLayout(CROSS_LAYER, 2, 32, 16, 4, 32, "float16")
+    with prefill([layout]) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl") as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            stall(proc.pid)  # no pull first: its release would be the first frame to fail
+            try:
+                handle = peer.start_push([1, 2], [3, 4], timeout=0.2)
+                peer.channel.sock.shutdown(socket.SHUT_WR)
+                raised = []
+
+                def wait():
+                    try:
+                        handle.wait()
+                    except Exception as exc:
+                        raised.append(exc)
+
+                waiter = threading.Thread(target=wait, daemon=True)
+                waiter.start()
+                waiter.join(60)  # a deadlock never ends; an answer comes in milliseconds
+                assert not waiter.is_alive(), "the waiting thread hung: deadlock"
+                assert len(raised) == 1 and isinstance(raised[0], TransferTimeout), raised
+                assert peer.closed or peer.channel.broken
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+        cache.close()

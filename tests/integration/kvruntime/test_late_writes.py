@@ -124,32 +124,47 @@ def test_deadline_shorter_than_the_transfer(prefill, tls, op):
             assert failed >= 3, f"only {failed} of 6 requests missed a 2 ms deadline"
 
 
-def test_churn_of_short_deadlines(prefill, tls):
+def test_churn_of_short_deadlines(prefill, stall, tls):
     """Many requests in flight, pulls and pushes mixed, deadlines from 0.5 to 8 ms: the ones
-    that made it hold the prefill's bytes, the failed ones' reused blocks keep their canary."""
+    that made it hold the prefill's bytes, the failed ones' reused blocks keep their canary.
+    Each round forces both ends, whatever the host's speed: requests with a 30 s deadline that
+    are done, and pushes sent while the prefill is stopped (SIGSTOP), which miss theirs and
+    are refused once it resumes; the short-deadline ones race between them."""
     layout = KVLayout(CROSS_LAYER, 2, 128, 16, 8, 128, "float16")  # 128 KiB blocks
     rnd = random.Random(7)
-    with decode_beside(prefill, layout, 6) as (_proc, cache, canaries, client, peer):
+    with decode_beside(prefill, layout, 6) as (proc, cache, canaries, client, peer):
         outcomes = {"done": 0, "failed": 0}
         for round_ in range(4):
             dsts = list(range(128))
             rnd.shuffle(dsts)
-            handles = {}
+            handles, forced = {}, {}
             for i in range(32):
                 dst = dsts[4 * i:4 * i + 4]
                 src = rnd.sample(range(128), 4)
-                start = peer.start_pull if i % 2 else peer.start_push
-                h = start(src, dst, request_id=f"c{round_}-{i}",
-                          timeout=rnd.uniform(0.0005, 0.008))
+                if i == 24:  # the last 8: pushes to a stopped prefill
+                    stall(proc.pid)
+                start = peer.start_pull if i % 2 and i < 24 else peer.start_push
+                timeout = 30.0 if i < 4 else rnd.uniform(0.0005, 0.008)
+                h = start(src, dst, request_id=f"c{round_}-{i}", timeout=timeout)
                 handles[id(h)] = (h, src, dst)
-            finished = []
-            until = time.monotonic() + 30
+                if i < 4 or i >= 24:
+                    forced[id(h)] = i < 4  # done, or failed
+            stopped = [h for h, _s, _d in handles.values() if not forced.get(id(h), True)]
+            try:
+                for h in stopped:
+                    with pytest.raises(KVRuntimeError, match="deadline"):
+                        h.wait()
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            finished = list(stopped)
+            until = time.monotonic() + 60
             while len(finished) < len(handles) and time.monotonic() < until:
                 finished += client.get_finished()
             assert len(finished) == len(handles)
             good = []
             for h in finished:
                 _h, src, dst = handles[id(h)]
+                assert forced.get(id(h), h.ok) == h.ok, (h.request_id, h.error)
                 if h.ok:
                     outcomes["done"] += 1
                     good.append((src, dst))
@@ -162,7 +177,7 @@ def test_churn_of_short_deadlines(prefill, tls):
             canaries.check()
             for src, dst in good:
                 assert peer.digests(src) == cache.block_digests(dst)
-        assert outcomes["failed"] and outcomes["done"], outcomes
+        assert outcomes["failed"] >= 32 and outcomes["done"] >= 16, outcomes
 
 
 def test_push_to_a_prefill_stopped_in_its_write(prefill, stall, tls):

@@ -252,6 +252,21 @@ def test_a_decode_that_leaves_takes_its_named_requests_with_it():
     src.close(), dst.close()
 
 
+def test_a_push_no_decode_named_is_released_when_the_server_closes():
+    """start_push before any decode named the request (an offer), then the server closes: the
+    push is released with agent "", as its deadline would have (start_push promises a
+    release). (Before: the close stopped the progress loop that expires offers, and the
+    release never came.)"""
+    src = KVCache.allocate_host(small())
+    server = PrefillServer(src)
+    try:
+        server.start_push("unnamed", [1, 2], timeout=600)
+    finally:
+        server.close()
+    assert server.get_released() == [("", "unnamed")]
+    src.close()
+
+
 def test_a_host_staged_decode_is_told_to_pull():
     layout = small()
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)

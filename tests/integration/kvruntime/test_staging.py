@@ -175,6 +175,51 @@ def test_an_exhausted_decode_pool_fails_at_the_deadline_with_its_numbers(prefill
         cache.close()
 
 
+def test_an_exhausted_prefill_pool_fails_the_decode_with_the_prefills_numbers():
+    """The prefill's pool holds too few units (taken here straight from it): the stage waits
+    in its queue, and the request fails at its deadline naming the prefill's pool and its
+    numbers. (Before: the decode's deadline came first and said "the prefill had not staged
+    it"; the prefill's stage_failed with the numbers came after and was dropped.)"""
+    server, client, peer, src, dst = _staged_pair()
+    try:
+        held = server.pool.try_acquire(28)  # of 8 blocks x 4 heads: 4 units left
+        with pytest.raises(KVRuntimeError, match=r"the prefill's staging pool is exhausted: "
+                           r"8 units asked, 4 free \(largest free run 4\) of 32"):
+            peer.pull([3, 4], [3, 4], timeout=3)
+        server.pool.release(held, 28)
+        peer.pull([3, 4], [3, 4], timeout=10)  # served again once the units are back
+        assert dst.block_digests([3, 4]) == src.block_digests([3, 4])
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+
+
+def test_an_exhausted_decode_pool_is_named_while_the_prefill_is_stopped(prefill, stall):
+    """The decode's pool cannot take the run and the prefill is stopped (SIGSTOP), so it
+    never answers: the deadline's error still names the decode's pool with its numbers.
+    (Before: "the prefill had not staged it", no numbers: the decode only looked at its
+    pool once the prefill's answer came.)"""
+    import os
+    import signal
+
+    layout = small(CROSS_LAYER)
+    with prefill([layout], seed=3, kv_buffer="host_staged", staging_blocks=16) as (proc, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, kv_buffer="host_staged", staging_blocks=3) as client:
+            peer = client.connect("127.0.0.1", ports[0])
+            held = client.staging.try_acquire(8)
+            stall(proc.pid)
+            try:
+                with pytest.raises(KVRuntimeError, match=r"the decode's staging pool is "
+                                   r"exhausted too: 8 units asked, 4 free \(largest free run "
+                                   r"4\) of 12"):
+                    peer.pull([3, 4], [3, 4], timeout=0.5)
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            client.staging.release(held, 8)
+        cache.close()
+
+
 def test_a_stage_naming_blocks_outside_the_prefills_cache_is_refused(prefill, monkeypatch):
     """The prefill gathers a stage's ids without planning them (stages.py): the range check is
     what keeps its reads inside its cache. A decode whose own plan was sound but whose frame
@@ -289,6 +334,26 @@ def test_a_second_stage_of_one_request_piece_is_refused_and_the_first_run_freed(
         monkeypatch.setattr(staged.StagedPull, "send", real)
         peer.pull([7, 8], [9, 10], timeout=10)  # the pool serves again
         assert dst.block_digests([9, 10]) == src.block_digests([7, 8])
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+
+
+def test_a_batch_larger_than_the_pools_lands_waited_on_in_order():
+    """start_pulls of three requests of 12 blocks each through pools of 8 (pieces of 8 and
+    4), waited on one after the other: each lands. (Before: the first request's second piece
+    waited for the prefill's pool, which the second request's first piece held until its
+    READ ended, and nothing polled the second while the caller waited on the first: all
+    three failed at their deadline.)"""
+    server, client, peer, src, dst = _staged_pair()
+    try:
+        requests = [(list(range(12 * i, 12 * i + 12)), list(range(28 + 12 * i, 40 + 12 * i)),
+                     f"batch-{i}") for i in range(3)]
+        handles = peer.start_pulls(requests, timeout=5)
+        for handle in handles:
+            handle.wait()
+        for s_blocks, d_blocks, _rid in requests:
+            assert dst.block_digests(d_blocks) == src.block_digests(s_blocks)
     finally:
         client.close(), server.close()
         src.close(), dst.close()

@@ -10,6 +10,12 @@ from kvruntime.errors import KVRuntimeError
 ROOM = 8 << 30  # a host's /dev/shm: half its memory
 
 
+@pytest.fixture(autouse=True)
+def _no_forced_threads(monkeypatch):
+    """Each test says its KVRUNTIME_UCX_THREADS itself (a suite may run with it set)."""
+    monkeypatch.delenv("KVRUNTIME_UCX_THREADS", raising=False)
+
+
 @pytest.mark.parametrize("cpus,wanted", [(1, 0), (2, 2), (3, 3), (16, UCX_READ_THREADS)])
 def test_a_host_memory_decode_takes_a_thread_a_core(cpus, wanted):
     n, why = ucx_threads(None, "decode", "cpu", cpus, ROOM)
@@ -45,3 +51,25 @@ def test_a_small_dev_shm_takes_none_and_says_why(shm):
 def test_shm_free_reads_the_filesystem(tmp_path):
     assert shm_free(str(tmp_path)) > 0
     assert shm_free(str(tmp_path / "absent")) is None
+
+
+@pytest.mark.parametrize("value,memory,wanted", [("0", "cpu", 0), ("3", "cpu", 3),
+                                                 ("2", "cuda", 2)])
+def test_kvruntime_ucx_threads_sets_a_decodes_whatever_the_choice(value, memory, wanted):
+    env = {"KVRUNTIME_UCX_THREADS": value}
+    assert ucx_threads(None, "decode", memory, 16, ROOM, env) == (wanted, "KVRUNTIME_UCX_THREADS")
+    assert ucx_threads(1, "decode", memory, 16, ROOM, env) == (1, "yours")  # the caller's wins
+
+
+def test_kvruntime_ucx_threads_leaves_a_prefill_without_threads():
+    """NIXL 1.5.1 crashed in get_new_notifs with threads on both sides (agent.py): a prefill
+    gets them only from its caller."""
+    assert ucx_threads(None, "prefill", "cpu", 16, ROOM, {"KVRUNTIME_UCX_THREADS": "2"})[0] == 0
+
+
+@pytest.mark.parametrize("bad", ["-1", "2.0", "x", "65", "1" * 5000, "\n"])
+def test_a_bad_kvruntime_ucx_threads_is_refused_in_one_line(bad):
+    with pytest.raises(KVRuntimeError, match="KVRUNTIME_UCX_THREADS must be a number of threads "
+                       "from 0 to 64") as err:
+        ucx_threads(None, "decode", "cpu", 16, ROOM, {"KVRUNTIME_UCX_THREADS": bad})
+    assert "\n" not in str(err.value) and len(str(err.value)) < 200
