@@ -36,10 +36,11 @@ from .agent import Agent, shm_free, ucx_threads, unique_name
 from .channel import PeerChannel
 from .errors import IncompatiblePeerError, KVRuntimeError, PeerError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
-from .inflight import PENDING, Pace, TransferHandle
+from .inflight import PENDING, TransferHandle
 from .jobs import TransferResult
 from .memory import KVCache
 from .options import Options
+from .pace import Pace
 from .peercred import peer_uid
 from .plan import Planner, TransferPlan
 from .registration import Registration
@@ -75,7 +76,7 @@ class PrefillPeer:
         self.samenode = None
         self.pool_engine = None
         self._planner: Planner | None = None  # made at the connect (plan.py)
-        self.pace = Pace()  # how fast it has moved requests: how long a wait spins (inflight.py)
+        self.pace = Pace()  # how fast it has moved requests: how long a wait spins (pace.py)
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
         self.lanes = None  # UCX's protocols of our agent after the connect-time probe (ucxlog)
         self.engine_reason = "not asked"  # why the engine in use was chosen

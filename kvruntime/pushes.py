@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from . import frames, messages
 from .errors import KVRuntimeError
-from .inflight import Pace
+from .pace import Pace
 from .plan import Planner, make_plan
 from .tp import head_rows
 from .transfer import Draining, PostedTransfer, Rows
@@ -105,7 +105,7 @@ class Writes:
     @property
     def spinning(self) -> bool:
         """Whether the progress loop should poll without sleeping: a WRITE is in flight that
-        should end soon, by how fast ours have (inflight.Pace: 1.5x its expected time, at
+        should end soon, by how fast ours have (pace.Pace: 1.5x its expected time, at
         least 2 ms, at most 50). A sleep between polls ends ~50-250 µs late on the VMs, and
         a WRITE that the device runs is answered only once a poll sees it end."""
         return bool(self._writes) and time.perf_counter() < self._spin_until

@@ -1,9 +1,9 @@
-"""inflight.Pace: how long a request's ``wait`` spins before it naps, from the fastest its peer
+"""pace.Pace: how long a request's ``wait`` spins before it naps, from the fastest its peer
 has moved bytes. Pure arithmetic (the spin itself is measured by the bench, never timed here)."""
 
 import pytest
 
-from kvruntime.inflight import SPIN_CAP, SPIN_MARGIN, SPIN_SECONDS, Pace
+from kvruntime.pace import SPIN_CAP, SPIN_MARGIN, SPIN_SECONDS, Pace
 
 
 def test_a_new_peer_spins_the_floor():
