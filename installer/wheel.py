@@ -202,6 +202,8 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
             if f.parent.name == "ucx" and set(dyn.needed) & siblings:
                 runpath = ":".join(["$ORIGIN", *filter(None, [runpath])])
             patchelf.set_rpath(f, runpath)
+            if not any(d in runpath for d in builds):  # what is left of an old one names nothing
+                elf.blank_dead_paths(f, [d.encode() for d in builds])
         # the build names itself nowhere else: the file-prefix maps kept its paths out of every
         # compile (installer/buildsys/filemap.py; _check_build_named proves it below)
         repointed = ucxdirs.repoint(staged[libucs], builds)

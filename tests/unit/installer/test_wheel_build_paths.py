@@ -104,3 +104,25 @@ def test_preload_never_deep_binds(monkeypatch):
     assert os.environ["KVRUNTIME_KV_BUFFER"] == "device"
     code = wheel.PRELOAD_SOURCE.read_text().split('"""')[2]
     assert "RTLD_DEEPBIND" not in code and "mode=" not in code  # what it loads (from_pip), it loads plainly
+
+
+def test_what_a_runpath_rewrite_left_in_dynstr_is_blanked_and_the_library_still_loads(tmp_path):
+    """meson's install leaves the tail of the build's RUNPATH in .dynstr (`./utils/serdes:<build>/
+    ucx/lib`): the wheel zeroes it from the build's path on. Here the live RUNPATH stands in for
+    such a tail (the bytes are the same kind); nothing moves and the library loads."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on this host")
+    from installer import elf
+    (tmp_path / "x.c").write_text("int x(void) { return 7; }\n")
+    so = tmp_path / "libx.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), str(tmp_path / "x.c"),
+                    f"-Wl,-rpath,./utils/serdes:{BUILD}/ucx/lib"], check=True)
+    size = so.stat().st_size
+    assert elf.blank_dead_paths(so, [BUILD.encode()]) == 1
+    assert so.stat().st_size == size and BUILD.encode() not in so.read_bytes()
+    patchelf = elf.find_patchelf()
+    if patchelf:
+        assert elf.Patchelf(patchelf).rpath(so) == "./utils/serdes:"
+    assert ctypes.CDLL(str(so)).x() == 7
+    assert elf.blank_dead_paths(so, [BUILD.encode()]) == 0
