@@ -13,11 +13,14 @@ if [ -n "$libs" ]; then
   # grep reads all of ldconfig's output: with -q, ldconfig could die of SIGPIPE (pipefail)
   for lib in $libs; do ldconfig -p | grep -F "$lib" >/dev/null || { missing=("$@"); break; }; done
 else
-  for p in "$@"; do dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep '^ii' >/dev/null || missing+=("$p"); done
+  for p in "$@"; do
+    dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep '^ii' >/dev/null || missing+=("$p")
+  done
 fi
 ((${#missing[@]})) || exit 0
 if [ "${OFFLINE:-0}" = 1 ]; then
-  echo "error: offline build: the base image lacks ${missing[*]}${libs:+ (for $libs)}; use a base that has them (ci/offline-base.sh makes one)" >&2
+  echo "error: offline build: the base image lacks ${missing[*]}${libs:+ (for $libs)};" \
+    "use a base that has them (ci/offline-base.sh makes one)" >&2
   exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive

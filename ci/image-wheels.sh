@@ -13,10 +13,15 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PY:-$root/.venv/bin/python}
 pyver=${KVSTACK_IMAGE_PYTHON:-3.11}  # the base image's python3 (Debian 12)
 rm -rf "$out" && mkdir -p "$out"
-mapfile -t installer < <("$py" -c 'import sys, tomllib; d = tomllib.load(open(sys.argv[1], "rb"))
-print("\n".join(d["project"]["optional-dependencies"]["installer"] + d["build-system"]["requires"]))' "$root/pyproject.toml")
+mapfile -t installer < <("$py" - "$root/pyproject.toml" <<'PY'
+import sys, tomllib
+d = tomllib.load(open(sys.argv[1], "rb"))
+print("\n".join(d["project"]["optional-dependencies"]["installer"] + d["build-system"]["requires"]))
+PY
+)
 "$py" -m pip download -q --disable-pip-version-check -d "$out" --only-binary=:all: \
-  --python-version "$pyver" --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_5_x86_64 \
+  --python-version "$pyver" --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_5_x86_64 \
   "torch==2.13.0" numpy "${installer[@]}" 2>&1 |
   grep -v 'is ignored' >&2 || true
 ls "$out"/torch-2.13.0*.whl >/dev/null 2>&1 || { echo "error: pip download of torch==2.13.0 for python $pyver failed" >&2; exit 1; }

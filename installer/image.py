@@ -74,7 +74,8 @@ def request(platform: str, tag: str | None = None, base_image: str | None = None
     base = base_image or BASE_IMAGES[platform]
     for option, ref in (("--base-image", base), ("--runtime-base-image", runtime_base_image or base)):
         if not _TAG_RE.match(ref.lower()) or len(ref) > 512:
-            raise UsageError(f"bad base image reference {ref!r}", fix=f"use {option} NAME[:TAG][@sha256:...]")
+            raise UsageError(f"bad base image reference {ref!r}",
+                             fix=f"use {option} NAME[:TAG][@sha256:...]")
     m = Path(mirror).resolve() if mirror else None
     if m is not None and not (m / "SHA256SUMS").is_file():
         raise UsageError(f"--mirror {mirror}: no SHA256SUMS there",
@@ -99,8 +100,8 @@ def request(platform: str, tag: str | None = None, base_image: str | None = None
                          fix="fill it with: python -m installer publish DIR --prefix PREFIX")
     if offline and w is None:
         raise UsageError("--offline: pip has no index in an offline build, so it needs --wheels",
-                         fix="pass --wheels DIR with every wheel the image's venv and the installer need "
-                             "(ci/image-wheels.sh fills one)")
+                         fix="pass --wheels DIR with every wheel the image's venv and the installer "
+                             "need (ci/image-wheels.sh fills one)")
     return ImageRequest(platform, tag, base, m, ca, ov, w, variant, bc, offline, runtime_base_image)
 
 
@@ -124,7 +125,8 @@ def build_args(req: ImageRequest) -> dict[str, str]:
             "RUNTIME_BASE_IMAGE": req.runtime_base_image or req.base_image,
             "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0",
             "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0",
-            "WITH_BINARY_CACHE": "1" if req.binary_cache else "0", "OFFLINE": "1" if req.offline else "0"}
+            "WITH_BINARY_CACHE": "1" if req.binary_cache else "0",
+            "OFFLINE": "1" if req.offline else "0"}
     rows = RUNTIME_PACKAGES.get(req.platform, [RDMA_CORE])
     args.update(RUNTIME_PACKAGES=" ".join(p for p, _ in rows), RUNTIME_LIBRARY=" ".join(lib for _, lib in rows))
     args.update(req.extra_args)
@@ -211,7 +213,8 @@ def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None])
     """Build through the low-level API so the log streams; intermediate containers are removed
     even on failure (rm + forcerm); the base is pulled only when it is not local."""
     import docker.errors  # noqa: PLC0415
-    pull = not all(base_is_local(client, b) for b in {req.base_image, req.runtime_base_image or req.base_image})
+    bases = {req.base_image, req.runtime_base_image or req.base_image}
+    pull = not all(base_is_local(client, b) for b in bases)
     stage_context(req, checkout)
     try:
         context = _context(checkout)

@@ -26,7 +26,8 @@ def compiled_in(build_dir: str | Path) -> list[bytes]:
 def repoint(libucs: Path, build_dirs: list[str]) -> int:
     """Make libucs' compiled-in directories of any of build_dirs name /dev/null (same length,
     NUL-padded: nothing in the file moves). Returns how many strings were rewritten."""
-    return len(elf.replace_strings(libucs, [p for d in build_dirs for p in compiled_in(d)], ".rodata", NOWHERE))
+    dirs = [p for d in build_dirs for p in compiled_in(d)]
+    return len(elf.replace_strings(libucs, dirs, ".rodata", NOWHERE))
 
 
 def libucs_files(build_dir: Path) -> list[Path]:

@@ -336,8 +336,8 @@ class Selftest:
         self.started = time.monotonic()
         try:
             self.proc: subprocess.Popen | None = subprocess.Popen(
-                self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True)
+                self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True)
         except FileNotFoundError as e:
             self.proc, self.error = None, str(e)
 
@@ -345,10 +345,12 @@ class Selftest:
         if self.proc is None:
             return subprocess.CompletedProcess(self.cmd, 127, "", self.error)
         try:
-            out, err = self.proc.communicate(timeout=max(1.0, self.timeout - (time.monotonic() - self.started)))
+            left = self.timeout - (time.monotonic() - self.started)
+            out, err = self.proc.communicate(timeout=max(1.0, left))
         except subprocess.TimeoutExpired:
             self.stop()
-            return subprocess.CompletedProcess(self.cmd, 124, "", f"timed out after {self.timeout}s")
+            timed_out = f"timed out after {self.timeout}s"
+            return subprocess.CompletedProcess(self.cmd, 124, "", timed_out)
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err)
 
     def stop(self) -> None:
@@ -428,14 +430,15 @@ def report_levels(spec, platform, build_dir, env, python, with_table, null_drive
     selftest = Selftest(renv, python) if renv is not None else None
     try:
         levels = {"built": built(spec, build_dir, env, with_table, components)}
-        levels["loaded"] = loaded(spec, build_dir, env, python, platform, null_driver, has_device, components,
-                                  ibmock_dir)
+        levels["loaded"] = loaded(spec, build_dir, env, python, platform, null_driver, has_device,
+                                  components, ibmock_dir)
         if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
-            levels["moved"] = {"status": "skipped", "reason": "an earlier level failed", "checks": []}
+            levels["moved"] = {"status": "skipped", "reason": "an earlier level failed",
+                               "checks": []}
         else:
-            levels["moved"] = moved(build_dir, env, python, platform, components, rdma=spec.get("rdma"),
-                                    nixl_module=spec.get("nixl", {}).get("module"), ibmock_dir=ibmock_dir,
-                                    selftest=selftest)
+            levels["moved"] = moved(build_dir, env, python, platform, components,
+                                    rdma=spec.get("rdma"), ibmock_dir=ibmock_dir, selftest=selftest,
+                                    nixl_module=spec.get("nixl", {}).get("module"))
     finally:
         if selftest is not None:
             selftest.stop()

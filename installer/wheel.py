@@ -323,9 +323,10 @@ def _check_build_named(root: Path, tops: list[str], builds: list[str]) -> None:
                         end = min(i for i in (data.find(b"\0", at), data.find(b"\n", at), len(data)) if i >= 0)
                         named = data[max(start, at - 200):min(end, at + 200)].decode(errors="replace")
                         where = (section or "no section") if table else "its text"
-                        raise PrefixError(f"{f.relative_to(root)} names the build directory in {where}: {named!r}",
-                                          fix="the wheel was not written; a build made before kvstack compiled with "
-                                              "file-prefix maps does: install it again, else report this")
+                        raise PrefixError(
+                            f"{f.relative_to(root)} names the build directory in {where}: {named!r}",
+                            fix="the wheel was not written; a build made before kvstack compiled with "
+                                "file-prefix maps does: install it again, else report this")
                     at = data.find(d.encode(), at + 1)
 
 

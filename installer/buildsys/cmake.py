@@ -15,7 +15,8 @@ def steps(comp) -> list[Step]:
     src, build = comp.src_dir, comp.build_dir
     defines = dict(comp.spec.get("defines", {}))
     # the file-prefix maps (filemap.py) after what the recipe gives these
-    defines.update({k: filemap.joined(comp.install_dir.parent, defines.get(k)) for k in COMPILER_FLAGS})
+    root = comp.install_dir.parent
+    defines.update({k: filemap.joined(root, defines.get(k)) for k in COMPILER_FLAGS})
     configure = ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
                  f"-DCMAKE_INSTALL_PREFIX={comp.install_dir}", "-DCMAKE_INSTALL_LIBDIR=lib",
                  *flags("cmake", defines)]

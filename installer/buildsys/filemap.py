@@ -19,7 +19,7 @@ MAPPED_TO = "."
 def flags(build_root: Path) -> list[str]:
     """-ffile-prefix-map implies the macro (__FILE__) and debug-information maps in GCC >= 8 and
     Clang >= 10; the macro map is also given on its own, for compilers that take only that one."""
-    return [f"-ffile-prefix-map={build_root}={MAPPED_TO}", f"-fmacro-prefix-map={build_root}={MAPPED_TO}"]
+    return [f"-f{kind}-prefix-map={build_root}={MAPPED_TO}" for kind in ("file", "macro")]
 
 
 def joined(build_root: Path, before: str | None = None) -> str:

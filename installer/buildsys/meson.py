@@ -14,7 +14,8 @@ def steps(comp) -> list[Step]:
     src, build = comp.src_dir, comp.build_dir
     options = dict(comp.spec.get("options", {}))
     # the file-prefix maps (filemap.py) after what the recipe gives these options
-    options.update({k: filemap.joined(comp.install_dir.parent, options.get(k)) for k in COMPILER_ARGS})
+    root = comp.install_dir.parent
+    options.update({k: filemap.joined(root, options.get(k)) for k in COMPILER_ARGS})
     setup = ["meson", "setup", str(build), str(src), f"--prefix={comp.install_dir}", "--libdir=lib",
              "--wrap-mode=nodownload", *flags("meson", options), *comp.spec.get("meson_args", [])]
     out = []

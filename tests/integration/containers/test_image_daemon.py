@@ -94,18 +94,21 @@ def _ci_image(daemon, tmp_path_factory, platform: str, tag: str):
     if not prefix or not (Path(prefix) / "manifest.json").is_file():
         pytest.skip(f"{var} names no pinned {platform} build (ci/pinned-builds.sh makes it)")
     env = dict(os.environ, DOCKER_HOST=host)
-    if not (image.base_is_local(client, OFFLINE_BASE) and image.base_is_local(client, OFFLINE_RUNTIME)):
+    if not all(image.base_is_local(client, b) for b in (OFFLINE_BASE, OFFLINE_RUNTIME)):
         if not image.base_is_local(client, BASE):
-            subprocess.run(["bash", "ci/base-image.sh", BASE], cwd=ROOT, env=env, check=True, timeout=1200)
-        subprocess.run(["bash", "ci/offline-base.sh", BASE, OFFLINE_BASE, OFFLINE_RUNTIME], cwd=ROOT, env=env, check=True,
-                       timeout=1200)
+            subprocess.run(["bash", "ci/base-image.sh", BASE], cwd=ROOT, env=env, check=True,
+                           timeout=1200)
+        subprocess.run(["bash", "ci/offline-base.sh", BASE, OFFLINE_BASE, OFFLINE_RUNTIME], cwd=ROOT,
+                       env=env, check=True, timeout=1200)
     inputs = tmp_path_factory.mktemp(f"image-inputs-{platform}")
     for args in (["ci/image-inputs.sh", str(inputs), prefix], ["ci/image-wheels.sh", str(inputs / "wheels")]):
         r = subprocess.run(["bash", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-2000:]
-    req = image.request(platform, tag, OFFLINE_BASE, str(inputs / "mirror"), str(HOST_CA) if HOST_CA.is_file() else None,
-                        [str(p) for p in sorted((inputs / "overlays").glob("*.toml"))], str(inputs / "wheels"),
-                        binary_cache=str(inputs / "cache"), offline=True, runtime_base_image=OFFLINE_RUNTIME)
+    req = image.request(platform, tag, OFFLINE_BASE, str(inputs / "mirror"),
+                        str(HOST_CA) if HOST_CA.is_file() else None,
+                        [str(p) for p in sorted((inputs / "overlays").glob("*.toml"))],
+                        str(inputs / "wheels"), binary_cache=str(inputs / "cache"), offline=True,
+                        runtime_base_image=OFFLINE_RUNTIME)
     before = {c.id for c in client.containers.list(all=True)}
     lines = []
     res = image.build(client, req, ROOT, lines.append)

@@ -4,9 +4,9 @@ over each of its ELF files (UCX's libraries, modules and ucx_info, NIXL's librar
 Python extension; Abseil is linked into NIXL's) names no path of its source and build trees, and
 names the build's own directory only where something looks it up: a RUNPATH of that file, UCX's
 compiled-in module and configuration directories (the wheel and the binary cache repoint those:
-installer/ucxdirs.py), and ucx_info's record of UCX's configure line (its --prefix). Before the maps, libucs
-alone named the build's trees 140 times (debug information's directories, UCX's __FILE__s), and
-NIXL's libraries named Abseil's sources. What verification builds for itself (verify/: UCX's
+installer/ucxdirs.py), and ucx_info's record of UCX's configure line (its --prefix). Before the
+maps, libucs alone named the build's trees 140 times (debug information's directories, UCX's
+__FILE__s), and NIXL's libraries named Abseil's sources. What verification builds for itself (verify/: UCX's
 ibmock, the Level Zero null driver) is no part of the stack and is left out."""
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ STACK = ("ucx", "nixl")  # the build's directories its users load from
 
 
 def _strings(path) -> list[str]:
-    return subprocess.run(["strings", "-a", str(path)], capture_output=True, text=True, check=True).stdout.splitlines()
+    out = subprocess.run(["strings", "-a", str(path)], capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
 
 
 @pytest.mark.parametrize("name", ["CPU", "XPU", "XPU_IPC"])

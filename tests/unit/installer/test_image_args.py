@@ -14,8 +14,9 @@ def test_default_base_image_per_platform():
         rdma = ("libibverbs1 librdmacm1 ibverbs-providers", "libibverbs.so.1")  # every platform's UCX links it
         pkgs, lib = (f"libze1 {rdma[0]}", f"libze_loader.so.1 {rdma[1]}") if p == "xpu" else rdma
         assert args == {"PLATFORM": p, "VARIANT": "", "BASE_IMAGE": image.BASE_IMAGES[p],
-                        "RUNTIME_BASE_IMAGE": image.BASE_IMAGES[p], "WITH_MIRROR": "0", "WITH_CA": "0",
-                        "WITH_OVERLAYS": "0", "WITH_WHEELS": "0", "WITH_BINARY_CACHE": "0", "OFFLINE": "0",
+                        "RUNTIME_BASE_IMAGE": image.BASE_IMAGES[p], "WITH_MIRROR": "0",
+                        "WITH_CA": "0", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0",
+                        "WITH_BINARY_CACHE": "0", "OFFLINE": "0",
                         "RUNTIME_PACKAGES": pkgs, "RUNTIME_LIBRARY": lib}
     assert "cuda" in image.BASE_IMAGES["cuda"] and "devel" in image.BASE_IMAGES["cuda"]
 
@@ -29,7 +30,8 @@ def test_mirror_and_ca_map_to_args(tmp_path):
     assert image.build_args(req) == {"PLATFORM": "cpu", "VARIANT": "", "BASE_IMAGE": "local/debian:12",
                                      "RUNTIME_BASE_IMAGE": "local/debian:12",
                                      "WITH_MIRROR": "1", "WITH_CA": "1", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0",
-                                     "WITH_BINARY_CACHE": "0", "OFFLINE": "0", "RUNTIME_PACKAGES": image.RDMA_CORE[0],
+                                     "WITH_BINARY_CACHE": "0", "OFFLINE": "0",
+                                     "RUNTIME_PACKAGES": image.RDMA_CORE[0],
                                      "RUNTIME_LIBRARY": image.RDMA_CORE[1]}
 
 
@@ -46,10 +48,12 @@ def test_a_binary_cache_maps_to_its_arg_and_one_without_a_build_is_one_line(tmp_
 def test_offline_builds_with_no_network_and_needs_wheels(tmp_path):
     with pytest.raises(UsageError) as e:
         image.request("cpu", offline=True)
-    assert "--offline" in e.value.line() and "--wheels" in e.value.line() and "\n" not in e.value.line()
+    line = e.value.line()
+    assert "--offline" in line and "--wheels" in line and "\n" not in line
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "numpy-2.0.0-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
-    req = image.request("cpu", wheels=str(tmp_path / "w"), offline=True, runtime_base_image="local/runtime:12")
+    req = image.request("cpu", wheels=str(tmp_path / "w"), offline=True,
+                        runtime_base_image="local/runtime:12")
     assert image.build_args(req)["OFFLINE"] == "1" and image.network_mode(req) == "none"
     assert image.build_args(req)["RUNTIME_BASE_IMAGE"] == "local/runtime:12"
     req = image.request("cpu", wheels=str(tmp_path / "w"))

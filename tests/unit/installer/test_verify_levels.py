@@ -155,7 +155,8 @@ def test_lanes_between_peers_leave_out_self_endpoints_and_device_memory():
     assert verify.proto_lanes(every, between_peers=True) == ["cma/memory", "ud_verbs/rdmap0:1"]
 
 
-def test_the_selftest_started_beside_the_earlier_levels_is_stopped_when_one_fails(tmp_path, monkeypatch):
+def test_the_selftest_started_beside_the_earlier_levels_is_stopped_when_one_fails(tmp_path,
+                                                                                 monkeypatch):
     """The moved level's selftest starts before the built and loaded levels, so it runs beside
     their short commands; when one of them fails its result is never read and its process does not
     outlive verification. (A sleeping Python stands in for the selftest: nothing here can move.)"""
@@ -172,8 +173,9 @@ def test_the_selftest_started_beside_the_earlier_levels_is_stopped_when_one_fail
     monkeypatch.setattr(verify, "Selftest", Recorded)
     spec = {**SPEC, "ucx": {**SPEC["ucx"], "defines": [], "modules": {}, "absent_defines": []},
             "nixl": {"module": "nixl_cpu", "plugins": ["UCX"]}}
-    report = verify.report_levels(spec, "cpu", tmp_path, dict(os.environ), sys.executable, {}, None, False,
-                                  ["ucx", "nixl"])
+    report = verify.report_levels(spec, "cpu", tmp_path, dict(os.environ), sys.executable, {}, None,
+                                  False, ["ucx", "nixl"])
     assert report["levels"]["built"]["status"] == "failed" and not report["ok"]
-    assert report["levels"]["moved"] == {"status": "skipped", "reason": "an earlier level failed", "checks": []}
+    assert report["levels"]["moved"] == {"status": "skipped", "reason": "an earlier level failed",
+                                         "checks": []}
     assert len(started) == 1 and started[0].proc.poll() is not None  # started, then stopped

@@ -2,9 +2,9 @@
 and configuration directories into libucs' read-only data; the wheel (and a binary-cache install
 elsewhere) makes those two name /dev/null (same length, NUL-padded, nothing in the file moves),
 and nothing else: every other path of a build is kept out by the file-prefix maps, so the wheel
-refuses a file that still names the build where something reads it at run time. The shared library here is compiled with
-the host's C compiler (a real ELF file, as UCX's are); patchelf's leftovers in .dynstr and
-anything in symbols or notes do not count."""
+refuses a file that still names the build where something reads it at run time. The shared
+library here is compiled with the host's C compiler (a real ELF file, as UCX's are); patchelf's
+leftovers in .dynstr and anything in symbols or notes do not count."""
 from __future__ import annotations
 
 import ctypes
