@@ -15,7 +15,8 @@ import pstats
 import random
 import time
 
-LAY = dict(num_layers=32, num_blocks=1024, tokens_per_block=16, num_kv_heads=8, head_dim=128, dtype="bfloat16")
+LAY = dict(num_layers=32, num_blocks=1024, tokens_per_block=16, num_kv_heads=8, head_dim=128,
+           dtype="bfloat16")
 
 def timed(spans, cls, name):
     """Wrap cls.name: each call's start (perf_counter: one clock for both processes on Linux)
@@ -33,8 +34,10 @@ def timed(spans, cls, name):
 
 def prefill(q, dev):
     import logging
+
     from kvruntime import KVCache, KVLayout, PrefillServer, stages, staging
-    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.1f prefill %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(relativeCreated)8.1f prefill %(name)s %(message)s")
     # the prefill's side of a coalesced request: when a stage arrives, what its gather and
     # answers cost (its first one took ~17 ms more than later ones on 2 x H100)
     spans = []
@@ -51,14 +54,16 @@ def prefill(q, dev):
     print(json.dumps({"prefill_spans_us": spans[:60]}), flush=True)
 
 def stats(pr, n=22):
-    s = io.StringIO(); pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(n)
-    return "\n".join(l for l in s.getvalue().splitlines() if l.strip())[:5000]
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("cumulative").print_stats(n)
+    return "\n".join(line for line in s.getvalue().splitlines() if line.strip())[:5000]
 
 def main():
     from kvruntime import DecodeClient, KVCache, KVLayout
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=prefill, args=(q, 0)); p.start()
+    p = ctx.Process(target=prefill, args=(q, 0))
+    p.start()
     addr, ts = q.get(timeout=120)
     print(json.dumps({"prefill_start_s": ts}), flush=True)
     lay = KVLayout("cross_layer", **LAY)
@@ -69,7 +74,8 @@ def main():
         cache = KVCache.allocate_device(lay, "cuda", dev)
         c = DecodeClient(cache, secret=b"s", engine=engine, coalesce=coalesce)
         t1 = time.perf_counter()
-        pr = cProfile.Profile(); pr.enable()
+        pr = cProfile.Profile()
+        pr.enable()
         peer = c.connect(*addr)
         pr.disable()
         t2 = time.perf_counter()
@@ -77,18 +83,28 @@ def main():
         for i in range(8):
             ids = random.sample(range(1024), 64)
             rp = cProfile.Profile() if i < 2 else None
-            if rp: rp.enable()
-            a = time.perf_counter(); starts.append(round(a * 1e6)); r = peer.pull(ids, ids, request_id=f"r{engine}{dev}{i}"); lat.append((time.perf_counter() - a) * 1e6)
-            if rp: rp.disable(); profs.append(stats(rp, 30))
-        row = {"engine": engine, "coalesce": coalesce, "decode_gpu": dev, "peer_engine": peer.engine,
-               "coalesced": r.coalesced, "client_ms": round((t1 - t) * 1e3, 1), "connect_ms": round((t2 - t1) * 1e3, 1),
+            if rp:
+                rp.enable()
+            a = time.perf_counter()
+            starts.append(round(a * 1e6))
+            r = peer.pull(ids, ids, request_id=f"r{engine}{dev}{i}")
+            lat.append((time.perf_counter() - a) * 1e6)
+            if rp:
+                rp.disable()
+                profs.append(stats(rp, 30))
+        row = {"engine": engine, "coalesce": coalesce, "decode_gpu": dev,
+               "peer_engine": peer.engine, "coalesced": r.coalesced,
+               "client_ms": round((t1 - t) * 1e3, 1), "connect_ms": round((t2 - t1) * 1e3, 1),
                "lat_us": [round(x) for x in lat], "starts_us": starts}
         print(json.dumps(row), flush=True)
         print(stats(pr), flush=True)
         for i, s in enumerate(profs):
-            print(f"--- request {i} profile", flush=True); print(s, flush=True)
-        c.close(); cache.close()
-    q.put("stop"); p.join(30)
+            print(f"--- request {i} profile", flush=True)
+            print(s, flush=True)
+        c.close()
+        cache.close()
+    q.put("stop")
+    p.join(30)
 
 if __name__ == "__main__":
     main()

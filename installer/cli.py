@@ -74,6 +74,9 @@ def _install_parser() -> argparse.ArgumentParser:
     inst.add_argument("--binary-cache", metavar="DIR|URL", type=_binary_cache, help="take this build id's verified build from this cache "
                       "(directory or file:// URL; see `publish`) instead of building; verified again here")
     inst.add_argument("--dry-run", action="store_true", help="print the plan and stop")
+    inst.add_argument("--fetch-only", action="store_true",
+                      help="fetch every source of the plan into the cache, each checked against its "
+                           "pin, and stop (nothing built, the prefix untouched)")
     inst.add_argument("--json", action="store_true", help="with --dry-run: the plan as JSON; otherwise the manifest")
     _common(inst)
     return inst
@@ -208,6 +211,13 @@ def _install(args) -> int:
     plan = _resolve(args)
     if args.dry_run:
         print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
+        return 0
+    if args.fetch_only:
+        records = install.fetch_only(plan, args.mirror)
+        print(f"{len(records)} sources of {plan.build_id} checked against their pins, "
+              f"in {plan.cache_dir}:")
+        for name, rec in records.items():
+            print(f"  {name:13} {rec['origin']}")
         return 0
     manifest = install.run(plan, mirror=args.mirror, system_packages=args.system_packages, binary_cache=args.binary_cache)
     if args.json:

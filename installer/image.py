@@ -125,7 +125,7 @@ def build_args(req: ImageRequest) -> dict[str, str]:
             "RUNTIME_BASE_IMAGE": req.runtime_base_image or req.base_image,
             "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0",
             "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0",
-            "WITH_BINARY_CACHE": "1" if req.binary_cache else "0",
+            "WITH_BINARY_CACHE": "1" if req.binary_cache else "0", "KVSTACK_STAGED": "1",
             "OFFLINE": "1" if req.offline else "0"}
     rows = RUNTIME_PACKAGES.get(req.platform, [RDMA_CORE])
     args.update(RUNTIME_PACKAGES=" ".join(p for p, _ in rows), RUNTIME_LIBRARY=" ".join(lib for _, lib in rows))

@@ -108,6 +108,25 @@ def _from_binary_cache(plan: Plan, where: str) -> dict[str, Any] | None:
     return manifest
 
 
+def fetch_sources(plan: Plan, fetcher: Fetcher) -> dict[str, Fetched]:
+    """The fetch phase: every source the plan builds from, into the cache, each checked against
+    its pin on the way in."""
+    with fetcher.cache.locked():
+        partial = fetcher.cache.drop_partial()
+        if partial:
+            log.warning("removed downloads a killed run left unfinished: %s",
+                        ", ".join(p.name for p in partial))
+        return {n: fetcher.fetch(n, plan.sources[n]) for n in plan.used_sources()}
+
+
+def fetch_only(plan: Plan, mirror: str | None) -> dict[str, dict[str, Any]]:
+    """`install --fetch-only`: the fetch and check phases alone, nothing built (a pin that cannot
+    be had shows before a long build; a cache filled before going offline)."""
+    fetcher = Fetcher(Cache(plan.cache_dir), mirror)
+    fetched = fetch_sources(plan, fetcher)
+    return {n: fetcher.check(f, plan.sources[n]) for n, f in fetched.items()}
+
+
 def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path | None) -> dict[str, Any]:
     phases = PhaseLog()
     log_dir = plan.work_dir / "logs"
@@ -116,14 +135,9 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     manifest = _manifest_head(plan, mirror)
     started = time.monotonic()
     try:
-        cache = Cache(plan.cache_dir)
-        fetcher = Fetcher(cache, mirror)
+        fetcher = Fetcher(Cache(plan.cache_dir), mirror)
         with phases.phase("fetch") as rec:
-            with cache.locked():
-                partial = cache.drop_partial()
-                if partial:
-                    log.warning("removed downloads a killed run left unfinished: %s", ", ".join(p.name for p in partial))
-                fetched = {n: fetcher.fetch(n, plan.sources[n]) for n in plan.used_sources()}
+            fetched = fetch_sources(plan, fetcher)
         with phases.phase("check") as rec:
             manifest["sources"] = {n: fetcher.check(f, plan.sources[n]) for n, f in fetched.items()}
         with phases.phase("system-packages") as rec:
@@ -207,17 +221,25 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     except (InstallerError, KeyboardInterrupt, OSError) as e:
         running = next((n for n, r in phases.records.items() if r.get("status") in ("running", "failed")), "install")
         error = HostError.from_oserror(e, f"during {running}") if isinstance(e, OSError) else e
+        ignored = phases.records.get("system-packages", {})
+        if isinstance(e, BuildError) and ignored.get("ignored"):  # a likely cause, said in the line
+            said = f"missing and ignored (--system-packages ignore): {' '.join(ignored['missing'])}"
+            e.fix = f"{e.fix}; {said}" if e.fix else said
         if _out_of_space(e):
             # a build step's own write fails the same way as ours: both are the host's, and the
             # half-built files would otherwise keep the disk full
+            kept = _keep_logs(plan, log_dir)
             removed = _drop_unfinished(plan)
             said = (e.what if isinstance(e, InstallerError) else
                     os.strerror(errno.ENOSPC) if isinstance(e, shutil.Error) else (e.strerror or str(e)))
-            error = HostError(f"no space left on device during {running}: {said}", log=getattr(e, "log", None),
+            step_log = getattr(e, "log", None)
+            error = HostError(f"no space left on device during {running}: {said}",
+                              log=_moved(step_log, str(log_dir), str(kept)) if kept else None,
                               detail=getattr(e, "detail", None),
                               fix=f"free space there and run again; removed the unfinished build ({len(removed)} "
                                   f"directories: {plan.install_dir} and the source and build trees under {plan.work_dir})"
-                                  f"; {plan.prefix} still points to {previous or 'nothing'}")
+                                  + (f", its logs kept in {kept}" if kept else "")
+                                  + f"; {plan.prefix} still points to {previous or 'nothing'}")
         manifest.update(complete=False, phases=phases.records, error=getattr(error, "line", lambda: "interrupted")())
         if plan.install_dir.exists():  # not where a full disk made us remove the unfinished build
             try:
@@ -268,6 +290,21 @@ def _out_of_space(e: BaseException) -> bool:
     if isinstance(e, OSError):
         return e.errno == errno.ENOSPC
     return isinstance(e, BuildError) and "No space left on device" in (e.detail or "")
+
+
+def _keep_logs(plan: Plan, log_dir: Path) -> Path | None:
+    """The logs of a build about to be removed for a full disk, moved out of it first: to
+    `P.builds/<build id>.failed-logs` (the last such failure's), by a rename on the same file
+    system, which needs no space. None when there are none or they cannot be moved."""
+    kept = plan.install_dir.with_name(plan.install_dir.name + ".failed-logs")
+    if not log_dir.is_dir():
+        return None
+    shutil.rmtree(kept, ignore_errors=True)
+    try:
+        os.rename(log_dir, kept)
+    except OSError:
+        return None
+    return kept
 
 
 def _drop_unfinished(plan: Plan) -> list[str]:

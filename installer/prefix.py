@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -32,7 +33,13 @@ def check_placeable(prefix: Path) -> None:
         prefix.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise HostError.from_oserror(e, f"--prefix {prefix}: cannot make {prefix.parent}") from None
-    if prefix.is_dir() and not prefix.is_symlink() and os.path.ismount(prefix):
+    if prefix.is_symlink():
+        if not made_by_us(prefix):
+            raise PrefixError(f"--prefix {prefix} is a symbolic link to {os.readlink(prefix)}, "
+                              f"which is not one of kvstack's builds ({prefix.name}.builds/<build id>)",
+                              fix="choose another --prefix, or remove that link if it is not "
+                                  "needed")
+    elif prefix.is_dir() and is_mount_point(prefix):
         raise PrefixError(f"--prefix {prefix} is a mount point: the prefix becomes a link to its build, and a mount "
                           f"point cannot be replaced by one", fix=f"give a path inside it, e.g. --prefix {prefix / 'kvstack'}")
     current(prefix)  # a file or a directory with something in it is refused here
@@ -44,6 +51,36 @@ def check_placeable(prefix: Path) -> None:
         (prefix.parent / f"{prefix.name}.builds").mkdir(exist_ok=True)
     except OSError as e:
         raise HostError.from_oserror(e, f"--prefix {prefix}: cannot make its link or builds in {prefix.parent}") from None
+
+
+def made_by_us(link: Path) -> bool:
+    """A link kvstack's switch made: it points to `<name>.builds/<id>` beside it (relative, as
+    switch writes it, or the same place absolute), whether or not that build still exists."""
+    target = Path(os.readlink(link))
+    builds = (link.parent / f"{link.name}.builds").absolute()
+    where = Path(os.path.normpath(link.parent.absolute() / target))  # an absolute target wins
+    return where.parent == builds and where.name not in ("", ".", "..")
+
+
+def is_mount_point(path: Path, mountinfo: Path = Path("/proc/self/mountinfo")) -> bool:
+    """A mount point by its device (another file system than its parent's) or by the mount table:
+    a bind mount of the same file system has its parent's st_dev, and os.path.ismount misses it."""
+    if os.path.ismount(path):
+        return True
+    real = os.path.realpath(path)
+    try:
+        if os.stat(real).st_dev != os.stat(os.path.dirname(real)).st_dev:
+            return True
+        lines = os.fsdecode(mountinfo.read_bytes()).splitlines()
+    except OSError:
+        return False
+    # mountinfo: "id parent major:minor root MOUNT_POINT options ..."; spaces etc. octal-escaped
+    return any(len(f) > 4 and _unescape(f[4]) == real for f in (line.split() for line in lines))
+
+
+def _unescape(field: str) -> str:
+    raw = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), os.fsencode(field))
+    return os.fsdecode(raw)
 
 
 def drop_stale(prefix: Path) -> list[Path]:

@@ -1,6 +1,6 @@
 """Runs a component's steps: each external command with its own log file, in its own process
-group under a supervising shell (so Ctrl-C, a kill — of the installer too, even SIGKILL — or
-another component's failure stops the whole build tree), and the
+session under a supervising shell (so Ctrl-C, a kill — of the installer too, even SIGKILL — or
+another component's failure stops the whole build tree, every process group of it), and the
 log's tail in the error. Components may build side by side (installer/schedule.py): each running
 step leaves its own marker, `running-step.<component>.pid`."""
 from __future__ import annotations
@@ -24,10 +24,32 @@ TAIL_LINES = 25
 PR_SET_PDEATHSIG = 1
 RUNNING = "running-step.{component}.pid"
 POLL_S = 0.25  # how soon a running step notices that it was asked to stop
-# Each step runs under a small shell that leads the step's process group: told the installer is
-# gone (PR_SET_PDEATHSIG: SIGTERM, even after a SIGKILL of the installer) or asked to stop, it
-# kills the whole group — ninja, sub-makes, compilers, autoreconf's children — not only itself.
-SUPERVISOR = ("/bin/sh", "-c", 'trap "kill -KILL 0" TERM HUP INT; "$@" & wait $!', "kvstack-step")
+# Each step runs under a small shell that leads the step's session: told the installer is gone
+# (PR_SET_PDEATHSIG: SIGTERM, even after a SIGKILL of the installer) or asked to stop, it kills
+# every process of its session — ninja, sub-makes, compilers, autoreconf's children — not only its
+# process group: ninja starts each compile job in a process group of its own, and an orphaned
+# job stays in the session (its id in /proc/PID/stat) though its parent is gone. Passes repeat
+# until a pass finds none alive (a process forked during one is killed by the next), at most 100.
+_KILL_SESSION = r"""
+kill_session() {
+  n=0
+  while [ $n -lt 100 ]; do
+    n=$((n + 1)); found=
+    for f in /proc/[0-9]*/stat; do
+      pid=${f#/proc/}; pid=${pid%/stat}
+      [ "$pid" = $$ ] && continue
+      read -r line < "$f" 2>/dev/null || continue
+      set -- ${line##*) }
+      if [ "$4" = $$ ] && [ "$1" != Z ]; then kill -KILL "$pid" 2>/dev/null; found=1; fi
+    done
+    [ -z "$found" ] && break
+  done
+  exit 137
+}
+trap kill_session TERM HUP INT
+"$@" & wait $!
+"""
+SUPERVISOR = ("/bin/sh", "-c", _KILL_SESSION, "kvstack-step")
 
 
 class Stopped(Exception):
@@ -88,7 +110,7 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path, stop: 
         try:
             rc = _wait(proc, stop)
         except BaseException:
-            _kill_group(proc)
+            _stop_step(proc)
             raise
         finally:
             marker.unlink(missing_ok=True)
@@ -96,6 +118,35 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path, stop: 
         raise BuildError(f"{component}: step {step.name} failed with exit code {rc}: {' '.join(step.argv)[:200]}",
                          log=str(log_path), fix="the tail of the log is above; the previous install is untouched",
                          detail=tail(log_path))
+
+
+def run_supervised(cmd: list[str], env: dict[str, str],
+                   timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=...) under the supervising
+    shell, in a session of its own: a timeout, a Ctrl-C or the installer's death (even SIGKILL)
+    kills every process it started (verification's selftests start peers of their own)."""
+    proc = start_supervised(cmd, env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        stop_supervised(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def start_supervised(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """run_supervised's process, left running (its output read with communicate()): for a
+    command that runs beside others, stopped by stop_supervised. Start it from a thread that
+    outlives it (PR_SET_PDEATHSIG fires when the starting thread ends)."""
+    return subprocess.Popen([*SUPERVISOR, *cmd], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def stop_supervised(proc: subprocess.Popen) -> None:
+    """Kill a supervised command's whole session and reap it."""
+    _stop_step(proc)
+    proc.communicate()
 
 
 def _wait(proc: subprocess.Popen, stop: threading.Event) -> int:
@@ -109,44 +160,58 @@ def _wait(proc: subprocess.Popen, stop: threading.Event) -> int:
 
 def stop_leftovers(log_dir: Path) -> list[int]:
     """A SIGKILLed installer could not stop its build steps itself; their supervising shells
-    kill their groups as it dies, and this stops whatever of a group still runs (a process that
-    left the group keeps running: nothing finds it) before this run reuses the build trees. One
-    group per component that was building; returns the ids of those that were still running."""
+    kill their sessions as it dies, and this stops whatever of a session still runs (the shell
+    itself may have been killed first, leaving its orphans) before this run reuses the build
+    trees. One session per component that was building; returns the ids of those that were still
+    running."""
     stopped = []
     for marker in sorted(log_dir.glob(RUNNING.format(component="*"))):
         try:
-            pgid = int(marker.read_text().split()[0])
+            sid = int(marker.read_text().split()[0])
         except (OSError, ValueError, IndexError):
             continue
         finally:
             marker.unlink(missing_ok=True)
-        if _stop_group(pgid):
-            stopped.append(pgid)
+        killed = kill_session(sid)
+        if killed:
+            log.warning("stopped %d leftover build processes of an earlier, killed run "
+                        "(session %d)", killed, sid)
+            stopped.append(sid)
     return stopped
 
 
-def _stop_group(pgid: int) -> bool:
+def kill_session(sid: int, passes: int = 100) -> int:
+    """SIGKILL every live process of session `sid` (a step's, whatever process group each is in),
+    pass after pass until one finds none; how many were killed."""
+    killed = 0
+    for _ in range(passes):
+        members = session_members(sid)
+        if not members:
+            break
+        for pid in members:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+    return killed
+
+
+def session_members(sid: int) -> list[int]:
+    """The live processes (no zombies: dead, only not reaped yet) of session `sid`."""
     try:
-        members = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _pgid(p) == pgid]
+        procs = [p for p in Path("/proc").iterdir() if p.name.isdigit()]
     except OSError:
-        return False
-    if not members:
-        return False
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        return False
-    log.warning("stopped %d leftover build processes of an earlier, killed run (process group %d)",
-                len(members), pgid)
-    return True
+        return []
+    return [int(p.name) for p in procs if int(p.name) != os.getpid() and _session(p) == sid]
 
 
-def _pgid(proc_dir: Path) -> int | None:
-    """The process group of a live process; None for a zombie (dead, only not reaped yet)."""
+def _session(proc_dir: Path) -> int | None:
+    """The session of a live process; None for a zombie."""
     try:
-        # /proc/PID/stat: "pid (comm) state ppid pgrp ..."; comm may hold spaces, so split after ')'
+        # /proc/PID/stat: "pid (comm) state ppid pgrp session ..."; comm may hold spaces
         fields = proc_dir.joinpath("stat").read_text().rsplit(")", 1)[1].split()
-        return None if fields[0] == "Z" else int(fields[2])
+        return None if fields[0] == "Z" else int(fields[3])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -165,21 +230,20 @@ _PRCTL = _libc_prctl()
 
 def _die_with_parent() -> None:
     """In the child, before exec: a SIGKILLed installer (no chance to clean up) takes its build
-    step down with it: the supervising shell gets SIGTERM and kills the step's process group
+    step down with it: the supervising shell gets SIGTERM and kills the step's session
     (Linux PR_SET_PDEATHSIG; it fires when the thread that started the step ends, and that thread
     waits for the step)."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+def _stop_step(proc: subprocess.Popen) -> None:
+    """Stop a step: its supervising shell kills its session; whatever of the session is left
+    (the shell gone first, or slow to act) is killed from here, then the shell is reaped."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=5)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    kill_session(proc.pid)
+    proc.wait()

@@ -4,6 +4,8 @@ Archives are streamed to a temporary file while hashed; a wrong sha256 removes t
 fails with both hashes. HTTP 5xx and connection errors are retried with backoff, 4xx never.
 `git archive` tarballs carry their commit id, which is checked against the recipe's `commit`.
 Git sources are fetched at their commit into a bare repository and checked the same way.
+Without a mirror, an archive's `url` then its `fallback_urls` are tried in turn: a location that
+cannot be reached, answers 4xx or serves another file than the pin is passed over for the next.
 A mirror (a directory or an http(s) URL) replaces the upstream URLs entirely: archives by their
 `filename`, git sources as `<name>.git`.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import shutil
 import subprocess
 import tarfile
@@ -23,10 +26,11 @@ from urllib.parse import urlparse
 import requests
 
 from .cache import CHUNK, Cache, sha256_file
-from .errors import ChecksumError, DownloadError, OfflineError
+from .errors import ChecksumError, DownloadError, InstallerError, OfflineError
 
 log = logging.getLogger("kvstack.installer")
 
+UPSTREAM_BASE = "KVSTACK_UPSTREAM_BASE"
 CONNECT_TIMEOUT = 15
 READ_TIMEOUT = 60
 
@@ -71,6 +75,7 @@ class Fetcher:
             return Fetched(name, "archive", hit, "cache", True, sha256=want)
         locations = self._archive_locations(src)
         unreachable: list[str] = []
+        refused: list[InstallerError] = []  # a wrong file or a 4xx: the next may serve the pin
         for loc in locations:
             tmp = self.cache.temp_file()
             try:
@@ -79,18 +84,28 @@ class Fetcher:
                 unreachable.append(f"{loc} ({e})")
                 tmp.unlink(missing_ok=True)
                 continue
+            except DownloadError as e:
+                tmp.unlink(missing_ok=True)
+                refused.append(e)
+                continue
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
             if got != want:
                 tmp.unlink(missing_ok=True)
-                raise ChecksumError(f"{name}: {src['filename']} from {loc} does not match its pin",
-                                    expected=f"sha256 {want}", actual=f"sha256 {got}",
-                                    fix="the file was removed; if upstream really changed it, find out why "
-                                        "before you change the recipe's sha256")
+                refused.append(ChecksumError(
+                    f"{name}: {src['filename']} from {loc} does not match its pin",
+                    expected=f"sha256 {want}", actual=f"sha256 {got}",
+                    fix="the file was removed; if upstream really changed it, find out why before "
+                        "you change the recipe's sha256"))
+                continue
             path = self.cache.put(tmp, want)
+            for e in refused:
+                log.warning("%s: %s; taken from %s instead", name, e.line(), loc)
             log.info("%s: fetched %s (%d bytes)", name, loc, path.stat().st_size)
             return Fetched(name, "archive", path, loc, False, sha256=want)
+        if refused:  # a wrong file before a 4xx: what was served matters more than what was not
+            raise next((e for e in refused if isinstance(e, ChecksumError)), refused[0])
         if self.mirror:
             raise DownloadError(f"{name}: the mirror {self.mirror} cannot serve {src['filename']}: "
                                 + "; ".join(unreachable),
@@ -102,7 +117,7 @@ class Fetcher:
     def _archive_locations(self, src: dict[str, Any]) -> list[str]:
         if self.mirror:
             return [_join(self.mirror, src["filename"])]
-        return [src["url"], *src.get("fallback_urls", [])]
+        return [upstream(url) for url in (src["url"], *src.get("fallback_urls", []))]
 
     def _copy_from(self, loc: str, dest: Path) -> str:
         """Copy one location into dest and return its sha256; _Unreachable when it cannot be had."""
@@ -155,7 +170,7 @@ class Fetcher:
 
     def _fetch_git(self, name: str, src: dict[str, Any]) -> Fetched:
         commit, tag = src["commit"], src.get("tag")
-        url = _join(self.mirror, f"{name}.git") if self.mirror else src["url"]
+        url = _join(self.mirror, f"{name}.git") if self.mirror else upstream(src["url"])
         repo = self.cache.git_dir(src["url"])
         if not repo.exists():
             tmp = repo.with_name(repo.name + ".part")
@@ -228,6 +243,17 @@ def tar_commit_id(path: Path) -> str | None:
         return None
     comment = comment.strip()
     return comment if len(comment) == 40 and all(c in "0123456789abcdef" for c in comment) else None
+
+
+def upstream(url: str, base: str | None = None) -> str:
+    """An upstream URL as fetched: unchanged, unless $KVSTACK_UPSTREAM_BASE (tests only: a local
+    HTTP server standing for the upstream hosts) is set; then `https://HOST/PATH` is fetched
+    from `BASE/HOST/PATH`, over real HTTP, by the same code."""
+    base = os.environ.get(UPSTREAM_BASE) if base is None else base
+    if not base:
+        return url
+    parsed = urlparse(url)
+    return _join(base, parsed.netloc + parsed.path + (f"?{parsed.query}" if parsed.query else ""))
 
 
 def _join(base: str, name: str) -> str:

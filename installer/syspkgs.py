@@ -24,21 +24,52 @@ PROVIDES: dict[str, tuple[str, ...]] = {
 }
 
 
+# package -> the aclocal macro file that must come with its tool: libtoolize without libtool.m4
+# where aclocal looks fails only in automake, as "LIBTOOL is undefined"
+MACROS: dict[str, str] = {"libtool": "libtool.m4"}
+
+
 def provided_on_path(packages: list[str], path: str | None = None,
                      provides: dict[str, tuple[str, ...]] = PROVIDES) -> dict[str, str]:
-    """{package: the executable on PATH that provides it} for the packages that have one."""
+    """{package: the executable on PATH that provides it} for the packages that have one (with
+    its aclocal macros where MACROS names them)."""
     found = {}
     for pkg in packages:
         for tool in provides.get(pkg, ()):
             where = shutil.which(tool, path=path)
-            if where:
+            if where and (pkg not in MACROS or aclocal_finds(MACROS[pkg], path)):
                 found[pkg] = where
                 break
     return found
 
 
-def looked_for(packages: list[str], provides: dict[str, tuple[str, ...]] = PROVIDES) -> str:
-    return ", ".join(f"{p} (dpkg" + (f" or {'/'.join(provides[p])} on PATH)" if p in provides else ")") for p in packages)
+def aclocal_finds(macro_file: str, path: str | None = None) -> bool:
+    """Whether the aclocal on PATH would find macro_file: in its own directory, the directories
+    its `dirlist` names, or ACLOCAL_PATH. True without an aclocal (automake's own absence is
+    reported for automake)."""
+    aclocal = shutil.which("aclocal", path=path)
+    if not aclocal:
+        return True
+    res = subprocess.run([aclocal, "--print-ac-dir"], capture_output=True, text=True)
+    acdir = Path(res.stdout.strip()) if res.returncode == 0 and res.stdout.strip() else None
+    dirs = [acdir] if acdir else []
+    try:
+        dirs += [Path(d) for d in (acdir / "dirlist").read_text().split()] if acdir else []
+    except OSError:
+        pass
+    dirs += [Path(d) for d in os.environ.get("ACLOCAL_PATH", "").split(":") if d]
+    return any((d / macro_file).is_file() for d in dirs)
+
+
+def looked_for(packages: list[str], provides: dict[str, tuple[str, ...]] = PROVIDES,
+               dpkg: bool = True) -> str:
+    def where(p: str) -> str:
+        if p not in provides:
+            return "dpkg"
+        tools = f"{'/'.join(provides[p])} on PATH"
+        tools += f" with {MACROS[p]} for aclocal" if p in MACROS else ""
+        return f"dpkg or {tools}" if dpkg else tools
+    return ", ".join(f"{p} ({where(p)})" for p in packages)
 
 
 def distro_family(os_release: Path = Path("/etc/os-release")) -> str | None:
@@ -68,9 +99,7 @@ def ensure(table: dict[str, dict[str, str]], *, mode: str, log_path: Path,
     """Make sure the recipe's packages for this distro are there; return the manifest record."""
     family = family if family is not None else distro_family()
     if family is None or family not in table:
-        log.warning("system packages: no list for this distribution; make sure these tools exist: %s",
-                    ", ".join(sorted(next(iter(table.values()), {}))))
-        return {"family": family, "checked": False}
+        return _tools_only(table, mode, family, path, provides)
     wanted = list(table[family])
     not_in_dpkg = missing_debian(wanted)
     on_path = provided_on_path(not_in_dpkg, path, provides)
@@ -104,4 +133,30 @@ def ensure(table: dict[str, dict[str, str]], *, mode: str, log_path: Path,
     if still:
         raise SystemPackagesError(f"apt-get did not install: {' '.join(still)}", log=str(log_path))
     record["installed"] = missing
+    return record
+
+
+def _tools_only(table: dict[str, dict[str, str]], mode: str, family: str | None, path: str | None,
+                provides: dict[str, tuple[str, ...]]) -> dict:
+    """A distribution with no package list (no dpkg to ask, no apt to install with): the tools
+    of the recipe's list are looked for on PATH, and a missing one is named before any build."""
+    packages = sorted(next(iter(table.values()), {}))
+    tools = [p for p in packages if p in provides]
+    on_path = provided_on_path(tools, path, provides)
+    missing = [p for p in tools if p not in on_path]
+    log.warning("system packages: no list for this distribution; libraries and headers "
+                "unchecked: %s",
+                ", ".join(p for p in packages if p not in provides))
+    record = {"family": family, "checked": "tools on PATH", "missing": missing,
+              "provided_by_path": on_path}
+    if missing and mode == "ignore":
+        log.warning("build tools missing, going on anyway (--system-packages ignore): %s",
+                    looked_for(missing, provides, dpkg=False))
+        record["ignored"] = True
+    elif missing:
+        raise SystemPackagesError(f"missing build tools: {' '.join(missing)}; looked for: "
+                                  f"{looked_for(missing, provides, dpkg=False)}",
+                                  fix="install them with this distribution's package manager "
+                                      "(the recipe's system_packages list names Debian's), then "
+                                      "run again")
     return record

@@ -6,7 +6,9 @@ loaded  `ucx_info -d` lists the platform's transports and memory domains (xpu wi
         through the Level Zero null driver), kvruntime's transport policy makes the recipe's
         choice from that list, and NIXL's module loads its plugins;
 moved   kvruntime's self-test moves KV blocks between two processes on this build, every byte
-        checked: host memory always (no device needed), device memory where the device is here.
+        checked: host memory always (no device needed), device memory where the device is here;
+        and where the target Python has transformers, `kvruntime demo`: a small model's prompt
+        prefilled in one process, continued in another, tokens identical to one process's.
 A level that cannot run here is reported as skipped with the reason, never as passed: the verdict
 says "passed" only when all three ran and passed, and a build passes only once bytes have moved.
 """
@@ -27,7 +29,7 @@ from .buildsys.step import Step
 from .detect import detect_platform
 from .errors import PrefixError
 from .extract import extract
-from .runner import run_step
+from .runner import run_step, run_supervised, start_supervised, stop_supervised
 
 if TYPE_CHECKING:  # annotations only: plan imports nothing of verify, and verify needs no plan at run time
     from .plan import Plan
@@ -116,7 +118,9 @@ def _level(checks: list[dict], skipped: str | None = None) -> dict[str, Any]:
 
 def _run(cmd: list[str], env: dict[str, str], timeout: int = 300) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        if not (os.sep in cmd[0] or shutil.which(cmd[0], path=env.get("PATH"))):
+            raise FileNotFoundError(f"No such file or directory: {cmd[0]!r}")
+        return run_supervised(cmd, env, timeout)
     except FileNotFoundError as e:
         return subprocess.CompletedProcess(cmd, 127, "", str(e))
     except subprocess.TimeoutExpired:
@@ -322,6 +326,46 @@ def _policy(want: dict, offered: list[str], env: dict[str, str], python: str) ->
                   f"expected {want['ucx_tls'] or 'left to UCX'}; " + "; ".join(got["why"]))
 
 
+DEMO = "a prompt prefilled in one process, continued in another (kvruntime demo)"
+
+
+def _demo(env: dict[str, str], python: str, platform: str, selftest: dict,
+          timeout: int) -> dict[str, Any]:
+    """The richest check, where the target Python has torch and transformers (else not checked,
+    with what to install): a small Llama's KV through this build from a prefill process to a
+    decode process on every engine, both layouts, pull and push, the decode's tokens and logits
+    identical to one process's. Device memory where the self-test moved it, else host memory."""
+    if _run([python, "-c", "import torch, transformers"], env, timeout=120).returncode != 0:
+        return _not_here(DEMO, f"torch and transformers are not importable by {python} (pip "
+                               f"install torch 'kvstack[demo]' there to run it)")
+    device = "cuda" if platform == "cuda" and any(
+        m.get("status") == "passed" and str(m.get("mode", "")).startswith("cuda/")
+        for m in selftest.get("modes", [])) else "cpu"
+    r = _run([python, "-m", "kvruntime", "demo", "--json", "--compact", "--tp", "1x1",
+              "--device", device], env, timeout=timeout)
+    try:
+        report = json.loads(r.stdout)
+    except ValueError:
+        return _check(DEMO, False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-400:]}")
+    cases = report.get("cases", [])
+    good = [c for c in cases if c.get("ok")]
+    bad = [f"{c.get('layout')}/{c.get('engine')}/{c.get('op')}: "
+           f"{c.get('error') or 'tokens or logits differ'}"
+           for c in cases if not c.get("ok") and "skipped" not in c]
+
+    def median_ms(phase: str) -> float:
+        xs = sorted(c["seconds"][phase] for c in good)
+        return xs[len(xs) // 2] * 1e3 if xs else float("nan")
+
+    tokens = len((report.get("reference") or {}).get("tokens", []))
+    detail = (f"{len(good)} of {len(cases)} cases on {device} memory continued the prompt with "
+              f"one process's {tokens} tokens, logits bit-identical; median transfer "
+              f"{median_ms('transfer'):.1f} ms, decode {median_ms('decode'):.1f} ms"
+              + (f"; failed: {'; '.join(bad)[:400]}" if bad else "")
+              + (f"; {report['error']}" if report.get("error") else ""))
+    return _check(DEMO, r.returncode == 0 and report.get("ok") is True and bool(good), detail)
+
+
 class Selftest:
     """The moved level's `kvruntime selftest`, started before the built and loaded levels run, so
     it runs beside their short commands (an install from a binary cache is mostly this wait); its
@@ -334,16 +378,10 @@ class Selftest:
     def __init__(self, env: dict[str, str], python: str, timeout: int = 600):
         self.cmd, self.timeout = [python, *self.ARGS], timeout
         self.started = time.monotonic()
-        try:
-            self.proc: subprocess.Popen | None = subprocess.Popen(
-                self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True)
-        except FileNotFoundError as e:
-            self.proc, self.error = None, str(e)
+        # under the step supervisor, in a session of its own, as _run's commands
+        self.proc = start_supervised(self.cmd, env)
 
     def result(self) -> subprocess.CompletedProcess:
-        if self.proc is None:
-            return subprocess.CompletedProcess(self.cmd, 127, "", self.error)
         try:
             left = self.timeout - (time.monotonic() - self.started)
             out, err = self.proc.communicate(timeout=max(1.0, left))
@@ -354,9 +392,9 @@ class Selftest:
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
+        """Its whole session (the selftest starts process pairs of its own)."""
+        if self.proc.poll() is None:
+            stop_supervised(self.proc)
 
 
 def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, components: list[str],
@@ -394,6 +432,7 @@ def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, comp
                              + (f"; {mode['error']}" if mode.get("error") else "")))
     if not any(c["ok"] is not None for c in checks[1:]):
         return _level(checks, skipped=f"selftest ran no mode on this host: {result.get('reason', 'no mode available')}")
+    checks.append(_demo(renv, python, platform, result, timeout))
     if rdma is not None:
         module = envfile.nixl_module(build_dir, nixl_module) if nixl_module else None
         checks += _rdma_moved(rdma, env, python, module, ibmock_dir)

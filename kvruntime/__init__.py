@@ -10,9 +10,10 @@ A prefill process serves its ``KVCache`` with a ``PrefillServer``; a decode proc
 in a ``TransferResult``. ``Options`` holds what both sides take (their keyword arguments fill
 it). Every error is a ``errors.KVRuntimeError``.
 
-Pure layers (no NIXL, no torch): ``layout``, ``plan``, ``frames``, ``handshake``, ``options``. The classes that
-touch NIXL, numpy or torch are imported on first use, so ``import kvruntime`` stays cheap and the
-pure layers work on any Python. Every other module is internal: its names may change.
+Pure layers (no NIXL, no torch): ``layout``, ``plan``, ``frames``, ``handshake``, ``options``,
+``app``. The classes that touch NIXL, numpy or torch are imported on first use, so ``import
+kvruntime`` stays cheap and the pure layers work on any Python. Every other module is internal:
+its names may change.
 """
 
 from importlib import import_module
@@ -29,7 +30,7 @@ _LAZY = {
     "DecodeClient": "decode",
     "KVCache": "memory",
     "TransferHandle": "inflight",
-    "TransferResult": "transfer",
+    "TransferResult": "jobs",
 }
 
 __all__ = ["CROSS_LAYER", "PER_LAYER", "DecodeClient", "KVCache", "KVLayout", "KVRuntimeError",

@@ -1,4 +1,5 @@
-"""CLI: ``python -m kvruntime selftest|bench|policy|which [--json]``. The only place that prints.
+"""CLI: ``python -m kvruntime selftest|bench|policy|which|demo [--json]``: the only place that
+prints.
 
 Its parser and exit codes follow the convention both programs share (tools/cli.py: README,
 "Exit codes").
@@ -291,10 +292,10 @@ def _which(args) -> int:
 
 
 def main(argv=None) -> int:
-    from .tools.workload import BENCH_HEADS  # the model's KV heads the TP pairs split, in each command
-    from .tools.selftest import TP_HEADS
     from .tools.placement import SCENARIOS, place
+    from .tools.selftest import TP_HEADS
     from .tools.tp_group import ENGINES as TP_ENGINES
+    from .tools.workload import BENCH_HEADS  # the model's KV heads the TP pairs split
 
     parser = Parser(prog="python -m kvruntime")
     parser.add_argument("--nixl-module", help="NIXL module to import (default: search "
@@ -391,11 +392,15 @@ def main(argv=None) -> int:
     b.add_argument("--scenario", choices=list(SCENARIOS), default=None,
                    help="a named preset of TP groups, run alone: "
                         + "; ".join(f"{n}: {v['about']}" for n, v in SCENARIOS.items())
-                        + " (its device ids, sizes and iterations unless --device-ids, --sizes, --iters)")
+                        + " (its device ids, sizes and iterations unless --device-ids, --sizes,"
+                        + " --iters)")
     b.add_argument("--inflight", type=_at_least(0), nargs=2, metavar=("PEERS", "REQUESTS"),
                    default=[4, 32], help="decode peers and requests kept in flight on one "
                    "prefill, beside one request of the same bytes: the peers as clients of "
                    "this process, and as decode processes of their own (0 0: skip)")
+    from .tools import demo_cli
+
+    demo_cli.add_parser(sub, {"at_least": _at_least, "seconds": _seconds})
     po = sub.add_parser("policy", help="the UCX settings each memory kind gets here and why, "
                         "on one host and across hosts (RDMA, the GPU's nearest NIC), moving "
                         "nothing")
@@ -411,6 +416,14 @@ def main(argv=None) -> int:
             return _policy(args, out)
     if args.command == "which":
         return _which(args)
+    if args.command == "demo":
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+        try:
+            with _report_stream() as out:
+                return demo_cli.run(args, out, _secret(args))
+        except KeyboardInterrupt:
+            return INTERRUPTED
     if args.command == "bench" and args.scenario:
         preset = SCENARIOS[args.scenario]
         args.tp_pairs = _tp_pairs(BENCH_HEADS)(",".join(preset["groups"]))

@@ -14,9 +14,9 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+from . import nics, ucxlog
 from .binding import NixlBinding, as_str, load_nixl
 from .errors import KVRuntimeError, NixlError, TransportError
-from . import nics, ucxlog
 from .transports import apply_ucx_settings, forced_by_user
 
 log = logging.getLogger(__name__)
@@ -154,8 +154,8 @@ class Agent:
         # NIXL's progress thread spins on a whole core (measured: 0.9 CPU while idle); on the
         # 2-core hosts this runs on, two spinning processes starve the copies themselves.
         # Without it, progress happens in our own polls (transfer state, notifications).
-        wanted = {"enable_prog_thread": progress_thread, "enable_listen_thread": False, "backends": [],
-                  "capture_telemetry": True}
+        wanted = {"enable_prog_thread": progress_thread, "enable_listen_thread": False,
+                  "backends": [], "capture_telemetry": True}
         accepted = inspect.signature(self.binding.config_class).parameters
         config = self.binding.config_class(**{k: v for k, v in wanted.items() if k in accepted})
         try:

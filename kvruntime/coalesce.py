@@ -121,7 +121,8 @@ def route_from(reply: dict, pool: StagingPool) -> PoolRoute:
     """Our route through the pools from the prefill's "pool" answer, checked: its region is a
     range it registered, its units are the size of ours (the same model)."""
     if "unavailable" in reply:
-        raise KVRuntimeError(f"the prefill offers no staging pool: {str(reply['unavailable'])[:200]}")
+        why = str(reply["unavailable"])[:200]
+        raise KVRuntimeError(f"the prefill offers no staging pool: {why}")
     region, units, unit = reply.get("region"), reply.get("units"), reply.get("unit_bytes")
     ints = isinstance(region, list) and len(region) == 3 and all(
         isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in region)
@@ -211,6 +212,8 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
     peer's requests hold it) or the peer's cache is too small to scatter the pieces."""
     import numpy as np
 
+    from .transfer import split_runs
+
     pool, client = route.pool, peer.client
     theirs = peer.info.layout  # what NIXL sees of the peer: its cache's layout
     piece = theirs.chunk_bytes
@@ -236,12 +239,12 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
         def read(local_rows, remote_rows) -> float:
             return _read(peer, local_rows, remote_rows, peer.info.mem_type)
 
-        # the same bytes in one range, cut as a request's run is (PrefillPeer.split_runs: a
+        # the same bytes in one range, cut as a request's run is (transfer.split_runs: a
         # descriptor a UCX thread for host memory): with the scattered READ spread over the
         # threads and this one on a single thread, their difference took in the hand-offs
         # (cpu-2, 2 threads: 7.4-8.0 us a descriptor in two connects of three, against 1.8
         # for a request's 4096)
-        n = max(1, min(k // 2, peer.split_runs(1)))
+        n = max(1, min(k // 2, split_runs(1, peer.read_threads)))
         cut = np.linspace(0, k * piece, n + 1).astype(np.uint64)
         lengths = np.diff(cut)
         one = np.stack([at + cut[:-1], lengths,

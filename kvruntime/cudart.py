@@ -133,7 +133,9 @@ def enable_peer_access(device, peer) -> str | None:
         torch.cuda.current_stream(device)  # the context exists
         err = lib.cudaDeviceEnablePeerAccess(peer.index, 0)
         lib.cudaGetLastError()  # clear it: torch's next check would raise "already enabled"
-    return None if err in (0, PEER_ALREADY_ENABLED) else f"cudaDeviceEnablePeerAccess returned {err}"
+    if err in (0, PEER_ALREADY_ENABLED):
+        return None
+    return f"cudaDeviceEnablePeerAccess returned {err}"
 
 
 class IdUploads:

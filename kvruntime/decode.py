@@ -31,12 +31,13 @@ import time
 from dataclasses import replace
 
 from . import coalesce as coalescing
-from . import engines, frames, messages, pushed
+from . import engines, frames, messages, native, pushed
 from .agent import Agent, shm_free, ucx_threads, unique_name
 from .channel import PeerChannel
 from .errors import KVRuntimeError, PeerError, WaitTimeout
 from .handshake import PeerInfo, client_handshake, connect
 from .inflight import PENDING, Pace, TransferHandle
+from .jobs import TransferResult
 from .memory import KVCache
 from .options import Options
 from .plan import Planner, TransferPlan
@@ -44,11 +45,10 @@ from .registration import Registration
 from .releases import Pending, ReleaseSender
 from .samenode import ENGINES, REHEARSALS, Batch, SharedJob, host_copy_streams
 from .staged import StagedPull
-from . import native
 from .staging import StagingPool, resolve_kv_buffer
-from .transports import offered_transports
 from .tp import head_rows
-from .transfer import Draining, PostedTransfer, Rows, TransferResult
+from .transfer import Draining, PostedTransfer, Rows, split_runs
+from .transports import offered_transports
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count()
@@ -162,17 +162,15 @@ class PrefillPeer:
 
     def read_split(self, plan: TransferPlan) -> int:
         """Pieces per run for a READ of ``plan`` when the caller names none (``split_runs``)."""
-        return self.split_runs(plan.descriptor_count)
+        return split_runs(plan.descriptor_count, self.read_threads)
 
-    def split_runs(self, descriptors: int) -> int:
-        """Pieces per run for a READ of ``descriptors`` runs: NIXL spreads a request's
-        descriptors over its UCX threads but cannot split one, so host memory with several
-        copy streams gets at least one descriptor per stream; anything else 1 (the coalesce
-        probe cuts its one-range READ by this too)."""
-        threads = self.client.agent.ucx_threads
-        if threads < 2 or self.client.cache.mem_type != "DRAM" or self.head_slice is not None:
+    @property
+    def read_threads(self) -> int:
+        """The UCX threads a READ from this peer spreads over: the agent's for host memory
+        read whole blocks at a time, else 1."""
+        if self.client.cache.mem_type != "DRAM" or self.head_slice is not None:
             return 1
-        return -(-threads // descriptors)
+        return self.client.agent.ucx_threads
 
     def _post_read(self, handle: TransferHandle, split: int | None) -> TransferHandle:
         reg = self.client.registration
@@ -522,7 +520,8 @@ class DecodeClient:
                          (time.perf_counter() - start) * 1e3)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                                  self.registration.region_triples(), registered.mem_type,
-                                 o.kv_buffer, cache.layout if self.staging else None, o.tp_rank)
+                                 o.kv_buffer, cache.layout if self.staging else None, o.tp_rank,
+                                 o.app)
         except Exception:
             if self._pool_reg is not None:
                 self._pool_reg.close()
@@ -539,8 +538,9 @@ class DecodeClient:
             stale.close()
         start = time.perf_counter()
         sock = connect(host, port, timeout)
-        try:
-            info = client_handshake(sock, self.info, self.secret, timeout)
+        added = []  # the prefill's agent, once added
+
+        def admit(info: PeerInfo) -> None:  # while the prefill admits us (client_handshake)
             for peer in list(self._peers.values()):
                 if peer.info.agent == info.agent:  # same name from another address
                     peer.close()
@@ -552,14 +552,16 @@ class DecodeClient:
                                     f"in flight after {timeout:.1f}s; connect again later")
             if info.agent in self.registration.peers:
                 self.registration.forget_peer(info.agent)
-            name = self.agent.add_remote(info.metadata)
-            try:
-                self.registration.prepare_peer(name, info.layout, info.regions, info.mem_type)
-            except Exception:
-                self.registration.forget_peer(name)
-                raise
+            added.append(self.agent.add_remote(info.metadata))
+            self.registration.prepare_peer(added[0], info.layout, info.regions, info.mem_type)
+
+        try:
+            info = client_handshake(sock, self.info, self.secret, timeout, admit)
+            name = added[0]
         except BaseException:
             sock.close()
+            if added:  # its list (if made), then its agent
+                self.registration.forget_peer(added[0])
             raise
         peer = PrefillPeer(self, address, sock, info, name, 0.0)
         try:

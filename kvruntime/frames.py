@@ -53,7 +53,9 @@ HEADER = struct.Struct(">4sI")
 #     as it polls (mailbox.py: the offer's "mailbox"); the ready's frame says so ("ring").
 # 11: every frame after the handshake carries a MAC over it and its sequence number, and every
 #     NIXL notification a MAC of its own (Session).
-PROTOCOL_VERSION = 11
+# 12: the hello and each side's info carry the application's descriptor ("app": a flat object
+#     of scalars, or null, app.py), which must match as the layout must.
+PROTOCOL_VERSION = 12
 MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -319,7 +321,8 @@ def write_frame(sock: socket.socket, message: dict, timeout: float | None = None
     try:
         sock.sendall(data)
     except OSError as exc:
-        raise PeerError(f"side channel failed while sending {message.get('type')!r}: {exc}") from None
+        raise PeerError(f"side channel failed while sending {message.get('type')!r}: "
+                        f"{exc}") from None
 
 
 def b64(data: bytes) -> str:

@@ -107,7 +107,8 @@ class _Launches:
             self.direct += 1
             return
         compiled = self._jit[grid](*args, *consts, num_warps=self._warps)
-        if all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")) and compiled.function:
+        if (all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata"))
+                and compiled.function):
             self._kernels[key] = compiled
 
 
@@ -247,7 +248,8 @@ class BlockGather:
                     self._kernels = _Launches()
                 stream = self.stream.cuda_stream
                 for region, (sw, dw, words, tile, tiles) in enumerate(self._launches):
-                    self._kernels.launch(region, (n, tiles), stream, (sw, dw, ids, dst_at, words), (tile,))
+                    self._kernels.launch(region, (n, tiles), stream,
+                                         (sw, dw, ids, dst_at, words), (tile,))
                 return "triton"
             except Exception as exc:  # e.g. a source on another device Triton refuses
                 log.warning("Triton gather unavailable (%s); using torch index ops", exc)

@@ -4,7 +4,7 @@ Socket-level and NIXL-free: each side hands in its ``PeerInfo`` (layout, agent n
 metadata, region addresses) and gets the peer's back. The order is chosen so that nothing that
 grants memory access (NIXL metadata) is sent before the peer proved it knows the secret::
 
-    decode -> prefill  hello     {layout, nonce}
+    decode -> prefill  hello     {layout, nonce, kv_buffer, app}
     prefill -> decode  challenge {nonce, auth}
     decode -> prefill  auth      {proof}         HMAC(secret, "c" | H(hello, challenge))
     prefill -> decode  welcome   {proof, info}   HMAC(secret, "s" | H(hello, challenge, auth, info))
@@ -19,7 +19,8 @@ secret and the transcript through ``info``: HMAC(secret, "k" | H), then HMAC of 
 direction's name. Without a secret the keys come from the transcript alone, which a relay saw:
 the MACs then catch corruption, not a relay (configure a secret for that). A layout
 mismatch is refused by the prefill side with an ``incompatible`` error listing every differing
-field; the decode side runs the same check on the welcome.
+field; the decode side runs the same check on the welcome. So is an application descriptor
+(``PeerInfo.app``, app.py: a model's config, say) that differs, key by key, both values named.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from . import frames, messages
+from .app import check_app, check_same_app
 from .errors import (
     AuthError,
     FrameError,
@@ -60,6 +62,7 @@ class PeerInfo:
     kv_buffer: str = "device"
     device_layout: KVLayout | None = None
     tp_rank: int = 0  # this side's rank among cache_layout.tp_size
+    app: dict | None = field(default=None, hash=False)  # the application's descriptor (app.py)
     # the connection's frame keys, set on the info a handshake returns (never sent)
     session: frames.Session | None = field(default=None, compare=False, repr=False)
 
@@ -78,6 +81,7 @@ class PeerInfo:
             "kv_buffer": self.kv_buffer,
             "device_layout": self.device_layout.to_dict() if self.device_layout else None,
             "tp_rank": self.tp_rank,
+            "app": self.app,
         }
 
     @classmethod
@@ -122,8 +126,16 @@ class PeerInfo:
         tp_size = (device_layout or layout).tp_size
         if not isinstance(tp_rank, int) or isinstance(tp_rank, bool) or not 0 <= tp_rank < tp_size:
             raise FrameError(f"peer tp_rank {tp_rank!r} is not within 0..{tp_size - 1}")
+        app = _app(data.get("app"))
         return cls(layout, agent, frames.unb64(data.get("metadata"), "metadata"),
-                   tuple(out), mem_type, kv_buffer, device_layout, tp_rank)
+                   tuple(out), mem_type, kv_buffer, device_layout, tp_rank, app)
+
+
+def _app(data: object) -> dict | None:
+    try:
+        return check_app(data, "peer's app descriptor")
+    except LayoutError as exc:
+        raise FrameError(str(exc)) from None
 
 
 class _Transcript:
@@ -230,6 +242,7 @@ def serve_handshake(
                     f"{hello.get('kv_buffer', 'device')!r} (both sides must be direct or both "
                     f"host-staged)", ["kv_buffer"])
             check_compat(local.layout, their_layout)
+            check_same_app(local.app, _app(hello.get("app")))
         except IncompatiblePeerError as exc:
             _send_error(sock, str(exc), "incompatible", exc.fields, timeout)
             raise
@@ -247,6 +260,7 @@ def serve_handshake(
         try:
             check_compat(local.layout, peer.layout)
             check_buffers(local, peer)
+            check_same_app(local.app, peer.app)  # ours: the prefill's
         except IncompatiblePeerError as exc:
             _send_error(sock, str(exc), "incompatible", exc.fields, timeout, session)
             raise
@@ -266,13 +280,17 @@ def serve_handshake(
 
 
 def client_handshake(
-    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float
+    sock: socket.socket, local: PeerInfo, secret: bytes | None, timeout: float, admit=None
 ) -> PeerInfo:
-    """Decode side. Returns the prefill peer's info or raises."""
+    """Decode side. Returns the prefill peer's info or raises. ``admit(info)`` runs once our
+    info is sent, while the prefill admits us, before its ``ready`` is read (the client adds
+    the prefill's agent there: the two sides' NIXL work overlaps, not one after the other);
+    its info is proved by then (the welcome's proof). A handshake that fails after it raises
+    as any other: the caller undoes what ``admit`` did."""
     transcript = _Transcript()
     client_nonce = os.urandom(NONCE_BYTES)
     hello = messages.HELLO.build(layout=local.layout.to_dict(), nonce=frames.b64(client_nonce),
-                                 kv_buffer=local.kv_buffer)
+                                 kv_buffer=local.kv_buffer, app=local.app)
     frames.write_frame(sock, hello, timeout)
     transcript.add(hello)
     challenge = _expect_or_raise(frames.read_frame(sock, timeout), messages.CHALLENGE.type)
@@ -294,11 +312,14 @@ def client_handshake(
     peer = PeerInfo.from_dict(welcome.get("info"))
     check_buffers(local, peer)
     check_compat(local.layout, peer.layout)
+    check_same_app(peer.app, local.app)  # the prefill's, ours
     info = messages.INFO.build(info=local.to_dict())
     transcript.add(info)
     info["proof"] = transcript.proof(secret, b"i") if secret is not None else ""
     frames.write_frame(sock, info, timeout)
     session = transcript.session(secret, decode_side=True)
+    if admit is not None:
+        admit(peer)
     _expect_or_raise(frames.read_frame(sock, timeout, session=session, unsealed_error=True),
                      messages.READY.type)
     return replace(peer, session=session)
@@ -309,9 +330,11 @@ def _expect_or_raise(message: dict, type_: str) -> dict:
         code, text = message.get("code"), str(message.get("message", "no reason given"))
         if code == "incompatible":
             fields = message.get("fields")
+            # the prefill's words: its "ours" is the prefill, its "peer" this decode
+            sides = " (ours: the prefill's, peer: this decode's)" if "ours=" in text else ""
             raise IncompatiblePeerError(
-                text, [f for f in fields if isinstance(f, str)] if isinstance(fields, list) else []
-            )
+                f"the prefill refused the connection: {text}{sides}",
+                [f for f in fields if isinstance(f, str)] if isinstance(fields, list) else [])
         if code == "auth":
             raise AuthError(f"peer refused: {text}")
         raise PeerError(f"peer refused: {text}")

@@ -25,9 +25,8 @@ import time
 
 from . import messages
 from .errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
+from .jobs import Job, TransferResult
 from .plan import TransferPlan
-from .jobs import Job
-from .transfer import TransferResult
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 # wait(): poll without sleeping, yielding the core and the GIL between polls, for as long as the

@@ -27,7 +27,7 @@ import threading
 
 from . import frames
 from .errors import FrameError
-from .samenode import FewReads
+from .procmem import FewReads
 
 RING_BYTES = 1 << 20
 MAX_RING_BYTES = 16 << 20  # what a decode accepts from an offer

@@ -43,7 +43,8 @@ class Message:
 
 
 # -- the handshake (handshake.py) -------------------------------------------------------------
-HELLO = Message("hello", DECODE, ("layout", "nonce", "kv_buffer"), (), "opens a connection")
+HELLO = Message("hello", DECODE, ("layout", "nonce", "kv_buffer", "app"), (),
+                "opens a connection (app: the application's descriptor, or null)")
 CHALLENGE = Message("challenge", PREFILL, ("nonce", "auth"), (),
                     "the prefill's nonce, and whether it asks for proof of the secret")
 AUTH = Message("auth", DECODE, ("proof",), (), "the decode's proof (empty: no secret)")

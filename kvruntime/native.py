@@ -117,7 +117,8 @@ def _load():
     except OSError as exc:
         return None, f"off: cannot read {SOURCE} ({exc.strerror})"
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    key = hashlib.sha256(b"\0".join([source, sys.version.encode(), suffix.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([source, sys.version.encode(), suffix.encode()]))
+    key = key.hexdigest()[:16]
     folder = cache_dir()
     target = folder / f"{MODULE}-{key}{suffix}"
     try:

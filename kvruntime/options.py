@@ -1,7 +1,7 @@
 """What a PrefillServer and a DecodeClient share: one ``Options``, and every KVRUNTIME_*
 environment variable, read here and nowhere else.
 
-``Options`` holds the ten settings both sides take (the keyword arguments of both constructors
+``Options`` holds the eleven settings both sides take (the keyword arguments of both constructors
 fill it, so ``PrefillServer(cache, timeout=2)`` and ``PrefillServer(cache, Options(timeout=2))``
 are the same server). ``Options.from_env()`` starts from the environment (``ENV``), then takes
 what the caller gives. ``environment(name)`` is how any other module reads one of the variables
@@ -11,8 +11,10 @@ in ``ENV``, so that the table below is the whole list (README's table is made fr
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Mapping
+
+from .app import check_app
 
 # variable -> (the Options field it fills, or None for a module's own setting; what it does)
 ENV = {
@@ -47,7 +49,9 @@ class Options:
     device kind); ``staging_blocks``: host-staged pool size in blocks (0: the cache's);
     ``tp_rank``: this side's tensor-parallel rank; ``coalesce``: "auto", "always" or
     "never", whether a NIXL request of many runs goes through both sides' staging pools
-    (coalesce.py; "never" on a prefill: it keeps no pool)."""
+    (coalesce.py; "never" on a prefill: it keeps no pool); ``app``: the application's
+    descriptor, a flat dict of scalars both sides must hold alike (app.py: a model's config;
+    None: not compared, unless the peer has one)."""
 
     binding: object = None
     secret: bytes | None = None
@@ -59,15 +63,16 @@ class Options:
     staging_blocks: int = 0
     tp_rank: int = 0
     coalesce: str = "auto"
+    app: dict | None = field(default=None, hash=False)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **given) -> "Options":
         """The environment's settings (``ENV``), overridden by ``given``."""
         found = {}
-        for name, (field, _what) in ENV.items():
+        for name, (target, _what) in ENV.items():
             value = environment(name, environ)
-            if field is not None and value is not None:
-                found[field] = value.encode() if field == "secret" else value
+            if target is not None and value is not None:
+                found[target] = value.encode() if target == "secret" else value
         return cls(**{**found, **given})
 
     @classmethod
@@ -77,4 +82,5 @@ class Options:
         unknown = set(given) - {f.name for f in fields(cls)}
         if unknown:
             raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
-        return replace(options or cls(), **given)
+        out = replace(options or cls(), **given)
+        return replace(out, app=check_app(out.app))  # a bad descriptor: LayoutError, now

@@ -387,7 +387,8 @@ class Planner:
         if not r:
             raise PlanError("a request must name at least one block")
         if len(run_src) != r or len(run_dst) != r:
-            raise PlanError(f"{r} run counts but {len(run_src)} source and {len(run_dst)} destination starts")
+            raise PlanError(f"{r} run counts but {len(run_src)} source and {len(run_dst)} "
+                            f"destination starts")
         if r == 1:  # one run (a contiguous push): the same checks on three Python ints
             return self._plan_one_run(int(run_src[0]), int(run_dst[0]), int(counts[0]))
         if counts.min() < 1:
@@ -405,7 +406,8 @@ class Planner:
             first, ends = starts[order], (starts + counts)[order]
             overlap = first[1:] < ends[:-1]
             if overlap.any():
-                raise PlanError(f"{side} block id {int(first[1:][overlap][0])} appears twice in one request")
+                raise PlanError(f"{side} block id {int(first[1:][overlap][0])} appears twice "
+                                f"in one request")
         src, dst = sides[0][1], sides[1][1]
         ids = np.empty((2, int(counts.sum())), dtype=np.int64)
         ids[0], ids[1] = _ranges(src, counts), _ranges(dst, counts)

@@ -33,13 +33,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from . import frames, messages
+from . import coalesce as coalescing
+from . import frames, messages, native
 from .agent import Agent, shm_free, ucx_threads, unique_name
 from .channel import Channel
 from .errors import KVRuntimeError, PeerError
 from .handshake import PeerInfo, serve_handshake
 from .layout import KVLayout
 from .listener import Listener
+from .mailbox import Mailbox
 from .memory import KVCache
 from .naps import tighten_timer_slack
 from .options import Options
@@ -47,14 +49,11 @@ from .plan import Planner, make_plan
 from .pushes import Pushes, Writes
 from .registration import Registration
 from .releases import Released
-from .mailbox import Mailbox
 from .samenode import NodeToken, serve_offer
 from .stages import MAX_STAGE_SECONDS, Stages
-from . import coalesce as coalescing
-from . import native
 from .staging import StagingPool, resolve_kv_buffer
-from .transports import offered_transports
 from .tp import HeadSlice, direct_slice
+from .transports import offered_transports
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +200,7 @@ class PrefillServer:
         registered = self.staging.cache if self.staging else cache
         self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                              self.registration.region_triples(), registered.mem_type, o.kv_buffer,
-                             cache.layout if self.staging else None, o.tp_rank)
+                             cache.layout if self.staging else None, o.tp_rank, o.app)
         self.listener.spawn(self.listener.accept_loop, "kvr-accept")
         self.listener.spawn(self._progress_loop, "kvr-progress")
 
@@ -364,13 +363,16 @@ class PrefillServer:
 
     # -- completion --------------------------------------------------------------------------
     def _progress_loop(self) -> None:
-        """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls tightly
-        while WRITEs are in flight, every millisecond otherwise (a new push wakes it); its naps
-        end on time (this thread's timer slack is 1 µs, not 50: naps.py)."""
+        """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls without
+        sleeping while a WRITE should end soon (``Writes.spinning``), tightly while WRITEs are
+        in flight, every millisecond otherwise (a new push wakes it); its naps end on time
+        (this thread's timer slack is 1 µs, not 50: naps.py)."""
         tighten_timer_slack()
         busy = False
         while not self._stop.is_set():
-            if busy or self.stages.queued:
+            if busy and self.writes.spinning:  # a WRITE that should end soon: no sleep's delay
+                os.sched_yield()
+            elif busy or self.stages.queued:
                 time.sleep(0.00005)
             else:
                 self._work.wait(0.001)

@@ -27,7 +27,6 @@ Opened memory lives as long as the peer: closing or replacing the peer drops it.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -38,15 +37,15 @@ import numpy as np
 
 from . import cudart, frames
 from .errors import KVRuntimeError
+from .jobs import CopyJob, TransferResult
 from .layout import KVLayout
 from .peercred import owner_uid, prove_peer
 from .plan import TransferPlan
-from .transfer import TransferResult
+from .procmem import read_remote
 
 log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
-IOV_MAX = 1024
 # host copies over several threads are cut into pieces of at most this many bytes, dealt out
 # in order: one 1 GiB run becomes 64 pieces, so every stream gets about the same bytes
 STREAM_PIECE = 16 << 20
@@ -55,73 +54,6 @@ ENGINES = ("auto", "nixl", "samenode")
 
 class SameNodeUnavailable(KVRuntimeError):
     """The same-node engine cannot serve this peer (the reason says why)."""
-
-
-# -- process_vm_readv ---------------------------------------------------------------------------
-class _IOVec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_readv = getattr(_libc, "process_vm_readv", None)
-if _readv is not None:
-    _readv.restype = ctypes.c_ssize_t
-    _readv.argtypes = [ctypes.c_int, ctypes.POINTER(_IOVec), ctypes.c_ulong,
-                       ctypes.POINTER(_IOVec), ctypes.c_ulong, ctypes.c_ulong]
-
-
-def read_remote(pid: int, local, remote, lengths) -> int:
-    """Copy ``lengths[i]`` bytes from address ``remote[i]`` of process ``pid`` to our address
-    ``local[i]`` (uint64 arrays, or anything numpy reads as them). Returns the bytes copied;
-    raises OSError with the kernel's reason."""
-    if _readv is None:
-        raise OSError("process_vm_readv is not available in this C library")
-    n = len(lengths)
-    # struct iovec {void *base; size_t len;} x n, written by numpy, not one Python step a piece
-    iov = np.empty((2, n, 2), dtype=np.uint64)
-    iov[0, :, 0], iov[1, :, 0] = local, remote
-    iov[:, :, 1] = lengths
-    base = iov.ctypes.data
-    done = 0
-    for i in range(0, n, IOV_MAX):
-        k = min(IOV_MAX, n - i)
-        want = int(iov[0, i:i + k, 1].sum())
-        local_p = ctypes.cast(base + i * 16, ctypes.POINTER(_IOVec))
-        remote_p = ctypes.cast(base + (n + i) * 16, ctypes.POINTER(_IOVec))
-        got = _readv(pid, local_p, k, remote_p, k, 0)
-        if got < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"process_vm_readv from pid {pid}: {os.strerror(err)}")
-        if got != want:  # a partial read: the kernel stops at the first bad remote range
-            raise OSError(f"process_vm_readv from pid {pid} copied {got} of {want} bytes")
-        done += got
-    return done
-
-
-class FewReads:
-    """``process_vm_readv`` of at most ``n`` ranges of process ``pid``, its iovecs made once:
-    one system call and no numpy, for a poll that reads a few bytes (a ring's head: mailbox.py),
-    where ``read_remote``'s set-up alone costs ~10 µs."""
-
-    def __init__(self, pid: int, n: int = 2):
-        if _readv is None:
-            raise OSError("process_vm_readv is not available in this C library")
-        self.pid = pid
-        self._local, self._remote = (_IOVec * n)(), (_IOVec * n)()
-
-    def read(self, ranges) -> None:
-        """``ranges``: (our address, its address, bytes) each; raises OSError unless all
-        of them were copied whole."""
-        want = 0
-        for i, (local, remote, length) in enumerate(ranges):
-            self._local[i].iov_base, self._local[i].iov_len = local, length
-            self._remote[i].iov_base, self._remote[i].iov_len = remote, length
-            want += length
-        got = _readv(self.pid, self._local, len(ranges), self._remote, len(ranges), 0)
-        if got != want:
-            err = ctypes.get_errno() if got < 0 else 0
-            raise OSError(err, f"process_vm_readv from pid {self.pid} copied {got} of {want} "
-                               f"bytes{': ' + os.strerror(err) if err else ''}")
 
 
 # Host memory between two processes of one host moves by process_vm_readv, one stream ~5.6 GB/s
@@ -216,49 +148,6 @@ def prove_same_node(offer: dict) -> tuple[int, None] | tuple[None, str]:
 
 
 # -- jobs: what a TransferHandle polls ------------------------------------------------------------
-class CopyJob:
-    """A copy this process drives (a ``jobs.Job``, as a NIXL READ is); the same-node jobs and
-    staging's StagedPull build on it."""
-
-    engine = "samenode"
-    waiting: str | None = None  # past its deadline it waited for the peer
-    # False for a rehearsal's copy into scratch (PrefillPeer.rehearse): the prefill holds no
-    # request of it, so its end says nothing
-    tells_prefill = True
-
-    def __init__(self, op: str, plan: TransferPlan):
-        self.op = op
-        self.plan = plan
-        self.state = "PROC"
-        self.error: str | None = None
-        self.start = time.perf_counter()
-        self.end: float | None = None
-        self.released = False
-
-    @property
-    def seconds(self) -> float:
-        return (self.end or time.perf_counter()) - self.start
-
-    def finish(self) -> None:
-        self.released = True
-
-    def release(self, peer, request_id: str) -> None:
-        """The copy of ``request_id`` is done, or failed and reads nothing any more
-        (``give_back``): tell the prefill it may free the blocks."""
-        if self.tells_prefill:
-            peer.release_later([request_id])
-
-    give_back = release
-
-    def abort(self) -> bool:
-        """A local copy cannot be stopped; True once it has ended (then nothing writes)."""
-        return self.poll() != "PROC"
-
-    def result(self):
-        return TransferResult(self.op, self.plan.nbytes, self.seconds, self.plan.num_runs,
-                              self.plan.descriptor_count, None, engine=self.engine)
-
-
 class _HostJob(CopyJob):
     engine = "samenode:process_vm_readv"
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 from . import frames, messages
 from .errors import KVRuntimeError
+from .jobs import CopyJob, TransferResult
 from .plan import TransferPlan
-from .samenode import CopyJob
 from .staging import StagingExhausted, StagingPool, done, wait
+
 
 @dataclass(frozen=True)
 class PoolRoute:
@@ -185,7 +186,8 @@ class StagedPull(CopyJob):
         if self._remote is not None and self._local is None:
             self._local = pool.try_acquire(self._remote[1])
             if self._local is None:
-                self.waiting = f"the decode's staging pool is exhausted: {pool.numbers(self._units)}"
+                self.waiting = ("the decode's staging pool is exhausted: "
+                                f"{pool.numbers(self._units)}")
                 return self.state  # waits for pool blocks until the handle's deadline
             self.waiting = "its READ of the staged run had not ended (peer dead or stalled)"
         if self._local is not None and len(self._chunks) < len(self._ready):
@@ -339,8 +341,6 @@ class StagedPull(CopyJob):
         return True
 
     def result(self):
-        from .transfer import TransferResult
-
         nbytes = self.plan.num_blocks * self._hs * self.route.pool.layout.block_bytes
         return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,  # our heads
                               self._descriptors + len(self._chunks), None,

@@ -306,7 +306,8 @@ class StagingPool:
         nb, t, h = lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads
         h0, h1 = heads
         if lay.kind == CROSS_LAYER:
-            whole = self._words(regions[0][:lay.region_bytes]).view(nb, 2 * lay.num_layers, t, h, -1)
+            whole = self._words(regions[0][:lay.region_bytes])
+            whole = whole.view(nb, 2 * lay.num_layers, t, h, -1)
             views = [whole[:, r] for r in range(2 * lay.num_layers)]
             stacked = whole.permute(1, 0, 2, 3, 4)[:, :, :, h0:h1, :]
         else:
@@ -371,7 +372,8 @@ class StagingPool:
 
         de = self.device_layout.head_dim * self.device_layout.element_bytes
         for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-            if de % size == 0 and all(t.data_ptr() % size == 0 for t in (self._pool, *self._device)):
+            aligned = all(t.data_ptr() % size == 0 for t in (self._pool, *self._device))
+            if de % size == 0 and aligned:
                 return flat.view(dtype)
         return flat
 
@@ -410,7 +412,8 @@ class StagingPool:
         hs = heads[1] - heads[0]
         if hs == lay.num_kv_heads:
             return at, lay.page_bytes
-        within = np.arange(lay.tokens_per_block, dtype=np.uint64) * np.uint64(lay.num_kv_heads * head)
+        row = np.uint64(lay.num_kv_heads * head)
+        within = np.arange(lay.tokens_per_block, dtype=np.uint64) * row
         return (at[:, None] + within[None, :]).reshape(-1), hs * head
 
     def _host_copy(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int],

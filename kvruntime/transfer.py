@@ -22,34 +22,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from .agent import Agent
 from .errors import NixlError, TransferError
+from .jobs import TransferResult
 from .plan import TransferPlan
 
 log = logging.getLogger(__name__)
-
-class TransferResult(NamedTuple):
-    """What one request moved, and how fast. A named tuple, immutable as a frozen dataclass
-    but made in 0.3 µs against 1.1 (one ``object.__setattr__`` a field): a batch finishes a
-    result a request, at once (samenode.Batch)."""
-
-    op: str
-    nbytes: int
-    seconds: float
-    runs: int
-    descriptors: int  # what kvruntime asked for: runs x regions (x split pieces)
-    nixl_descriptors: int | None  # what NIXL posted after merging, when telemetry exists
-    peer_seconds: float | None = None  # push: the prefill's own WRITE time (no side channel)
-    engine: str = "nixl"  # which engine moved the bytes ("nixl", or a same-node engine)
-    coalesced: bool = False  # a NIXL request moved through the staging pools (coalesce.py)
-    coalesce_reason: str | None = None  # why it was, or was not (None: not a NIXL choice)
-
-    @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
 
 @dataclass(frozen=True)
 class Rows:
@@ -180,9 +159,20 @@ class PostedTransfer:
         return self.rows.nbytes if self.rows is not None else self.plan.nbytes
 
     def result(self) -> TransferResult:
-        pieces = len(self.rows.local) if self.rows is not None else self.plan.piece_count(self.split)
+        pieces = (len(self.rows.local) if self.rows is not None
+                  else self.plan.piece_count(self.split))
         return TransferResult(self.op, self.nbytes, self.seconds, self.plan.num_runs, pieces,
                               self.descriptors_posted)
+
+
+def split_runs(descriptors: int, threads: int) -> int:
+    """Pieces per run for a READ of ``descriptors`` runs over ``threads`` UCX threads: NIXL
+    spreads a request's descriptors over its UCX threads but cannot split one, so host memory
+    with several copy streams gets at least one descriptor per stream; one thread, 1 (the
+    coalesce probe cuts its one-range READ by this too)."""
+    if threads < 2:
+        return 1
+    return -(-threads // descriptors)
 
 
 def _state(value) -> str:

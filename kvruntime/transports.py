@@ -10,14 +10,15 @@ UCX reads its environment when NIXL creates the backend, so this runs first. Rul
   alone fails with "posix/memory - no peer failure handler").
 - Host and CUDA memory (``cpu``, ``cuda``): turn on ``UCX_POSIX_ERROR_HANDLING``. Without it
   the AM lane between two processes of one host is tcp over loopback, and the first endpoint of
-  a process spends 10-20 ms of the handshake in UCX's protocol selection querying the tcp interfaces (about 150
-  socket ioctls and sysfs walks, measured on the 2-core CI host); with it the AM lane is posix
-  shared memory (peer failure detected by checking the peer's process), the first handshake's
-  add-agent takes ~1 ms and a small pull ~0.05 ms instead of ~1 ms. posix (not sysv): UCX can
-  check a posix peer safely because it attaches the peer's shared-memory file; peers on other
-  hosts still use tcp/IB, which stay enabled. With CUDA memory (2 x H100, 2026-11-25) the first
-  connect's handshake took 30 -> 10 ms (one GPU) and 56 -> 32 ms (NVLink), and a push the
-  prefill starts, whose notification is an active message, lost ~70 µs at 64 MiB on one GPU.
+  a process spends 10-20 ms of the handshake in UCX's protocol selection querying the tcp
+  interfaces (about 150 socket ioctls and sysfs walks, measured on the 2-core CI host); with it
+  the AM lane is posix shared memory (peer failure detected by checking the peer's process), the
+  first handshake's add-agent takes ~1 ms and a small pull ~0.05 ms instead of ~1 ms. posix (not
+  sysv): UCX can check a posix peer safely because it attaches the peer's shared-memory file;
+  peers on other hosts still use tcp/IB, which stay enabled. With CUDA memory (2 x H100,
+  2026-11-25) the first connect's handshake took 30 -> 10 ms (one GPU) and 56 -> 32 ms
+  (NVLink), and a push the prefill starts, whose notification is an active message, lost ~70 µs
+  at 64 MiB on one GPU.
 - With posix in play (host and CUDA memory): ``UCX_POSIX_SHM_MIN_SIZE=0``. Every UCX worker
   keeps a receive pool in /dev/shm (~4 MiB; NIXL's UCX threads add a worker each), and UCX's
   posix memory domain offers shared memory only while /dev/shm has this much free (16 MiB by
@@ -192,14 +193,16 @@ def xpu_tls(env: Mapping[str, str], offered: set[str] | None) -> tuple[str | Non
     if "UCX_TLS" in env:
         return None, f"UCX_TLS={env['UCX_TLS']}: yours, kept"
     if offered is None:
-        return None, "ze_copy fallback: this UCX's transports are unknown (no ucx_info on PATH), UCX_TLS left to UCX"
+        return None, ("ze_copy fallback: this UCX's transports are unknown (no ucx_info on PATH), "
+                      "UCX_TLS left to UCX")
     if offered & IB_TRANSPORTS:
-        return None, (f"InfiniBand here ({', '.join(sorted(offered & IB_TRANSPORTS))}): UCX_TLS left to UCX, "
+        ib = ", ".join(sorted(offered & IB_TRANSPORTS))
+        return None, (f"InfiniBand here ({ib}): UCX_TLS left to UCX, "
                       f"which moves GPU memory between nodes over it")
     if "ze_ipc" not in offered:
-        return None, ("ze_copy fallback: this UCX offers no ze_ipc (no UCX release has it: `installer --platform "
-                      "xpu --variant ze-ipc` builds one; with an Intel GPU, a Level Zero driver without IPC "
-                      "support hides it too), UCX_TLS left to UCX")
+        return None, ("ze_copy fallback: this UCX offers no ze_ipc (no UCX release has it: "
+                      "`installer --platform xpu --variant ze-ipc` builds one; with an Intel GPU, "
+                      "a Level Zero driver without IPC support hides it too), UCX_TLS left to UCX")
     return ZE_IPC_TLS, REASONS["UCX_TLS"]
 
 

@@ -109,7 +109,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     ctx = mp.get_context("spawn")
     ready_q, control = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=prefill_main, name="prefill", daemon=True,
-                       args=(ready_q, control, [l.to_dict() for l in layouts], cfg.seed,
+                       args=(ready_q, control, [lay.to_dict() for lay in layouts], cfg.seed,
                              {**options, "device_id": cfg.device_ids[0]}))
     decode_options = {**options, "device_id": cfg.device_ids[1]}
     clients, caches = [], []

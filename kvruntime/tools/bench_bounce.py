@@ -53,10 +53,10 @@ def _timeline(pool, blocks, iters: int) -> dict:
 def main(argv=None) -> int:
     import numpy as np
 
-    from .bench import BenchConfig, _staging_copies
-    from .workload import bench_layout
     from ..memory import KVCache, device_unavailable
     from ..staging import StagingPool
+    from .bench import BenchConfig, _staging_copies
+    from .workload import bench_layout
 
     ap = Parser(prog="python -m kvruntime.tools.bench_bounce", description=__doc__)
     ap.add_argument("--device", default="cuda", choices=["cuda", "xpu"])

@@ -147,7 +147,8 @@ class DecodeProcesses:
         try:
             msg = pipe.recv()
         except EOFError:
-            raise RuntimeError(f"decode process {i} exited (code {self.procs[i].exitcode})") from None
+            code = self.procs[i].exitcode
+            raise RuntimeError(f"decode process {i} exited (code {code})") from None
         if isinstance(msg, dict) and not msg.get("ok", True):
             raise RuntimeError(f"decode process {i}: {msg['error']}")
         return msg

@@ -17,11 +17,12 @@ OK, MODE_FAILED, USAGE, UNUSABLE, INTERRUPTED = 0, 1, 2, 3, 130
 # exit code -> what it means (README, "Exit codes")
 EXIT_CODES = {
     OK: "every mode passed (bench: measured)",
-    MODE_FAILED: "a selftest mode failed (the report names it)",
+    MODE_FAILED: "a selftest mode failed (the report names it; demo: a case's tokens or logits "
+                 "differ from one process's, or its connection was refused)",
     USAGE: "a bad argument: one line naming the option and what it accepts, before any process "
            "starts",
     UNUSABLE: "the stack is unusable: NIXL missing, a process failed to start (bench: any "
-              "failure; policy: a UCX setting refused)",
+              "failure; policy: a UCX setting refused; demo: torch or transformers missing)",
     INTERRUPTED: "interrupted",
 }
 

@@ -19,8 +19,15 @@ from .. import native
 from ..layout import CROSS_LAYER, PER_LAYER, KVLayout
 from ..memory import device_unavailable
 from .placement import Group, place
-from .roles import (allocate_cache, answer, device_of, prefill_main, prefill_push,
-                    prepare_process, reap)
+from .roles import (
+    allocate_cache,
+    answer,
+    device_of,
+    prefill_main,
+    prefill_push,
+    prepare_process,
+    reap,
+)
 
 OPS = ("pull", "push")
 # what each engine's client proves: a push the prefill starts is NIXL's WRITE and notification

@@ -20,8 +20,17 @@ import time
 import traceback
 
 from ..layout import KVLayout
-from .roles import (allocate_cache, answer, device_of, digest_command, head_digest,
-                    prefill_main, prefill_pushes, prepare_process, reap)
+from .roles import (
+    allocate_cache,
+    answer,
+    device_of,
+    digest_command,
+    head_digest,
+    prefill_main,
+    prefill_pushes,
+    prepare_process,
+    reap,
+)
 
 # What moves a group's bytes, by name: the decode clients' options and the prefill's KV buffer.
 # Open by design: a row for another option (coalesced NIXL, issue 31) is one more entry.
@@ -307,7 +316,7 @@ class _Rank:
             if self.cache.mem_type == "VRAM" and lanes:
                 from ..ucxlog import device_lanes_on_tcp
 
-                reply["tcp_for_device_memory"] = [str(l) for l in
+                reply["tcp_for_device_memory"] = [str(lane) for lane in
                                                   device_lanes_on_tcp(lanes, True, True)]
         return reply
 

@@ -7,7 +7,6 @@ import random
 
 from ..layout import KVLayout
 
-
 BENCH_HEADS = 8  # KV heads of the bench's model (its TP pairs split them)
 
 

@@ -222,3 +222,52 @@ def test_xpu_image_verifies_under_the_null_driver_and_moves_bytes_inside(xpu_ima
     assert report["nixl_module"] == "nixl_xpu" and report["nixl_module_file"].startswith("/opt/kvstack.builds/")
     passed = [m for m in report["modes"] if m["status"] == "passed"]
     assert any(m.get("engine", "").startswith("nixl") for m in passed) and all(m["digest_ok"] for m in passed)
+
+
+def _shell_only_base(client, tmp_path) -> str:
+    """A base image of this host's own /bin/sh and the libraries it loads (docker import): the
+    Containerfile's first steps need no more, and no registry."""
+    import tarfile
+    sh = Path(os.path.realpath("/bin/sh"))
+    ldd = subprocess.run(["ldd", str(sh)], capture_output=True, text=True, check=True).stdout
+    libs = {Path(w) for line in ldd.splitlines() for w in line.split() if w.startswith("/")}
+    tar = tmp_path / "sh-base.tar"
+    with tarfile.open(tar, "w") as tf:
+        for f in {sh, *libs}:
+            tf.add(os.path.realpath(f), arcname=str(f).lstrip("/"))
+        link = tarfile.TarInfo("bin/sh")
+        link.type, link.linkname = tarfile.SYMTYPE, str(sh)
+        tf.addfile(link)
+        tmp = tarfile.TarInfo("tmp")
+        tmp.type, tmp.mode = tarfile.DIRTYPE, 0o1777
+        tf.addfile(tmp)
+    tag = "kvstack-test-sh-base:1"
+    client.api.import_image(src=str(tar), repository=tag.split(":")[0], tag="1")
+    return tag
+
+
+def test_docker_build_of_the_checkout_says_to_use_installer_image(daemon, tmp_path):
+    """`docker build .` at the root (no staged _work/, none of installer image's build arguments)
+    stops at the Containerfile's first step, saying what to run; with the staging argument it gets
+    past that step and stops at the first COPY of _work/ (where it used to stop, unexplained)."""
+    client, _ = daemon
+    checkout = tmp_path / "ctx"
+    shutil.copytree(ROOT, checkout,
+                    ignore=shutil.ignore_patterns(".git", ".venv", "_work", "__pycache__"))
+    base = _shell_only_base(client, tmp_path)
+
+    def build(**args) -> str:
+        out = []
+        for chunk in client.api.build(path=str(checkout), dockerfile="Containerfile", rm=True,
+                                      forcerm=True, buildargs={"BASE_IMAGE": base, **args},
+                                      decode=True, pull=False):
+            out.append(chunk.get("stream", "") + chunk.get("error", ""))
+        return "".join(out)
+    plain = build()
+    assert ("error: docker build . alone cannot make this image: its inputs are staged under "
+            "_work/ by: python -m installer image --platform cpu|cuda|xpu") in plain, plain[-2000:]
+    assert "returned a non-zero code: 1" in plain and "image-ca.crt" not in plain
+    staged = build(KVSTACK_STAGED="1")
+    assert "returned a non-zero code" not in staged, staged[-2000:]
+    *_, copy, failed = staged.splitlines()
+    assert "COPY _work/image-ca.crt" in copy and "image-ca.crt" in failed

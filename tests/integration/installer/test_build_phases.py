@@ -202,6 +202,21 @@ def test_failing_step_shows_its_log_and_keeps_the_previous_install(world, instal
     assert installed.resolve() == before and prefixmod.is_complete(before)
 
 
+def test_a_build_that_fails_after_ignored_packages_names_them(world, installed, tmp_path):
+    """--system-packages ignore goes on without a package (as a host without libtool would); the
+    build's failure then names what was missing and ignored, not only the step's tail."""
+    overlay = _overlay(tmp_path, '[system_packages.debian]\nkvstack-no-such-package = "a test"\n\n'
+                                 '[components.hello-cmake.defines]\nHELLO_FAIL = true\n')
+    cmd = _cmd(world, installed, "--recipe-overlay", overlay)
+    cmd[cmd.index("--system-packages") + 1] = "ignore"
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 8, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("build failed: hello-cmake: step cmake-configure failed"), last
+    assert last.endswith("; missing and ignored (--system-packages ignore): "
+                         "kvstack-no-such-package"), last
+
+
 def _wait_for(path_glob: str, root: Path, proc: subprocess.Popen, timeout: float = 300) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -396,3 +411,35 @@ def test_full_disk_is_one_clear_line(world, tiny_disk):
     assert not (tiny_disk / "kv").exists()
     assert not Path(plan["install_dir"]).exists()
     assert not [d for d in (Path(plan["work_dir"]) / "build").glob("*")]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system (tmpfs, 32 MiB) with room for the small projects' sources and builds;
+    needs root (CI runs as root)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_disk_that_fills_during_a_step_keeps_the_log_it_names(world, small_disk, tmp_path):
+    """hello-cmake's configure writes until the file system is full (as UCX's autogen did): the
+    unfinished build is removed, and the step's log the line names is kept beside the builds."""
+    prefix = small_disk / "kv"
+    fill = _overlay(tmp_path, "[components.hello-cmake.defines]\nHELLO_FILL = true\n")
+    plan = json.loads(subprocess.run(_cmd(world, prefix, "--recipe-overlay", fill, "--dry-run", "--json"),
+                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    r = _install(world, prefix, "--recipe-overlay", fill, "--component-jobs", "1")
+    assert r.returncode == 11, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("host error: no space left on device during "), last
+    kept = Path(plan["install_dir"] + ".failed-logs")
+    assert f"its logs kept in {kept}" in last and not Path(plan["install_dir"]).exists()
+    step_log = kept / "hello-cmake.cmake-configure.log"
+    assert f"log: {step_log}" in last, last
+    assert "No space left on device" in step_log.read_text()

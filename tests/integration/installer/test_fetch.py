@@ -160,3 +160,37 @@ def test_git_tag_that_moved_is_refused(git_repo, tmp_path):
 def test_git_source_by_commit_alone(git_repo, tmp_path):
     src = {"kind": "git", "url": git_repo["url"], "commit": git_repo["second"]}
     assert _fetcher(tmp_path).fetch("lib", src).commit == git_repo["second"]
+
+
+def test_fallback_url_serves_when_the_first_answers_404_or_another_file(server, tmp_path, caplog):
+    """asio's first location (SourceForge's /download) may answer a 404 or an HTML page instead of
+    the archive: the pinned file from the next location is taken, and what happened is logged."""
+    src = _src(server)
+    server.status["/gone.tar.gz"] = 404
+    server.files["/page.html"] = b"<html>your download will start shortly</html>"
+    for first in ("/gone.tar.gz", "/page.html"):
+        f = Fetcher(Cache(tmp_path / first.strip("/")), None).fetch(
+            "lib", dict(src, url=server.url(first), fallback_urls=[src["url"]]))
+        assert f.path.read_bytes() == BODY and f.origin == src["url"]
+    assert "HTTP 404" in caplog.text and "does not match its pin" in caplog.text
+
+
+def test_a_wrong_file_everywhere_is_refused_with_its_hashes(server, tmp_path):
+    src = _src(server)
+    server.files["/page.html"] = b"<html></html>"
+    server.status["/gone.tar.gz"] = 404
+    with pytest.raises(ChecksumError) as e:
+        _fetcher(tmp_path).fetch("lib", dict(src, url=server.url("/gone.tar.gz"),
+                                             fallback_urls=[server.url("/page.html")]))
+    assert f"from {server.url('/page.html')} does not match its pin" in e.value.line()
+
+
+def test_upstream_base_fetches_every_url_from_a_local_server(server, tmp_path, monkeypatch):
+    """KVSTACK_UPSTREAM_BASE (tests only): https://HOST/PATH is fetched from BASE/HOST/PATH."""
+    server.files["/github.com/o/lib/archive/v1.tar.gz"] = BODY
+    src = {"url": "https://github.com/o/lib/archive/v1.tar.gz", "filename": "lib-1.0.tar.gz",
+           "sha256": sha256(BODY)}
+    monkeypatch.setenv("KVSTACK_UPSTREAM_BASE", server.url(""))
+    f = _fetcher(tmp_path).fetch("lib", src)
+    assert f.origin == server.url("/github.com/o/lib/archive/v1.tar.gz")
+    assert f.path.read_bytes() == BODY

@@ -8,6 +8,7 @@ must fail, naming what it found). Without those prefixes (outside CI: run ci/pin
 source _work/pinned/env.sh) the tests skip, saying so."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -91,6 +92,13 @@ def test_every_pinned_build_passed_all_three_levels(name):
     assert any(c["check"].startswith("moved host/") and c["ok"] for c in moved)
     device = [c for c in moved if c["check"].startswith("moved xpu/")]
     assert all(c["ok"] is None for c in device) and (device or name == "CPU")
+    # the richest check: a model's prompt continued in another process on this build (CI's
+    # builds' Python sees .venv's torch and transformers, the test extra's)
+    demo = next(c for c in moved if c["check"] == verify.DEMO)
+    if importlib.util.find_spec("transformers"):
+        assert demo["ok"] is True and demo["detail"].startswith("14 of 14 cases on cpu memory"), demo
+    else:
+        assert demo["ok"] is None and "transformers are not importable" in demo["detail"], demo
 
 
 def test_both_xpu_pins_prove_their_transports_under_the_null_driver(xpu, ipc):

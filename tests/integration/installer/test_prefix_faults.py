@@ -92,3 +92,79 @@ def test_what_a_killed_run_left_is_removed_at_the_next_start(world, tmp_path):
     assert not stale_link.is_symlink() and not part.exists()
     assert f"removed what a killed run left: {stale_link}" in r.stderr
     assert "removed downloads a killed run left unfinished: tmpkilled.part" in r.stderr
+
+
+def _refused(world, prefix: Path) -> str:
+    r = _install(world, prefix)
+    assert r.returncode == 10, r.stderr[-2000:]
+    _nothing_built(world, prefix)
+    return _one_line(r)
+
+
+def test_a_dangling_symbolic_link_that_kvstack_did_not_make(world, tmp_path):
+    prefix = tmp_path / "kv"
+    os.symlink(tmp_path / "nowhere", prefix)
+    assert _refused(world, prefix) == (
+        f"prefix: --prefix {prefix} is a symbolic link to {tmp_path / 'nowhere'}, which is not one "
+        "of kvstack's builds (kv.builds/<build id>); choose another --prefix, or remove that link "
+        "if it is not needed")
+    assert os.readlink(prefix) == str(tmp_path / "nowhere")
+
+
+def test_a_symbolic_link_to_the_users_own_directory(world, tmp_path):
+    own = tmp_path / "mine"
+    own.mkdir()
+    (own / "notes.txt").write_text("the user's\n")
+    prefix = tmp_path / "kv"
+    os.symlink("mine", prefix)
+    assert _refused(world, prefix).startswith(
+        f"prefix: --prefix {prefix} is a symbolic link to mine, which is not")
+    assert os.readlink(prefix) == "mine" and (own / "notes.txt").read_text() == "the user's\n"
+
+
+def test_a_directory_with_something_in_it(world, tmp_path):
+    prefix = tmp_path / "kv"
+    prefix.mkdir()
+    (prefix / "bin").mkdir()
+    assert _refused(world, prefix).startswith(
+        f"prefix: {prefix} exists and is not a kvstack prefix")
+    assert [p.name for p in prefix.iterdir()] == ["bin"]
+
+
+def test_a_link_kvstack_made_is_taken_even_when_its_build_is_gone(world, tmp_path):
+    prefix = tmp_path / "kv"
+    os.symlink("kv.builds/0123456789ab", prefix)
+    r = _install(world, prefix)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert os.readlink(prefix).startswith("kv.builds/") and (prefix / "manifest.json").is_file()
+
+
+@pytest.fixture
+def bind_mounts():
+    made = []
+
+    def bind(source: Path, at: Path, *options: str) -> Path:
+        at.mkdir(parents=True, exist_ok=True)
+        remount = ["mount", "-o", ",".join(["remount", "bind", *options]), str(at)]
+        for cmd in (["mount", "--bind", str(source), str(at)], *([remount] if options else [])):
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode:
+                if made and made[-1] == at:
+                    subprocess.run(["umount", str(at)], check=False)
+                pytest.skip(f"cannot bind-mount here ({' '.join(cmd)}): {r.stderr.strip()}")
+            if cmd[1] == "--bind":
+                made.append(at)
+        return at
+    yield bind
+    for at in reversed(made):
+        subprocess.run(["umount", "-l", str(at)], check=False)
+
+
+def test_a_read_only_bind_mount_of_the_same_file_system(world, bind_mounts, tmp_path):
+    """os.path.ismount is False for it (same st_dev as its parent): the mount table names it."""
+    (tmp_path / "empty").mkdir()
+    prefix = bind_mounts(tmp_path / "empty", tmp_path / "kv", "ro")
+    assert not os.path.ismount(prefix)
+    last = _refused(world, prefix)
+    assert last.startswith(f"prefix: --prefix {prefix} is a mount point: ")
+    assert f"--prefix {prefix / 'kvstack'}" in last

@@ -1,6 +1,7 @@
 """vLLM's NIXL calls on a real build: two processes, real NIXL agents over the build's UCX,
 NIXL loaded as vLLM loads it (`from nixl._api import nixl_agent, nixl_agent_config`), host
-memory, bit-exact (vllm_calls_pair.py makes the calls).
+host memory (and VRAM where a cuda build and a GPU are here), bit-exact (vllm_calls_pair.py
+makes the calls).
 
 The sequence is NixlConnectorWorker's in vllm-project/vllm at commit
 002a1057e9ae674d7bdc9c4be95bc29d65d2e808 (vllm/distributed/kv_transfer/kv_connector/v1/
@@ -16,7 +17,8 @@ with a notification is made the same way (vLLM's connector only READs; NIXL's WR
 push engines use).
 
 Runs on each pinned build named by KVSTACK_PINNED_PREFIX_CPU, _XPU, _XPU_IPC (ci/pinned-builds.sh)
-and skips, saying so, for each one not set."""
+and skips, saying so, for each one not set; on VRAM with the cuda build KVSTACK_PINNED_PREFIX_CUDA
+names, on a GPU host (one GPU, and two where there are two)."""
 from __future__ import annotations
 
 import json
@@ -58,13 +60,15 @@ def _pinned(which: str, tmp_path: Path):
     return build, backend, site, env, py
 
 
-@pytest.mark.parametrize("which", PINNED)
-def test_vllms_nixl_calls_move_kv_bit_exact_through_import_nixl(which, tmp_path):
+def _vllm_pair(which: str, devices: tuple[str, str], tmp_path: Path) -> None:
+    """Runs vllm_calls_pair.py (decode on devices[0], prefill on devices[1]) and checks it all."""
     build, backend, site, env, py = _pinned(which, tmp_path)
-    r = subprocess.run([py, "-W", "ignore::RuntimeWarning", str(PAIR), "decode"], env=env,
-                       cwd=tmp_path, capture_output=True, text=True, timeout=180)
+    r = subprocess.run([py, "-W", "ignore::RuntimeWarning", str(PAIR), "decode", *devices],
+                       env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
     out = json.loads(next(ln for ln in r.stdout.splitlines() if ln.startswith("VLLM "))[5:])
+    kinds = ["VRAM" if d.startswith("cuda") else "DRAM" for d in devices]
+    assert out["memory"] == kinds, out["memory"]
     assert out["states"] == {"READ": "DONE", "WRITE": "DONE"}, out
     assert out["read"], "READ blocks differ from the prefill's"
     assert out["telemetry_bytes"] == {"READ": 4 * 3 * (64 << 10), "WRITE": 4 * 2 * (64 << 10)}
@@ -78,6 +82,24 @@ def test_vllms_nixl_calls_move_kv_bit_exact_through_import_nixl(which, tmp_path)
     for side, maps in (("decode", out["maps"]), ("prefill", pre["maps"])):
         ucp = [m for m in maps if "/libucp" in m]
         assert len(ucp) == 1 and ucp[0].startswith(str(build)), (side, maps)
+
+
+@pytest.mark.parametrize("which", PINNED)
+def test_vllms_nixl_calls_move_kv_bit_exact_through_import_nixl(which, tmp_path):
+    _vllm_pair(which, ("cpu", "cpu"), tmp_path)
+
+
+@pytest.mark.parametrize("devices", [("cuda:0", "cuda:0"), ("cuda:0", "cuda:1")],
+                         ids=["one-gpu", "two-gpus"])
+def test_vllms_nixl_calls_move_vram_bit_exact_on_the_cuda_build(devices, tmp_path):
+    """vLLM's kv_buffer_device=cuda: both caches in VRAM, registered as NIXL's VRAM with their
+    GPU's id; on one GPU (cuda_ipc within a device) and across two (peer access/NVLink)."""
+    torch = pytest.importorskip("torch")
+    need = 1 + int(devices[1] != devices[0])
+    if not torch.cuda.is_available() or torch.cuda.device_count() < need:
+        pytest.skip(f"needs {need} CUDA GPU(s); this host has "
+                    f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+    _vllm_pair("CUDA", devices, tmp_path)
 
 
 @pytest.mark.parametrize("which", PINNED)

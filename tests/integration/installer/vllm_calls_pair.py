@@ -1,7 +1,10 @@
 """The NIXL calls vLLM's NixlConnector makes on its workers, made by two processes over a real
 build, through `import nixl` as vLLM imports it (test_vllm_calls.py says from which vLLM source).
 
-    python vllm_calls_pair.py decode      # starts the prefill itself; prints one JSON line
+    python vllm_calls_pair.py decode [DECODE_DEVICE PREFILL_DEVICE]
+        # starts the prefill itself; prints one JSON line. Devices: cpu (the default: host
+        # memory, NIXL's "DRAM") or cuda:N (VRAM on GPU N, NIXL's "VRAM" with device id N, as
+        # vLLM registers kv_buffer_device=cuda)
 
 The prefill registers its KV caches (two layers, K and V apart: four regions of NUM_BLOCKS
 blocks, as vLLM lays out a non-MLA cache), prepares its own blocks under "NIXL_INIT_AGENT" and
@@ -48,19 +51,28 @@ def pattern(seed: int, region: int, block: int) -> np.ndarray:
     return ((i * 131 + seed * 7 + region * 13 + block * 29 + (i >> 8)) & 0xFF).astype(np.uint8)
 
 
-def caches(seed: int | None) -> list[torch.Tensor]:
+def caches(seed: int, device: str) -> list[torch.Tensor]:
     """One tensor a region (vLLM: K and V of each layer), filled with the side's pattern."""
     out = []
     for r in range(REGIONS):
-        t = torch.zeros(NUM_BLOCKS * BLOCK_LEN, dtype=torch.uint8)
-        if seed is not None:
-            t.numpy()[:] = np.concatenate([pattern(seed, r, b) for b in range(NUM_BLOCKS)])
-        out.append(t)
+        host = np.concatenate([pattern(seed, r, b) for b in range(NUM_BLOCKS)])
+        out.append(torch.from_numpy(host).to(device))
     return out
 
 
 def block(cache: list[torch.Tensor], region: int, b: int) -> np.ndarray:
-    return cache[region].numpy()[b * BLOCK_LEN:(b + 1) * BLOCK_LEN]
+    """A copy of one block, on the host."""
+    return cache[region][b * BLOCK_LEN:(b + 1) * BLOCK_LEN].cpu().numpy()
+
+
+def clear(cache: list[torch.Tensor], region: int, b: int) -> None:
+    cache[region][b * BLOCK_LEN:(b + 1) * BLOCK_LEN] = 0
+
+
+def memory(cache: list[torch.Tensor]) -> tuple[str, int]:
+    """NIXL's memory type and device id for the caches, as vLLM's register_kv_caches gives them."""
+    dev = cache[0].device
+    return ("VRAM", dev.index) if dev.type == "cuda" else ("DRAM", 0)
 
 
 def desc_ids(block_ids: list[int]) -> np.ndarray:
@@ -71,13 +83,14 @@ def desc_ids(block_ids: list[int]) -> np.ndarray:
 
 def register(agent, cache):
     """vLLM's register_kv_caches + register_local_xfer_handler on host memory (DRAM)."""
-    caches_data = [(t.data_ptr(), t.numel(), 0, "") for t in cache]
-    reg = agent.get_reg_descs(caches_data, "DRAM")
+    kind, dev = memory(cache)
+    caches_data = [(t.data_ptr(), t.numel(), dev, "") for t in cache]
+    reg = agent.get_reg_descs(caches_data, kind)
     agent.register_memory(reg, backends=["UCX"])
-    blocks_data = [(t.data_ptr() + b * BLOCK_LEN, BLOCK_LEN, 0) for t in cache
+    blocks_data = [(t.data_ptr() + b * BLOCK_LEN, BLOCK_LEN, dev) for t in cache
                    for b in range(NUM_BLOCKS)]
-    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(blocks_data, "DRAM"))
-    return reg, local, [t.data_ptr() for t in cache]
+    local = agent.prep_xfer_dlist("NIXL_INIT_AGENT", agent.get_xfer_descs(blocks_data, kind))
+    return reg, local, {"bases": [t.data_ptr() for t in cache], "kind": kind, "dev": dev}
 
 
 def ucx_maps() -> list[str]:
@@ -92,11 +105,11 @@ def wait_done(agent, handle) -> str:
     return state
 
 
-def prefill() -> None:
+def prefill(device: str) -> None:
     agent = nixl_agent(str(uuid.uuid4()), nixl_agent_config(num_threads=4, capture_telemetry=True))
-    cache = caches(seed=1)
-    reg, local, bases = register(agent, cache)
-    say({"metadata": base64.b64encode(agent.get_agent_metadata()).decode(), "bases": bases})
+    cache = caches(1, device)
+    reg, local, where = register(agent, cache)
+    say({"metadata": base64.b64encode(agent.get_agent_metadata()).decode(), **where})
     got: dict[bytes, str] = {}
     end = time.monotonic() + TIMEOUT
     while set(got) != NOTIFS and time.monotonic() < end:
@@ -114,13 +127,13 @@ def prefill() -> None:
     agent.deregister_memory(reg)
 
 
-def decode() -> None:
+def decode(device: str, prefill_device: str) -> None:
     import subprocess
 
-    peer = subprocess.Popen([sys.executable, __file__, "prefill"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    peer = subprocess.Popen([sys.executable, __file__, "prefill", prefill_device],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        out = _decode(peer)
+        out = _decode(peer, device)
         peer.stdin.write("bye\n")
         peer.stdin.flush()
         out["prefill_rc"] = peer.wait(timeout=TIMEOUT)
@@ -129,19 +142,19 @@ def decode() -> None:
     say(out)
 
 
-def _decode(peer) -> dict:
+def _decode(peer, device: str) -> dict:
     name = str(uuid.uuid4())
     agent = nixl_agent(name, nixl_agent_config(num_threads=4, capture_telemetry=True))
-    cache = caches(seed=2)
+    cache = caches(2, device)
     for r in range(REGIONS):  # the READ's landing blocks start empty
         for b in READ_LOCAL:
-            block(cache, r, b)[:] = 0
+            clear(cache, r, b)
     reg, local, _ = register(agent, cache)
     meta = hear(peer.stdout)
     remote = agent.add_remote_agent(base64.b64decode(meta["metadata"]))
-    blocks_data = [(base + b * BLOCK_LEN, BLOCK_LEN, 0) for base in meta["bases"]
+    blocks_data = [(base + b * BLOCK_LEN, BLOCK_LEN, meta["dev"]) for base in meta["bases"]
                    for b in range(NUM_BLOCKS)]
-    dst = agent.prep_xfer_dlist(remote, agent.get_xfer_descs(blocks_data, "DRAM"))
+    dst = agent.prep_xfer_dlist(remote, agent.get_xfer_descs(blocks_data, meta["kind"]))
     states, telemetry = {}, {}
     for op, mine, theirs, notif in (("READ", READ_LOCAL, READ_REMOTE, b"req-read:1"),
                                     ("WRITE", WRITE_LOCAL, WRITE_REMOTE, b"req-write:1")):
@@ -163,8 +176,11 @@ def _decode(peer) -> dict:
     import nixl
     return {"states": states, "read": read, "telemetry_bytes": telemetry, "prefill": report,
             "decode_name": name, "maps": ucx_maps(), "nixl": nixl.__file__,
+            "memory": [memory(cache)[0], meta["kind"]],
             "api": sys.modules["nixl._api"].__file__}
 
 
 if __name__ == "__main__":
-    {"decode": decode, "prefill": prefill}[sys.argv[1]]()
+    role, devices = sys.argv[1], sys.argv[2:] or (["cpu", "cpu"] if sys.argv[1] == "decode"
+                                                   else ["cpu"])
+    {"decode": decode, "prefill": prefill}[role](*devices)

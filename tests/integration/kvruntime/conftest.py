@@ -30,6 +30,26 @@ def _require_nixl():
         pytest.skip("no NIXL Python module installed (pip install --no-deps nixl-cu12)")
 
 
+@pytest.fixture
+def bench_descriptors():
+    """``check_bench_descriptors``, for the CPU and the GPU bench tests alike."""
+    return check_bench_descriptors
+
+
+def check_bench_descriptors(row: dict, regions: int, pieces: int = 1) -> None:
+    """A bench row's descriptors per request: a request that moved its runs as they lie
+    (NIXL direct, a same-node copy, which reports its plan's count) has one a run and region,
+    times its ``pieces`` a run (``split``); one that went through the staging pools
+    (``coalesced``) has one a chunk READ, its runs merged: at least one, at most a piece's
+    chunks (staging.MAX_CHUNKS; the bench's pools hold its largest request whole)."""
+    from kvruntime.staging import MAX_CHUNKS
+
+    if row["coalesced"]:
+        assert 1 <= row["descriptors"] <= max(MAX_CHUNKS.values()), row
+    else:
+        assert row["descriptors"] == row["runs"] * regions * pieces, row
+
+
 @contextlib.contextmanager
 def spawn_prefill(layouts, seed=1, **options):
     """Yield (process, ports). The process is stopped, then killed if need be, then joined."""

@@ -15,7 +15,8 @@ from kvruntime.errors import KVRuntimeError, PlanError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill import PrefillServer
-from kvruntime.samenode import NodeToken, SameNodeUnavailable, prove_same_node, read_remote
+from kvruntime.procmem import read_remote
+from kvruntime.samenode import NodeToken, SameNodeUnavailable, prove_same_node
 
 pytestmark = pytest.mark.integration
 

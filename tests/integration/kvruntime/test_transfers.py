@@ -176,6 +176,27 @@ def test_quick_reconnects_are_served_by_the_new_connection(prefill):
         cache.close()
 
 
+def test_bench_descriptors_per_layout_direct_and_coalesced(bench_descriptors):
+    """The GPU bench test's check of each row's descriptors, on host memory: per_layer
+    requests of random blocks, through NIXL as they lie (coalesce='never': one a run and
+    region) and through the staging pools ('always': one a chunk), and the same-node
+    engine's copy (its plan's count). A check of one a run and region for every row, as the
+    GPU test had, fails on the coalesced rows, which move 8 random blocks in one chunk."""
+    from kvruntime.tools.bench import BenchConfig, run_bench
+
+    report = run_bench(BenchConfig(sizes_mib=[2], patterns=["random"],
+                                   layouts=[PER_LAYER, CROSS_LAYER], ops=["pull", "push"],
+                                   splits=[1], iters=1, handshakes=1, bare=False, inflight=[],
+                                   coalesce=["never", "always"]))
+    assert report["ok"], report.get("error")
+    rows = report["results"]
+    assert {(r["layout"], r["coalesce"], r["coalesced"]) for r in rows if r["engine"] == "nixl"
+            } == {(k, c, c == "always") for k in (PER_LAYER, CROSS_LAYER)
+                  for c in ("never", "always")}
+    for r in rows:
+        bench_descriptors(r, 1 if r["layout"] == CROSS_LAYER else 8)
+
+
 def test_bench_reports_medians_spread_and_ucx_settings():
     from kvruntime.tools.bench import BenchConfig, run_bench
 

@@ -17,7 +17,8 @@ def test_default_base_image_per_platform():
                         "RUNTIME_BASE_IMAGE": image.BASE_IMAGES[p], "WITH_MIRROR": "0",
                         "WITH_CA": "0", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0",
                         "WITH_BINARY_CACHE": "0", "OFFLINE": "0",
-                        "RUNTIME_PACKAGES": pkgs, "RUNTIME_LIBRARY": lib}
+                        "RUNTIME_PACKAGES": pkgs, "RUNTIME_LIBRARY": lib,
+                        "KVSTACK_STAGED": "1"}
     assert "cuda" in image.BASE_IMAGES["cuda"] and "devel" in image.BASE_IMAGES["cuda"]
 
 
@@ -32,7 +33,7 @@ def test_mirror_and_ca_map_to_args(tmp_path):
                                      "WITH_MIRROR": "1", "WITH_CA": "1", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0",
                                      "WITH_BINARY_CACHE": "0", "OFFLINE": "0",
                                      "RUNTIME_PACKAGES": image.RDMA_CORE[0],
-                                     "RUNTIME_LIBRARY": image.RDMA_CORE[1]}
+                                     "RUNTIME_LIBRARY": image.RDMA_CORE[1], "KVSTACK_STAGED": "1"}
 
 
 def test_a_binary_cache_maps_to_its_arg_and_one_without_a_build_is_one_line(tmp_path):

@@ -64,7 +64,7 @@ def test_xpu_ze_ipc_plan_marks_its_ucx_as_an_unreleased_pull_request():
     ucx = [line.strip() for line in text.splitlines()[text.splitlines().index("sources:") + 1:][:4]]
     assert ucx == [
         "ucx           https://github.com/openucx/ucx/archive/b8d6012325b5fe026a94be537009f486ed2b9d40.tar.gz",
-        "sha256 b9797e26d6577bf8eba6cb8b9f8e23eb74cf60655feafbb56235ae0ec756dfee",
+        "sha256 6f74a01a1eafba230592a5d99dedfe550eedf4a5a9479534e210c098359f8b14",
         "commit b8d6012325b5fe026a94be537009f486ed2b9d40 (no tag: pinned by commit alone)",
         'UNRELEASED: upstream pull request 11218 "UCT/ZE/ZE_IPC: enable level zero ipc support for Intel GPUs" '
         "(https://github.com/openucx/ucx/pull/11218)"]

@@ -155,6 +155,21 @@ def test_lanes_between_peers_leave_out_self_endpoints_and_device_memory():
     assert verify.proto_lanes(every, between_peers=True) == ["cma/memory", "ud_verbs/rdmap0:1"]
 
 
+def test_the_demo_is_not_checked_where_the_target_python_has_no_transformers(tmp_path):
+    """A real interpreter without torch or transformers (a bare venv): the moved level shows the
+    demo as not checked, with what to install, and runs nothing."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / "v")],
+                   check=True)
+    python = str(tmp_path / "v" / "bin" / "python")
+    check = verify._demo(dict(os.environ, PYTHONPATH=""), python, "cpu", {}, 60)
+    assert check["check"] == verify.DEMO and check["ok"] is None
+    assert check["detail"] == (f"not checked here: torch and transformers are not importable by "
+                               f"{python} (pip install torch 'kvstack[demo]' there to run it)")
+
+
 def test_the_selftest_started_beside_the_earlier_levels_is_stopped_when_one_fails(tmp_path,
                                                                                  monkeypatch):
     """The moved level's selftest starts before the built and loaded levels, so it runs beside

@@ -2,6 +2,7 @@
 
 import socket
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -48,6 +49,68 @@ def test_success_exchanges_both_infos():
     out = run(info("p"), info("d", num_blocks=99), b"s3cret", b"s3cret")
     assert out["client"].agent == "p" and out["client"].metadata == b"META-p"
     assert out["server"].agent == "d" and out["server"].layout.num_blocks == 99
+
+
+def test_both_sides_admit_at_once():
+    """The decode adds the prefill's agent while the prefill adds its own, not after the
+    prefill's ready: forced here by the prefill's admit, which returns (and so lets its ready
+    go) only once the decode's admit has run, with the prefill's info, proved. Before, the
+    decode admitted only after the ready: this handshake could not finish."""
+    a, b = socket.socketpair()
+    decode_admitted = threading.Event()
+    out = {}
+
+    def prefill_admit(peer):
+        out["prefill_saw_decode_first"] = decode_admitted.wait(5)
+
+    def serve():
+        try:
+            out["server"] = serve_handshake(a, info("p"), b"s3cret", 10.0, prefill_admit)
+        except Exception as exc:
+            out["server_error"] = exc
+
+    def decode_admit(peer):
+        out["decode_admitted"] = peer.agent, peer.metadata
+        decode_admitted.set()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        out["client"] = client_handshake(b, info("d"), b"s3cret", 10.0, decode_admit)
+    finally:
+        t.join(10)
+        a.close()
+        b.close()
+    assert out["prefill_saw_decode_first"] and out["decode_admitted"] == ("p", b"META-p")
+    assert out["client"].agent == "p" and out["server"].agent == "d"
+
+
+def test_a_refusal_after_the_decode_admitted_still_raises():
+    """The decode's admit runs before the prefill's last word: a prefill that refuses then
+    (its admit fails, as an agent NIXL refuses would) still fails the decode's handshake,
+    and the decode saw the info it must undo (DecodeClient.connect removes the agent)."""
+    a, b = socket.socketpair()
+    admitted = []
+
+    def serve():
+        def refuse(peer):
+            raise IncompatiblePeerError("refused at admit", ["agent"])
+        try:
+            serve_handshake(a, info("p"), None, 5.0, refuse)
+        except Exception:
+            pass
+        finally:
+            a.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        with pytest.raises(PeerError):
+            client_handshake(b, info("d"), None, 5.0, lambda peer: admitted.append(peer.agent))
+    finally:
+        t.join(10)
+        b.close()
+    assert admitted == ["p"]
 
 
 @pytest.mark.parametrize("field,value", [
@@ -152,3 +215,59 @@ def test_connect_refused_literal_times_out_with_reason():
     srv.close()  # nothing listens there now
     with pytest.raises(HandshakeTimeout, match=f"127.0.0.1:{port}"):
         handshake.connect("127.0.0.1", port, 0.3, attempts=2)
+
+
+MODEL = {"model": "llama", "hidden_size": 128, "num_key_value_heads": 4, "weights": "ab12"}
+
+
+def app_info(name, app):
+    return replace(info(name), app=app)
+
+
+@pytest.mark.parametrize("decode_app,fields", [
+    ({**MODEL, "hidden_size": 64, "weights": "cd34"}, ["app.hidden_size", "app.weights"]),
+    ({k: v for k, v in MODEL.items() if k != "weights"}, ["app.weights"]),
+    (None, ["app"])])
+def test_a_differing_app_descriptor_is_refused_with_both_values(decode_app, fields):
+    """The prefill refuses at the hello, before its metadata goes out, naming every key and
+    both sides' values; the decode gets that line."""
+    out = run(app_info("p", MODEL), app_info("d", decode_app))
+    for side in ("client_error", "server_error"):
+        err = out[side]
+        assert isinstance(err, IncompatiblePeerError) and err.fields == fields, err
+    text = str(out["client_error"])
+    if decode_app and "hidden_size" in fields[0]:
+        assert "app.hidden_size: prefill=128 decode=64" in text
+        assert "app.weights: prefill='ab12' decode='cd34'" in text
+    # the prefill's refusal (at the hello, before its welcome carries any metadata), relayed
+    assert text.startswith("the prefill refused the connection: the application descriptors")
+
+
+def test_the_same_app_descriptor_pairs_and_crosses():
+    out = run(app_info("p", MODEL), app_info("d", dict(MODEL)), b"s", b"s")
+    assert out["client"].app == MODEL and out["server"].app == MODEL
+
+
+def test_a_prefill_without_a_descriptor_refuses_a_decode_with_one():
+    out = run(info("p"), app_info("d", MODEL))
+    assert out["server_error"].fields == ["app"] and "prefill=<none>" in str(out["client_error"])
+
+
+@pytest.mark.parametrize("app,why", [
+    ([1, 2], "must be a JSON object"),
+    ({f"k{i}": i for i in range(33)}, "at most 32"),
+    ({"a b": 1}, "is not 1-64 of"),
+    ({"k": [1]}, "must be a string"),
+    ({"k": float("nan")}, "must be a string"),
+    ({"k": "x" * 257}, "must be a string"),
+    ({"k": 2**70}, "must be a string")])
+def test_a_bad_descriptor_is_refused_where_it_is_made_and_where_it_arrives(app, why):
+    from kvruntime import Options
+    from kvruntime.errors import LayoutError
+
+    with pytest.raises(LayoutError, match=why):
+        Options.of(None, {"app": app})
+    wire = app_info("d", None).to_dict()
+    wire["app"] = app
+    with pytest.raises(FrameError, match=why):
+        PeerInfo.from_dict(wire)

@@ -1,5 +1,6 @@
 """The package's import graph, read from the source (ast, no import): no circle among kvruntime's
-modules, the library never imports its tools, and kvruntime and the installer never import each
+modules, its folders stand in floors (no folder imports one above it, nor a sibling on its own
+floor), the library never imports its tools, and kvruntime and the installer never import each
 other (the installer runs kvruntime's CLI in the target Python instead, DESIGN §2).
 
 Every import counts, inside functions and under ``if TYPE_CHECKING:`` too: a circle for the type
@@ -9,6 +10,21 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
+
+# kvruntime's folders, lowest floor first: a module imports only from its own folder and the
+# floors below. Folders on one floor are siblings and never import each other.
+FLOORS = [
+    ("",),  # the root: the model (errors, options, layout, plan, tp, memory, jobs, native)
+    ("host",),  # this host's calls: CUDA runtime, another process's memory, timer slack, peercred
+    ("wire",),  # the side channel: frames, messages, handshake, channel, listener, mailbox
+    ("nixl",),  # NIXL and UCX: binding, agent, transports, UCX's log, NICs, registration, transfer
+    ("pools",),  # the staging pools: their units, copies and bounce ring
+    ("engines",),  # what moves a request: the choice, same-node, gather, staged, coalesced
+    ("decode", "prefill"),  # the two sides
+    ("tools",),  # bench, selftest and their processes: the library never imports them
+]
+# the package's face: ``kvruntime`` (its public names, read lazily) and ``python -m kvruntime``
+FACE = {"kvruntime", "kvruntime.__main__"}
 
 
 def _modules(package: str) -> dict[str, Path]:
@@ -94,6 +110,46 @@ def test_kvruntime_has_no_import_circle():
     graph = _graph("kvruntime")
     assert "kvruntime.decode" in graph and graph["kvruntime.decode"], "the graph was not read"
     assert _circles(graph) == []
+
+
+def _folder(module: str, modules: dict[str, Path]) -> str:
+    """The folder of kvruntime that holds ``module`` ("" for the package's root)."""
+    parts = modules[module].relative_to(ROOT / "kvruntime").parts
+    return parts[0] if len(parts) > 1 else ""
+
+
+def _upward(graph: dict[str, set[str]], folder_of, floors) -> list[str]:
+    """Every import of a folder above the importer's, or of a sibling folder on its floor."""
+    floor = {folder: n for n, names in enumerate(floors) for folder in names}
+    bad = []
+    for module in sorted(set(graph) - FACE):
+        mine = folder_of(module)
+        for target in sorted(graph[module]):
+            theirs = folder_of(target)
+            if floor[theirs] > floor[mine] or (floor[theirs] == floor[mine] and theirs != mine):
+                bad.append(f"{module} ({mine or 'root'}) imports {target} ({theirs or 'root'})")
+    return bad
+
+
+def test_the_floor_rule_finds_an_import_upward_and_across():
+    floors = [("",), ("low",), ("left", "right")]
+    folder = {"p.a": "", "p.low.b": "low", "p.left.c": "left", "p.right.d": "right"}.get
+    assert _upward({"p.a": set(), "p.low.b": {"p.a"}, "p.left.c": {"p.low.b", "p.a"},
+                    "p.right.d": {"p.low.b"}}, folder, floors) == []
+    assert _upward({"p.a": {"p.low.b"}, "p.low.b": set(), "p.left.c": {"p.right.d"},
+                    "p.right.d": set()}, folder, floors) == [
+        "p.a (root) imports p.low.b (low)", "p.left.c (left) imports p.right.d (right)"]
+
+
+def test_every_folder_of_kvruntime_has_a_floor():
+    mods = _modules("kvruntime")
+    declared = {folder for names in FLOORS for folder in names}
+    assert {_folder(m, mods) for m in mods} - declared == set(), "add the folder to FLOORS"
+
+
+def test_no_folder_imports_one_above_it():
+    mods = _modules("kvruntime")
+    assert _upward(_graph("kvruntime"), lambda m: _folder(m, mods), FLOORS) == []
 
 
 def test_the_library_never_imports_its_tools():

@@ -15,7 +15,7 @@ PUBLIC = {
     "KVCache": "kvruntime.memory",
     "KVLayout": "kvruntime.layout",
     "TransferHandle": "kvruntime.inflight",
-    "TransferResult": "kvruntime.transfer",
+    "TransferResult": "kvruntime.jobs",
 }
 
 
