@@ -10,7 +10,6 @@ import ctypes
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -101,7 +100,7 @@ def test_a_bad_entry_is_refused_in_one_line_and_the_install_builds_instead(world
     assert len(refusals) == 1 and needle in refusals[0] and "building instead" in refusals[0], r.stderr
     manifest = json.loads((prefix / "manifest.json").read_text())
     assert "binary_cache" not in manifest and manifest["phases"]["build"]["status"] == "done"
-    assert not list(prefix.parent.glob(f"kv.builds/.*incoming*"))
+    assert not list(prefix.parent.glob("kv.builds/.*incoming*"))
 
 
 def test_build_id_collision_with_a_different_manifest_is_refused(published, tmp_path):
