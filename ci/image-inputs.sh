@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # What a CI image is built from besides its wheels (ci/image-wheels.sh): a pinned build CI made
 # (ci/pinned-builds.sh), published to a binary cache, so the image's build stage takes that build,
-# verified there, instead of compiling it a second time; the build's recipe overlays and its
-# mirror's build-tool wheels (the same recipe gives the same build id inside; patchelf relocates
-# it). The same knobs serve a user: `installer image --binary-cache DIR --mirror DIR
+# verified there, instead of compiling it a second time (relocated by the installer's own
+# patchelf: no build tool); the build's recipe overlays (the same recipe gives the same build id
+# inside) and its mirror's build-tool wheels (a build, were the entry refused). The same knobs serve a user: `installer image --binary-cache DIR --mirror DIR
 # --recipe-overlay TOML --wheels DIR`.
 # Usage: ci/image-inputs.sh OUT PREFIX (PY or .venv's python runs the installer).
 # Writes OUT/cache/, OUT/overlays/*.toml, OUT/mirror/ (SHA256SUMS, wheels/); prints one line per part.

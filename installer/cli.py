@@ -21,7 +21,7 @@ from typing import Callable
 from urllib.parse import urlparse
 
 from . import (binarycache, buildcompare, detect, image_cli, install, mirror, plan as planmod, recipe as recipemod,
-               verify, wheel)
+               ucxdirs, verify, wheel)
 from .cache import Cache
 from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher
@@ -262,8 +262,8 @@ def _wheel(args) -> int:
     print("  requires: " + ", ".join(out["requires"]))
     for library, requirement in out["from_pip"].items():
         print(f"  {library}: from {requirement} (loaded from its directory in site-packages by the preload)")
-    for file, strings in out["unnamed"].items():
-        print(f"  {file}: compiled-in {', '.join(strings)} -> {wheel.NOWHERE.decode()}")
+    print(f"  UCX's compiled-in directories (modules, configuration) made to name "
+          f"{ucxdirs.NOWHERE.decode()}: {out['repointed']} strings in libucs")
     return 0
 
 

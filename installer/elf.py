@@ -98,6 +98,29 @@ def replace_strings(path: Path, prefixes: list[bytes], section: str, by: bytes) 
     return done
 
 
+def blank_dead_paths(path: Path, needles: list[bytes], section: str = ".dynstr") -> int:
+    """Zero, in `section` of path, each string's bytes from where one of needles starts to its end
+    (nothing moves). For what a RUNPATH rewrite leaves behind: meson's install writes the shorter
+    install RUNPATH over the build's one without clearing the rest, and patchelf clears only the
+    live string, so the old tail (`./utils/serdes:<build>/ucx/lib`) stays in .dynstr, read by
+    nothing. The caller calls it only where no live RUNPATH names a needle. Returns the count."""
+    data = bytearray(path.read_bytes())
+    sec = next((s for s in sections(bytes(data)) if s.name == section), None)
+    if sec is None:
+        return 0
+    done, end_of = 0, sec.offset + sec.size
+    for needle in needles:
+        at = data.find(needle, sec.offset, end_of)
+        while at != -1:
+            end = data.index(b"\0", at)
+            data[at:end] = bytes(end - at)
+            done += 1
+            at = data.find(needle, end, end_of)
+    if done:
+        path.write_bytes(bytes(data))
+    return done
+
+
 @dataclass(frozen=True)
 class Dynamic:
     soname: str | None

@@ -54,13 +54,16 @@ class ImageRequest:
     wheels: Path | None = None
     variant: str | None = None
     binary_cache: Path | None = None
+    offline: bool = False  # no network in the build (network mode none): nothing may reach out
+    runtime_base_image: str | None = None  # the runtime stage's base; None: base_image
     extra_args: dict[str, str] = field(default_factory=dict)
 
 
 def request(platform: str, tag: str | None = None, base_image: str | None = None,
             mirror: str | None = None, ca_bundle: str | None = None,
             overlays: Iterable[str] = (), wheels: str | None = None, variant: str | None = None,
-            binary_cache: str | None = None) -> ImageRequest:
+            binary_cache: str | None = None, offline: bool = False,
+            runtime_base_image: str | None = None) -> ImageRequest:
     """Check the options; every bad one is one clear line saying which option to fix."""
     if platform not in BASE_IMAGES:
         raise UsageError(f"no base image for platform {platform!r}",
@@ -69,8 +72,10 @@ def request(platform: str, tag: str | None = None, base_image: str | None = None
     if not _TAG_RE.match(tag) or len(tag) > 255:
         raise UsageError(f"bad image tag {tag!r}", fix="use --tag NAME[:TAG] (lowercase name)")
     base = base_image or BASE_IMAGES[platform]
-    if not _TAG_RE.match(base.lower()) or len(base) > 512:
-        raise UsageError(f"bad base image reference {base!r}", fix="use --base-image NAME[:TAG][@sha256:...]")
+    for option, ref in (("--base-image", base), ("--runtime-base-image", runtime_base_image or base)):
+        if not _TAG_RE.match(ref.lower()) or len(ref) > 512:
+            raise UsageError(f"bad base image reference {ref!r}",
+                             fix=f"use {option} NAME[:TAG][@sha256:...]")
     m = Path(mirror).resolve() if mirror else None
     if m is not None and not (m / "SHA256SUMS").is_file():
         raise UsageError(f"--mirror {mirror}: no SHA256SUMS there",
@@ -93,7 +98,11 @@ def request(platform: str, tag: str | None = None, base_image: str | None = None
     if bc is not None and not any(bc.glob("*/manifest.json")):
         raise UsageError(f"--binary-cache {binary_cache}: no published build there",
                          fix="fill it with: python -m installer publish DIR --prefix PREFIX")
-    return ImageRequest(platform, tag, base, m, ca, ov, w, variant, bc)
+    if offline and w is None:
+        raise UsageError("--offline: pip has no index in an offline build, so it needs --wheels",
+                         fix="pass --wheels DIR with every wheel the image's venv and the installer "
+                             "need (ci/image-wheels.sh fills one)")
+    return ImageRequest(platform, tag, base, m, ca, ov, w, variant, bc, offline, runtime_base_image)
 
 
 def _overlays(platform: str, overlays: Iterable[str], variant: str | None) -> list[Path]:
@@ -113,13 +122,21 @@ def _overlays(platform: str, overlays: Iterable[str], variant: str | None) -> li
 def build_args(req: ImageRequest) -> dict[str, str]:
     """The Containerfile's ARGs for this request (the mapping unit tests check)."""
     args = {"PLATFORM": req.platform, "VARIANT": req.variant or "", "BASE_IMAGE": req.base_image,
+            "RUNTIME_BASE_IMAGE": req.runtime_base_image or req.base_image,
             "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0",
             "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0",
-            "WITH_BINARY_CACHE": "1" if req.binary_cache else "0", "KVSTACK_STAGED": "1"}
+            "WITH_BINARY_CACHE": "1" if req.binary_cache else "0", "KVSTACK_STAGED": "1",
+            "OFFLINE": "1" if req.offline else "0"}
     rows = RUNTIME_PACKAGES.get(req.platform, [RDMA_CORE])
     args.update(RUNTIME_PACKAGES=" ".join(p for p, _ in rows), RUNTIME_LIBRARY=" ".join(lib for _, lib in rows))
     args.update(req.extra_args)
     return args
+
+
+def network_mode(req: ImageRequest) -> str:
+    """The builder's network for this request: none offline (a RUN that reaches out fails), else
+    the host's (CI's dockerd has no bridge)."""
+    return "none" if req.offline else "host"
 
 
 def connect(env: dict[str, str] | None = None):
@@ -196,7 +213,8 @@ def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None])
     """Build through the low-level API so the log streams; intermediate containers are removed
     even on failure (rm + forcerm); the base is pulled only when it is not local."""
     import docker.errors  # noqa: PLC0415
-    pull = not base_is_local(client, req.base_image)
+    bases = {req.base_image, req.runtime_base_image or req.base_image}
+    pull = not all(base_is_local(client, b) for b in bases)
     stage_context(req, checkout)
     try:
         context = _context(checkout)
@@ -209,7 +227,7 @@ def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None])
         context.seek(0)
         image_id = _build(client, req, context, log, pull, target=None, tag=req.tag)
     img = client.images.get(image_id)
-    base = client.images.get(req.base_image)
+    base = client.images.get(req.runtime_base_image or req.base_image)  # what the image is over
     inside = inspect(client, image_id)
     return {"id": image_id, "tag": req.tag, "size": img.attrs.get("Size"),
             "build_stage": {"id": build_id, "tag": build_tag(req.tag),
@@ -241,7 +259,7 @@ def _build(client, req: ImageRequest, context, log, pull: bool, target: str | No
     try:
         stream = client.api.build(fileobj=context, custom_context=True, dockerfile=CONTAINERFILE, tag=tag, target=target,
                                   buildargs=build_args(req), rm=True, forcerm=True, pull=False,
-                                  decode=True, network_mode="host")
+                                  decode=True, network_mode=network_mode(req))
         for chunk in _chunks(stream):
             if "error" in chunk:
                 raise BuildError(f"image build failed: {chunk['error'].strip()}", detail="\n".join(tail[-30:]),

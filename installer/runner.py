@@ -125,16 +125,28 @@ def run_supervised(cmd: list[str], env: dict[str, str],
     """subprocess.run(cmd, capture_output=True, text=True, timeout=...) under the supervising
     shell, in a session of its own: a timeout, a Ctrl-C or the installer's death (even SIGKILL)
     kills every process it started (verification's selftests start peers of their own)."""
-    proc = subprocess.Popen([*SUPERVISOR, *cmd], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                            start_new_session=True, preexec_fn=_die_with_parent)
+    proc = start_supervised(cmd, env)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
-        _stop_step(proc)
-        proc.communicate()
+        stop_supervised(proc)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def start_supervised(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """run_supervised's process, left running (its output read with communicate()): for a
+    command that runs beside others, stopped by stop_supervised. Start it from a thread that
+    outlives it (PR_SET_PDEATHSIG fires when the starting thread ends)."""
+    return subprocess.Popen([*SUPERVISOR, *cmd], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+
+
+def stop_supervised(proc: subprocess.Popen) -> None:
+    """Kill a supervised command's whole session and reap it."""
+    _stop_step(proc)
+    proc.communicate()
 
 
 def _wait(proc: subprocess.Popen, stop: threading.Event) -> int:

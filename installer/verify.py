@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from .buildsys.step import Step
 from .detect import detect_platform
 from .errors import PrefixError
 from .extract import extract
-from .runner import run_step, run_supervised
+from .runner import run_step, run_supervised, start_supervised, stop_supervised
 
 if TYPE_CHECKING:  # annotations only: plan imports nothing of verify, and verify needs no plan at run time
     from .plan import Plan
@@ -365,20 +366,49 @@ def _demo(env: dict[str, str], python: str, platform: str, selftest: dict,
     return _check(DEMO, r.returncode == 0 and report.get("ok") is True and bool(good), detail)
 
 
+class Selftest:
+    """The moved level's `kvruntime selftest`, started before the built and loaded levels run, so
+    it runs beside their short commands (an install from a binary cache is mostly this wait); its
+    result counts only when they passed (report_levels stops it otherwise)."""
+
+    # every memory kind and engine this host offers, over this build; the mixed-TP pairs test
+    # kvruntime's head arithmetic, not the stack (`python -m kvruntime selftest` runs them)
+    ARGS = ("-m", "kvruntime", "selftest", "--json", "--tp-pairs", "none")
+
+    def __init__(self, env: dict[str, str], python: str, timeout: int = 600):
+        self.cmd, self.timeout = [python, *self.ARGS], timeout
+        self.started = time.monotonic()
+        # under the step supervisor, in a session of its own, as _run's commands
+        self.proc = start_supervised(self.cmd, env)
+
+    def result(self) -> subprocess.CompletedProcess:
+        try:
+            left = self.timeout - (time.monotonic() - self.started)
+            out, err = self.proc.communicate(timeout=max(1.0, left))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            timed_out = f"timed out after {self.timeout}s"
+            return subprocess.CompletedProcess(self.cmd, 124, "", timed_out)
+        return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err)
+
+    def stop(self) -> None:
+        """Its whole session (the selftest starts process pairs of its own)."""
+        if self.proc.poll() is None:
+            stop_supervised(self.proc)
+
+
 def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, components: list[str],
           timeout: int = 600, rdma: dict | None = None, nixl_module: str | None = None,
-          ibmock_dir: Path | None = None) -> dict[str, Any]:
+          ibmock_dir: Path | None = None, selftest: Selftest | None = None) -> dict[str, Any]:
     """Host memory always moves (no device needed); the platform's device memory where this host
-    has the device, else those modes are shown as not checked here."""
+    has the device, else those modes are shown as not checked here. `selftest`: the one started
+    beside the earlier levels (else it runs now)."""
     if "nixl" not in components:
         return _level([], skipped=NO_NIXL)
     renv = _kvruntime_env(env, python)
     if renv is None:
         return _level([], skipped=f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by {python}")
-    # every memory kind and engine this host offers, over this build; the mixed-TP pairs test
-    # kvruntime's head arithmetic, not the stack (`python -m kvruntime selftest` runs them)
-    cmd = [python, "-m", "kvruntime", "selftest", "--json", "--tp-pairs", "none"]
-    r = _run(cmd, renv, timeout=timeout)
+    r = (selftest or Selftest(renv, python, timeout)).result()
     try:
         result = json.loads(r.stdout)
     except ValueError:
@@ -435,14 +465,22 @@ def verify_build(plan: "Plan", renv: dict[str, str], fetched: "dict[str, Fetched
 
 def report_levels(spec, platform, build_dir, env, python, with_table, null_driver, has_device, components,
                   ibmock_dir=None):
-    levels = {"built": built(spec, build_dir, env, with_table, components)}
-    levels["loaded"] = loaded(spec, build_dir, env, python, platform, null_driver, has_device, components,
-                              ibmock_dir)
-    if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
-        levels["moved"] = {"status": "skipped", "reason": "an earlier level failed", "checks": []}
-    else:
-        levels["moved"] = moved(build_dir, env, python, platform, components, rdma=spec.get("rdma"),
-                                nixl_module=spec.get("nixl", {}).get("module"), ibmock_dir=ibmock_dir)
+    renv = _kvruntime_env(env, python) if "nixl" in components else None
+    selftest = Selftest(renv, python) if renv is not None else None
+    try:
+        levels = {"built": built(spec, build_dir, env, with_table, components)}
+        levels["loaded"] = loaded(spec, build_dir, env, python, platform, null_driver, has_device,
+                                  components, ibmock_dir)
+        if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
+            levels["moved"] = {"status": "skipped", "reason": "an earlier level failed",
+                               "checks": []}
+        else:
+            levels["moved"] = moved(build_dir, env, python, platform, components,
+                                    rdma=spec.get("rdma"), ibmock_dir=ibmock_dir, selftest=selftest,
+                                    nixl_module=spec.get("nixl", {}).get("module"))
+    finally:
+        if selftest is not None:
+            selftest.stop()
     return {"ok": passes(levels), "levels": levels, "has_device": has_device}
 
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import elf, envfile, nixlpackage, prefix as prefixmod, privateucx, repair, wheeldeps, \
-    wheelformat
+from . import elf, envfile, nixlpackage, prefix as prefixmod, privateucx, repair, ucxdirs, \
+    wheeldeps, wheelformat
 from .errors import HostError, PrefixError, SystemPackagesError
 
 log = logging.getLogger("kvstack.installer")
@@ -38,13 +38,6 @@ PRELOAD_SOURCE = Path(__file__).with_name("wheel_preload.py")
 MANIFEST = "kvstack-manifest.json"
 # env.sh's variables that point into the build directory: the wheel's own layout replaces them
 PATH_VARIABLES = ("KVSTACK_HOME", "PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "NIXL_PLUGIN_DIR")
-# UCX compiles its install's directories into libucs' read-only data: the module directory
-# (searched after the one beside libucs) and the system-wide configuration directory
-# (<sysconfdir>/ucx/ucx.conf). In the wheel they would name the build, which on another host is
-# missing or, worse, another build whose modules and settings UCX would then take. They are made
-# to name /dev/null, under which nothing can exist: UCX finds its modules beside libucs, and NIXL
-# its plugins beside libnixl, in the wheel.
-NOWHERE = b"/dev/null"
 # where a build directory may still be named without anything looking it up at run time: the old
 # RUNPATH strings patchelf leaves in .dynstr (the live RUNPATH is checked apart), symbols, notes
 HARMLESS_SECTIONS = (".dynstr", ".comment", ".symtab", ".strtab", ".gnu_debuglink")
@@ -151,7 +144,7 @@ def _tools_venv(manifest: dict[str, Any]) -> str | None:
 
 
 def make(prefix: Path, out: Path) -> dict[str, Any]:
-    """Write the wheel into out; returns {wheel, files, tag, requires, ucp, unnamed, ...}.
+    """Write the wheel into out; returns {wheel, files, tag, requires, ucp, repointed, ...}.
 
     The wheel's own files (NIXL's package, its plugins, UCX's modules: the last two are dlopen'ed,
     so nothing names them for auditwheel to find) are laid out as NIXL and UCX look for them, the
@@ -209,8 +202,11 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
             if f.parent.name == "ucx" and set(dyn.needed) & siblings:
                 runpath = ":".join(["$ORIGIN", *filter(None, [runpath])])
             patchelf.set_rpath(f, runpath)
-        unnamed = {(str(f.relative_to(root)) if f.is_relative_to(root) else f.name): said for f in elves
-                   if (said := elf.replace_strings(f, [d.encode() for d in builds], ".rodata", NOWHERE))}
+            if not any(d in runpath for d in builds):  # what is left of an old one names nothing
+                elf.blank_dead_paths(f, [d.encode() for d in builds])
+        # the build names itself nowhere else: the file-prefix maps kept its paths out of every
+        # compile (installer/buildsys/filemap.py; _check_build_named proves it below)
+        repointed = ucxdirs.repoint(staged[libucs], builds)
         ucp_soname = privateucx.grafted_name(staged[libucp])
         _write_preload(root / m, {"libs": libs, "ucp_soname": ucp_soname, "env": build.env,
                                   "from_pip": [d.path for d in from_pip]})
@@ -250,7 +246,7 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
     return {"wheel": str(dest), "tag": "-".join(dest.name[:-len(".whl")].split("-")[-3:]), "requires": requires,
             "from_pip": {d.library: d.requirement for d in from_pip}, "module": m, "version": ver, "ucp": ucp_soname,
             "grafted": sorted(f.split("/", 1)[1] for f in files if f.startswith(libs + "/") and f.count("/") == 1 and f[-1] != "/"),
-            "unnamed": unnamed, "files": [f for f in files if not f.endswith("/")], "size": dest.stat().st_size}
+            "repointed": repointed, "files": [f for f in files if not f.endswith("/")], "size": dest.stat().st_size}
 
 
 def _staged_runpath(dyn: elf.Dynamic, is_staged: bool, staged: set[str], excluded: set[str], builds: list[str]) -> str:
@@ -327,8 +323,10 @@ def _check_build_named(root: Path, tops: list[str], builds: list[str]) -> None:
                         end = min(i for i in (data.find(b"\0", at), data.find(b"\n", at), len(data)) if i >= 0)
                         named = data[max(start, at - 200):min(end, at + 200)].decode(errors="replace")
                         where = (section or "no section") if table else "its text"
-                        raise PrefixError(f"{f.relative_to(root)} names the build directory in {where}: {named!r}",
-                                          fix="report this: the wheel was not written")
+                        raise PrefixError(
+                            f"{f.relative_to(root)} names the build directory in {where}: {named!r}",
+                            fix="the wheel was not written; a build made before kvstack compiled with "
+                                "file-prefix maps does: install it again, else report this")
                     at = data.find(d.encode(), at + 1)
 
 

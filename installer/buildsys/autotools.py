@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ..configcache import SITE_FILE
 from ..options import flags
+from . import filemap
 from .step import Step
 
 
@@ -19,7 +20,7 @@ def steps(comp) -> list[Step]:
            Step("configure", "autogen", ("./autogen.sh",), cwd=src, unless_exists=src / "configure"),
            Step("configure", "autogen-cache-keep", action="autogen-cache-keep", args={"src_dir": src}),
            Step("configure", "autoconf-cache", action="autoconf-cache-restore", args={"build_dir": build}),
-           Step("configure", "configure", tuple(configure), cwd=build, env={"CONFIG_SITE": str(build / SITE_FILE)}),
+           Step("configure", "configure", tuple(configure), cwd=build, env=_configure_env(comp)),
            Step("configure", "autoconf-cache-keep", action="autoconf-cache-keep", args={"build_dir": build})]
     make_dirs = spec.get("make_dirs", [])
     out += [Step("build", _name("make", d), ("make", f"-j{comp.jobs}", "-C", d), cwd=build) for d in make_dirs] or \
@@ -29,6 +30,15 @@ def steps(comp) -> list[Step]:
            [Step("install", "make-install", ("make", "install"), cwd=build)]
     out += [Step("install", _name("install", t), ("make", t), cwd=build) for t in spec.get("install_targets", [])]
     return out
+
+
+def _configure_env(comp) -> dict[str, str]:
+    """The site script that names the autoconf cache, and the file-prefix maps (filemap.py) in
+    CPPFLAGS, which every C and C++ compile of the tree gets. From the environment, not the command
+    line: UCX compiles its command line into ucx_info (UCX_CONFIGURE_FLAGS), and not in CFLAGS:
+    given CFLAGS, autoconf drops its default -g -O2, which is what UCX compiled with."""
+    maps = filemap.joined(comp.install_dir.parent, comp.env.get("CPPFLAGS"))
+    return {"CONFIG_SITE": str(comp.build_dir / SITE_FILE), "CPPFLAGS": maps}
 
 
 def _name(verb: str, what: str) -> str:

@@ -4,15 +4,22 @@
 from __future__ import annotations
 
 from ..options import flags
+from . import filemap
 from .pkgconfig import TARGETS_FILE
 from .step import Step
+
+COMPILER_FLAGS = ("CMAKE_C_FLAGS", "CMAKE_CXX_FLAGS")
 
 
 def steps(comp) -> list[Step]:
     src, build = comp.src_dir, comp.build_dir
+    defines = dict(comp.spec.get("defines", {}))
+    # the file-prefix maps (filemap.py) after what the recipe gives these
+    root = comp.install_dir.parent
+    defines.update({k: filemap.joined(root, defines.get(k)) for k in COMPILER_FLAGS})
     configure = ["cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
                  f"-DCMAKE_INSTALL_PREFIX={comp.install_dir}", "-DCMAKE_INSTALL_LIBDIR=lib",
-                 *flags("cmake", comp.spec.get("defines", {}))]
+                 *flags("cmake", defines)]
     out = [Step("configure", "cmake-configure", tuple(configure))]
     modules = comp.spec.get("pkgconfig_modules", [])
     if modules:

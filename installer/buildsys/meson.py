@@ -3,14 +3,21 @@ then meson runs with --wrap-mode=nodownload, so nothing downloads after the fetc
 from __future__ import annotations
 
 from ..options import flags
+from . import filemap
 from .step import Step
+
+# meson's compiler-argument options, for C and C++ (its subprojects get them too)
+COMPILER_ARGS = ("c_args", "cpp_args")
 
 
 def steps(comp) -> list[Step]:
     src, build = comp.src_dir, comp.build_dir
+    options = dict(comp.spec.get("options", {}))
+    # the file-prefix maps (filemap.py) after what the recipe gives these options
+    root = comp.install_dir.parent
+    options.update({k: filemap.joined(root, options.get(k)) for k in COMPILER_ARGS})
     setup = ["meson", "setup", str(build), str(src), f"--prefix={comp.install_dir}", "--libdir=lib",
-             "--wrap-mode=nodownload", *flags("meson", comp.spec.get("options", {})),
-             *comp.spec.get("meson_args", [])]
+             "--wrap-mode=nodownload", *flags("meson", options), *comp.spec.get("meson_args", [])]
     out = []
     if comp.subprojects:
         out.append(Step("configure", "subprojects", action="stage-subprojects",

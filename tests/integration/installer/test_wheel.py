@@ -100,6 +100,29 @@ def test_wheel_is_well_formed_private_and_relocatable(built, tmp_path):
     assert rodata.count(b"\0/dev/null\0") >= 2
 
 
+def test_strings_of_the_wheels_files_name_no_build_path(built, tmp_path):
+    """The build compiled with file-prefix maps (installer/buildsys/filemap.py), so `installer
+    wheel` only repoints UCX's two compiled-in directories in libucs (a build taken from a binary
+    cache has them repointed already) and says how many, not which; then `strings` over every
+    library and module of the wheel names neither where the build lies nor where it was built
+    (its kvstack-manifest.json says both, as the build's record)."""
+    m = built["manifest"]
+    count = 0 if "binary_cache" in m else 2
+    assert f"made to name /dev/null: {count} strings in libucs" in built["out"], built["out"]
+    assert "compiled-in /" not in built["out"]  # no string is listed
+    with zipfile.ZipFile(built["wheel"]) as zf:
+        zf.extractall(tmp_path)
+    dirs = {m["install_dir"], m.get("binary_cache", {}).get("built_in") or m["install_dir"]}
+    elves = [p for p in tmp_path.rglob("*") if elf.is_elf(p)]
+    assert len(elves) >= 10
+    named = {}
+    for f in elves:
+        out = _run(["strings", "-a", str(f)]).stdout.splitlines()
+        if hits := [s for s in out if any(d in s for d in dirs)]:
+            named[str(f.relative_to(tmp_path))] = hits[:3]
+    assert not named, named
+
+
 def test_the_same_build_gives_the_same_wheel(built, tmp_path):
     """The grafted names come from the staged libraries' bytes and the zip's dates from
     SOURCE_DATE_EPOCH: a second wheel of the build is the first, byte for byte."""

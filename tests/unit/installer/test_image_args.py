@@ -13,9 +13,12 @@ def test_default_base_image_per_platform():
         args = image.build_args(req)
         rdma = ("libibverbs1 librdmacm1 ibverbs-providers", "libibverbs.so.1")  # every platform's UCX links it
         pkgs, lib = (f"libze1 {rdma[0]}", f"libze_loader.so.1 {rdma[1]}") if p == "xpu" else rdma
-        assert args == {"PLATFORM": p, "VARIANT": "", "BASE_IMAGE": image.BASE_IMAGES[p], "WITH_MIRROR": "0", "WITH_CA": "0",
-                        "WITH_OVERLAYS": "0", "WITH_WHEELS": "0", "WITH_BINARY_CACHE": "0",
-                        "RUNTIME_PACKAGES": pkgs, "RUNTIME_LIBRARY": lib, "KVSTACK_STAGED": "1"}
+        assert args == {"PLATFORM": p, "VARIANT": "", "BASE_IMAGE": image.BASE_IMAGES[p],
+                        "RUNTIME_BASE_IMAGE": image.BASE_IMAGES[p], "WITH_MIRROR": "0",
+                        "WITH_CA": "0", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0",
+                        "WITH_BINARY_CACHE": "0", "OFFLINE": "0",
+                        "RUNTIME_PACKAGES": pkgs, "RUNTIME_LIBRARY": lib,
+                        "KVSTACK_STAGED": "1"}
     assert "cuda" in image.BASE_IMAGES["cuda"] and "devel" in image.BASE_IMAGES["cuda"]
 
 
@@ -26,8 +29,10 @@ def test_mirror_and_ca_map_to_args(tmp_path):
     ca.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
     req = image.request("cpu", "me/kv:1", "local/debian:12", str(tmp_path / "m"), str(ca))
     assert image.build_args(req) == {"PLATFORM": "cpu", "VARIANT": "", "BASE_IMAGE": "local/debian:12",
+                                     "RUNTIME_BASE_IMAGE": "local/debian:12",
                                      "WITH_MIRROR": "1", "WITH_CA": "1", "WITH_OVERLAYS": "0", "WITH_WHEELS": "0",
-                                     "WITH_BINARY_CACHE": "0", "RUNTIME_PACKAGES": image.RDMA_CORE[0],
+                                     "WITH_BINARY_CACHE": "0", "OFFLINE": "0",
+                                     "RUNTIME_PACKAGES": image.RDMA_CORE[0],
                                      "RUNTIME_LIBRARY": image.RDMA_CORE[1], "KVSTACK_STAGED": "1"}
 
 
@@ -39,6 +44,21 @@ def test_a_binary_cache_maps_to_its_arg_and_one_without_a_build_is_one_line(tmp_
     (tmp_path / "cache" / "cpu-0123456789ab" / "manifest.json").write_text("{}")
     req = image.request("cpu", binary_cache=str(tmp_path / "cache"))
     assert req.binary_cache == (tmp_path / "cache").resolve() and image.build_args(req)["WITH_BINARY_CACHE"] == "1"
+
+
+def test_offline_builds_with_no_network_and_needs_wheels(tmp_path):
+    with pytest.raises(UsageError) as e:
+        image.request("cpu", offline=True)
+    line = e.value.line()
+    assert "--offline" in line and "--wheels" in line and "\n" not in line
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "numpy-2.0.0-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")
+    req = image.request("cpu", wheels=str(tmp_path / "w"), offline=True,
+                        runtime_base_image="local/runtime:12")
+    assert image.build_args(req)["OFFLINE"] == "1" and image.network_mode(req) == "none"
+    assert image.build_args(req)["RUNTIME_BASE_IMAGE"] == "local/runtime:12"
+    req = image.request("cpu", wheels=str(tmp_path / "w"))
+    assert image.build_args(req)["OFFLINE"] == "0" and image.network_mode(req) == "host"
 
 
 def test_xpu_image_takes_the_ze_ipc_variant():
@@ -54,6 +74,7 @@ def test_xpu_image_takes_the_ze_ipc_variant():
     ({"platform": "rocm"}, "--platform"),
     ({"platform": "cpu", "tag": "Bad Tag"}, "--tag"),
     ({"platform": "cpu", "base_image": "x;rm -rf /"}, "--base-image"),
+    ({"platform": "cpu", "runtime_base_image": "x;rm -rf /"}, "--runtime-base-image"),
 ])
 def test_bad_options_are_one_line(kw, needle):
     with pytest.raises(UsageError) as e:

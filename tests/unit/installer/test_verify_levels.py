@@ -168,3 +168,29 @@ def test_the_demo_is_not_checked_where_the_target_python_has_no_transformers(tmp
     assert check["check"] == verify.DEMO and check["ok"] is None
     assert check["detail"] == (f"not checked here: torch and transformers are not importable by "
                                f"{python} (pip install torch 'kvstack[demo]' there to run it)")
+
+
+def test_the_selftest_started_beside_the_earlier_levels_is_stopped_when_one_fails(tmp_path,
+                                                                                 monkeypatch):
+    """The moved level's selftest starts before the built and loaded levels, so it runs beside
+    their short commands; when one of them fails its result is never read and its process does not
+    outlive verification. (A sleeping Python stands in for the selftest: nothing here can move.)"""
+    import sys
+    started = []
+
+    class Recorded(verify.Selftest):
+        ARGS = ("-c", "import time; time.sleep(60)")
+
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            started.append(self)
+
+    monkeypatch.setattr(verify, "Selftest", Recorded)
+    spec = {**SPEC, "ucx": {**SPEC["ucx"], "defines": [], "modules": {}, "absent_defines": []},
+            "nixl": {"module": "nixl_cpu", "plugins": ["UCX"]}}
+    report = verify.report_levels(spec, "cpu", tmp_path, dict(os.environ), sys.executable, {}, None,
+                                  False, ["ucx", "nixl"])
+    assert report["levels"]["built"]["status"] == "failed" and not report["ok"]
+    assert report["levels"]["moved"] == {"status": "skipped", "reason": "an earlier level failed",
+                                         "checks": []}
+    assert len(started) == 1 and started[0].proc.poll() is not None  # started, then stopped

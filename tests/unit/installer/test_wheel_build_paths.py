@@ -1,9 +1,10 @@
 """What a wheel's files may say about the build they came from. UCX compiles its install's module
-and configuration directories into libucs' read-only data; the wheel makes such strings name
-/dev/null (same length, NUL-padded, nothing in the file moves), and refuses a file that still
-names the build where something reads it at run time. The shared library here is compiled with
-the host's C compiler (a real ELF file, as UCX's are); patchelf's leftovers in .dynstr and
-anything in symbols or notes do not count."""
+and configuration directories into libucs' read-only data; the wheel (and a binary-cache install
+elsewhere) makes those two name /dev/null (same length, NUL-padded, nothing in the file moves),
+and nothing else: every other path of a build is kept out by the file-prefix maps, so the wheel
+refuses a file that still names the build where something reads it at run time. The shared
+library here is compiled with the host's C compiler (a real ELF file, as UCX's are); patchelf's
+leftovers in .dynstr and anything in symbols or notes do not count."""
 from __future__ import annotations
 
 import ctypes
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from installer import elf, wheel
+from installer import ucxdirs, wheel
 from installer.errors import PrefixError
 
 BUILD = "/opt/kvstack.builds/cpu-0123456789ab"
@@ -48,17 +49,16 @@ def _strings(so: Path) -> dict[str, bytes]:
     return out
 
 
-def test_compiled_in_build_directories_come_to_name_nowhere(libucs, tmp_path):
+def test_ucxs_compiled_in_directories_come_to_name_nowhere_and_nothing_else(libucs, tmp_path):
     size = libucs.stat().st_size
-    done = elf.replace_strings(libucs, [BUILD.encode()], ".rodata", wheel.NOWHERE)
-    assert sorted(done) == [f"{BUILD}/ucx/etc/ucx", f"{BUILD}/ucx/lib/ucx"]
+    assert ucxdirs.repoint(libucs, ["/elsewhere", BUILD]) == 2
     assert libucs.stat().st_size == size
     copy = tmp_path / "loaded.so"  # a fresh name: this process may hold the first one already
     shutil.copy(libucs, copy)
     got = _strings(copy)
     assert got["module_dir"] == got["config_dir"] == b"/dev/null"
     assert got["other"] == f"kept: {BUILD}".encode()  # a string that only holds the path further on
-    assert elf.replace_strings(libucs, [BUILD.encode()], ".rodata", wheel.NOWHERE) == []
+    assert ucxdirs.repoint(libucs, [BUILD]) == 0
 
 
 def test_a_file_still_naming_the_build_is_refused_with_its_place(libucs, tmp_path):
@@ -68,7 +68,7 @@ def test_a_file_still_naming_the_build_is_refused_with_its_place(libucs, tmp_pat
     with pytest.raises(PrefixError) as e:
         wheel._check_build_named(root, ["pkg.libs"], [BUILD])
     assert "pkg.libs/libucs.so.0 names the build directory in .rodata: " in e.value.line()
-    elf.replace_strings(root / "pkg.libs" / "libucs.so.0", [BUILD.encode()], ".rodata", wheel.NOWHERE)
+    ucxdirs.repoint(root / "pkg.libs" / "libucs.so.0", [BUILD])
     with pytest.raises(PrefixError, match="in .rodata: 'kept: "):
         wheel._check_build_named(root, ["pkg.libs"], [BUILD])
 
@@ -104,3 +104,25 @@ def test_preload_never_deep_binds(monkeypatch):
     assert os.environ["KVRUNTIME_KV_BUFFER"] == "device"
     code = wheel.PRELOAD_SOURCE.read_text().split('"""')[2]
     assert "RTLD_DEEPBIND" not in code and "mode=" not in code  # what it loads (from_pip), it loads plainly
+
+
+def test_what_a_runpath_rewrite_left_in_dynstr_is_blanked_and_the_library_still_loads(tmp_path):
+    """meson's install leaves the tail of the build's RUNPATH in .dynstr (`./utils/serdes:<build>/
+    ucx/lib`): the wheel zeroes it from the build's path on. Here the live RUNPATH stands in for
+    such a tail (the bytes are the same kind); nothing moves and the library loads."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler on this host")
+    from installer import elf
+    (tmp_path / "x.c").write_text("int x(void) { return 7; }\n")
+    so = tmp_path / "libx.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(so), str(tmp_path / "x.c"),
+                    f"-Wl,-rpath,./utils/serdes:{BUILD}/ucx/lib"], check=True)
+    size = so.stat().st_size
+    assert elf.blank_dead_paths(so, [BUILD.encode()]) == 1
+    assert so.stat().st_size == size and BUILD.encode() not in so.read_bytes()
+    patchelf = elf.find_patchelf()
+    if patchelf:
+        assert elf.Patchelf(patchelf).rpath(so) == "./utils/serdes:"
+    assert ctypes.CDLL(str(so)).x() == 7
+    assert elf.blank_dead_paths(so, [BUILD.encode()]) == 0
