@@ -35,7 +35,9 @@ def timed(spans, cls, name):
 def prefill(q, dev):
     import logging
 
-    from kvruntime import KVCache, KVLayout, PrefillServer, stages, staging
+    from kvruntime import KVCache, KVLayout, PrefillServer
+    from kvruntime.pools import staging
+    from kvruntime.prefill import stages
     logging.basicConfig(level=logging.INFO,
                         format="%(relativeCreated)8.1f prefill %(name)s %(message)s")
     # the prefill's side of a coalesced request: when a stage arrives, what its gather and

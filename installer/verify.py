@@ -39,7 +39,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 NO_NIXL = "this recipe builds no NIXL"
 POLICY_PROBE = r"""
 import json, sys
-from kvruntime.transports import describe, ucx_settings
+from kvruntime.nixl.transports import describe, ucx_settings
 device, offered = sys.argv[1], set(filter(None, sys.argv[2].split(",")))
 added = ucx_settings(device, {}, offered)
 print(json.dumps({"added": added, "why": describe(added, {}, device, offered)}))

@@ -26,10 +26,10 @@ from .plan import TransferPlan, make_plan
 
 # public name -> the internal module that holds it, imported when the name is first read
 _LAZY = {
-    "PrefillServer": "prefill",
-    "DecodeClient": "decode",
+    "PrefillServer": "prefill.server",
+    "DecodeClient": "decode.client",
     "KVCache": "memory",
-    "TransferHandle": "inflight",
+    "TransferHandle": "decode.inflight",
     "TransferResult": "jobs",
 }
 

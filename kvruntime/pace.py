@@ -1,5 +1,6 @@
 """How long a wait spins before it naps: pure bookkeeping of how fast a peer has moved
-requests, used by the decode's handles (inflight.py) and the prefill's WRITEs (pushes.py)."""
+requests, used by the decode's handles (inflight.py) and the prefill's WRITEs
+(prefill/pushes.py)."""
 
 from __future__ import annotations
 

@@ -60,10 +60,10 @@ class BenchConfig:
 
 
 def run_bench(cfg: BenchConfig) -> dict:
-    from ..binding import load_nixl
-    from ..decode import DecodeClient
-    from ..samenode import SameNodeUnavailable
-    from ..transports import ucx_environment
+    from ..decode.client import DecodeClient
+    from ..engines.samenode import SameNodeUnavailable
+    from ..nixl.binding import load_nixl
+    from ..nixl.transports import ucx_environment
 
     report: dict = {"tool": "kvruntime bench", "config": asdict(cfg), "thp": thp_mode(),
                     "results": [], "ok": False}
@@ -81,7 +81,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     # direct sides' pools for coalesced requests)
     options["staging_blocks"] = -(-max(cfg.sizes_mib) * 1024 // cfg.block_kib) + 1
     from ..errors import TransportError
-    from ..transports import CrossHost, cross_host, describe, rdma_facts
+    from ..nixl.transports import CrossHost, cross_host, describe, rdma_facts
 
     # the choice across hosts, from the environment prepare_process starts from (the same
     # inputs give the same choice; after it, every setting would read as the user's)

@@ -23,7 +23,7 @@ def _timeline(pool, blocks, iters: int) -> dict:
     """Medians over ``iters`` gathers of all heads of ``blocks`` into the pool's first run."""
     import torch
 
-    from ..bounce import pieces
+    from ..pools.bounce import pieces
 
     mod = getattr(torch, pool._device[0].device.type)
     rows = {"ids_us": [], "fills_us": [], "queue_us": [], "copy_stream_ms": [], "call_ms": []}
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     from ..memory import KVCache, device_unavailable
-    from ..staging import StagingPool
+    from ..pools.staging import StagingPool
     from .bench import BenchConfig, _staging_copies
     from .workload import bench_layout
 

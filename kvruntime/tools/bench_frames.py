@@ -27,7 +27,7 @@ from .cli import Parser
 def _per_request(payloads, sessions, requests: int) -> float:
     """Seconds per request: both frames sealed and checked (``sessions``), or encoded and
     parsed (None)."""
-    from .. import frames
+    from ..wire import frames
 
     t0 = time.perf_counter()
     if sessions is None:
@@ -47,7 +47,7 @@ def _per_request(payloads, sessions, requests: int) -> float:
 def measure(n_ids: int, requests: int, rounds: int) -> dict:
     import numpy as np
 
-    from .. import frames
+    from ..wire import frames
 
     packed = frames.pack_ids(np.arange(n_ids, dtype=np.int64))
     messages = [{"type": "push", "request": "1234-56", "src": packed, "dst": packed,

@@ -42,7 +42,7 @@ START_AHEAD = 0.005  # seconds between naming the processes' start and the start
 
 
 def run_inflight(cfg, binding, layout, port, decode_options, engine, rnd) -> dict:
-    from ..decode import DecodeClient
+    from ..decode.client import DecodeClient
     from .roles import allocate_cache
 
     n_peers, n_requests = cfg.inflight
@@ -191,9 +191,9 @@ def decode_worker(pipe, layout_spec: dict, port: int, options: dict, engine: str
 
         _log_from_env()
         prepare_process(options)  # UCX settings before NIXL is imported
-        from ..binding import load_nixl
-        from ..decode import DecodeClient
+        from ..decode.client import DecodeClient
         from ..layout import KVLayout
+        from ..nixl.binding import load_nixl
 
         binding = load_nixl(options.get("nixl_module"))
         cache = allocate_cache(KVLayout.from_dict(layout_spec), options)

@@ -17,7 +17,7 @@ from .roles import _log_from_env, _serve_command, prefill_pushes, prepare_proces
 
 # The allocators' orders: the prefill's and the decode's blocks for one request differ.
 PREFILL_ALLOCATOR, DECODE_ALLOCATOR = 1, 2
-# client keyword arguments of each engine the demo runs (engines.py, coalesce.py, staging.py)
+# client keyword arguments of each engine the demo runs (engines/choice.py, coalesce.py, staging.py)
 ENGINE_OPTIONS = {
     "nixl": dict(engine="nixl", coalesce="never"),
     "samenode": dict(engine="samenode", coalesce="never"),
@@ -53,9 +53,9 @@ def prefill_main(report, control, replies, spec: dict) -> None:
         prepare_process({"device": spec["device"]})
         import torch
 
-        from ..binding import load_nixl
         from ..memory import KVCache
-        from ..prefill import PrefillServer
+        from ..nixl.binding import load_nixl
+        from ..prefill.server import PrefillServer
         from . import model_kv
 
         torch.set_num_threads(1)  # the arithmetic of every process alike, and 2 cores shared
@@ -114,7 +114,7 @@ def decode_main(report, spec: dict) -> None:
         prepare_process({"device": spec["device"]})
         import torch
 
-        from ..binding import load_nixl
+        from ..nixl.binding import load_nixl
         from . import model_kv
 
         torch.set_num_threads(1)
@@ -137,9 +137,9 @@ def decode_main(report, spec: dict) -> None:
 def _run_case(case: dict, spec: dict, model, binding, device: str) -> dict:
     """One case: connect d decode ranks to the prefill ranks that hold their heads, move the
     prompt's blocks, rebuild the model's cache from the pages, generate."""
-    from ..decode import DecodeClient
+    from ..decode.client import DecodeClient
+    from ..engines.samenode import SameNodeUnavailable
     from ..memory import KVCache
-    from ..samenode import SameNodeUnavailable
     from ..tp import head_slices
     from . import model_kv
 

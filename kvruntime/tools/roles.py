@@ -21,7 +21,7 @@ def device_of(options: dict) -> str:
 def prepare_process(options: dict) -> dict:
     """First thing a role process does: UCX settings for its memory kind, before NIXL (and
     with it UCX) is imported, so that e.g. cuda pull gets CUDA IPC rather than TCP."""
-    from ..transports import apply_ucx_settings
+    from ..nixl.transports import apply_ucx_settings
 
     # host-staged: NIXL moves only the host staging pools, whatever memory the caches are in
     staged = options.get("kv_buffer") == "host_staged"
@@ -46,8 +46,8 @@ def prefill_main(queue, control, layouts: list[dict], seed: int, options: dict) 
     try:
         _log_from_env()
         prepare_process(options)
-        from ..binding import load_nixl
-        from ..prefill import PrefillServer
+        from ..nixl.binding import load_nixl
+        from ..prefill.server import PrefillServer
 
         binding = load_nixl(options.get("nixl_module"))
         ports = []

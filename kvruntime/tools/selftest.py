@@ -94,9 +94,9 @@ def _decode_every_mode(modes, ports, layouts, seed, options) -> str:
     client_objs, caches = [], []
     try:
         prepare_process(options)
-        from ..binding import load_nixl
-        from ..decode import DecodeClient
-        from ..samenode import SameNodeUnavailable
+        from ..decode.client import DecodeClient
+        from ..engines.samenode import SameNodeUnavailable
+        from ..nixl.binding import load_nixl
 
         device = device_of(options)
         binding = load_nixl(options.get("nixl_module"))
@@ -319,7 +319,7 @@ def ucx_policy(device_id: int = 0) -> dict[str, list[str]]:
     process's environment, which the pairs inherit: for xpu, the transport choice and its reason;
     for each, the choice across hosts from this host's RDMA ports (device memory on
     ``device_id``). ucx_info runs once at most."""
-    from ..transports import policy, rdma_facts
+    from ..nixl.transports import policy, rdma_facts
 
     out, offered = {}, None
     for kind in ("cpu", *DEVICES):

@@ -45,33 +45,33 @@ from .workload import bench_layout, pick_blocks
 
 # (module, class or None, attribute, label; None: the first argument names it, Agent.call's)
 COMMON_STEPS = (
-    ("kvruntime.agent", "Agent", "call", None),
-    ("kvruntime.channel", "Channel", "send", "frame out"),
+    ("kvruntime.nixl.agent", "Agent", "call", None),
+    ("kvruntime.wire.channel", "Channel", "send", "frame out"),
 )
 DECODE_STEPS = COMMON_STEPS + (
-    ("kvruntime.decode", None, "connect", "socket connect"),
-    ("kvruntime.decode", None, "client_handshake", "handshake frames"),
-    ("kvruntime.registration", "Registration", "prepare_peer", "prepare peer list"),
-    ("kvruntime.engines", None, "choose", "engine choice (+lane probe)"),
-    ("kvruntime.coalesce", None, "open_route", "coalesce route (+probe)"),
-    ("kvruntime.decode", "PrefillPeer", "rehearse", "rehearse"),
-    ("kvruntime.decode", "PrefillPeer", "start_pull", "start_pull"),
-    ("kvruntime.decode", "PrefillPeer", "start_push", "start_push"),
-    ("kvruntime.decode", "PrefillPeer", "_admit", "plan"),
-    ("kvruntime.channel", "PeerChannel", "send", "frame out"),
-    ("kvruntime.channel", "PeerChannel", "dispatch", "frame in"),
-    ("kvruntime.inflight", "TransferHandle", "wait", "wait"),
+    ("kvruntime.decode.client", None, "connect", "socket connect"),
+    ("kvruntime.decode.client", None, "client_handshake", "handshake frames"),
+    ("kvruntime.nixl.registration", "Registration", "prepare_peer", "prepare peer list"),
+    ("kvruntime.engines.choice", None, "choose", "engine choice (+lane probe)"),
+    ("kvruntime.engines.coalesce", None, "open_route", "coalesce route (+probe)"),
+    ("kvruntime.decode.client", "PrefillPeer", "rehearse", "rehearse"),
+    ("kvruntime.decode.client", "PrefillPeer", "start_pull", "start_pull"),
+    ("kvruntime.decode.client", "PrefillPeer", "start_push", "start_push"),
+    ("kvruntime.decode.client", "PrefillPeer", "_admit", "plan"),
+    ("kvruntime.wire.channel", "PeerChannel", "send", "frame out"),
+    ("kvruntime.wire.channel", "PeerChannel", "dispatch", "frame in"),
+    ("kvruntime.decode.inflight", "TransferHandle", "wait", "wait"),
 )
 PREFILL_STEPS = COMMON_STEPS + (
-    ("kvruntime.channel", "Channel", "read", "frame read (incl. idle)"),
-    ("kvruntime.prefill", None, "serve_handshake", "handshake frames"),
-    ("kvruntime.prefill", "PrefillServer", "_add_peer", "admit decode"),
-    ("kvruntime.registration", "Registration", "prepare_peer", "prepare peer list"),
-    ("kvruntime.prefill", "PrefillServer", "_handle", "handle frame"),
-    ("kvruntime.pushes", "Pushes", "start_write", "start_write"),
-    ("kvruntime.pushes", "Writes", "post", "post WRITE"),
-    ("kvruntime.pushes", "Writes", "_end_write", "answer WRITE"),
-    ("kvruntime.pushes", "Writes", "_check_lanes", "lane check"),
+    ("kvruntime.wire.channel", "Channel", "read", "frame read (incl. idle)"),
+    ("kvruntime.prefill.server", None, "serve_handshake", "handshake frames"),
+    ("kvruntime.prefill.server", "PrefillServer", "_add_peer", "admit decode"),
+    ("kvruntime.nixl.registration", "Registration", "prepare_peer", "prepare peer list"),
+    ("kvruntime.prefill.server", "PrefillServer", "_handle", "handle frame"),
+    ("kvruntime.prefill.pushes", "Pushes", "start_write", "start_write"),
+    ("kvruntime.prefill.pushes", "Writes", "post", "post WRITE"),
+    ("kvruntime.prefill.pushes", "Writes", "_end_write", "answer WRITE"),
+    ("kvruntime.prefill.pushes", "Writes", "_check_lanes", "lane check"),
 )
 # NIXL calls of the progress loops' idle polling: counted, not listed one by one
 IDLE_CALLS = ("get_new_notifs",)
@@ -121,7 +121,7 @@ def _prefill(ready_q, control, layout: dict, options: dict) -> None:
     try:
         prepare_process(options)
         trace = Trace("prefill", PREFILL_STEPS)
-        from ..prefill import PrefillServer
+        from ..prefill.server import PrefillServer
 
         cache = allocate_cache(KVLayout.from_dict(layout), options)
         cache.fill_random(7)
@@ -233,8 +233,8 @@ def _request(op: str, peer, src, dst) -> tuple[float, float, object]:
 
 
 def run(args) -> dict:
-    from ..binding import load_nixl
-    from ..decode import DecodeClient
+    from ..decode.client import DecodeClient
+    from ..nixl.binding import load_nixl
 
     options = {"device": args.device, "coalesce": args.coalesce}
     prepare_process(options)  # UCX's settings for this memory, before NIXL is loaded

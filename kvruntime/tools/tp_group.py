@@ -238,7 +238,7 @@ class _Rank:
         self.spec, self.pushers = spec, pushers
         self.options = options = spec["options"]
         prepare_process(options)
-        from ..binding import load_nixl
+        from ..nixl.binding import load_nixl
 
         self.binding = load_nixl(options.get("nixl_module"))
         self.cache = allocate_cache(KVLayout.from_dict(spec["layout"]), options)
@@ -265,8 +265,8 @@ class _Rank:
         return self._move(command)
 
     def _connect(self, engine: str, ports) -> dict:
-        from ..decode import DecodeClient
-        from ..samenode import SameNodeUnavailable
+        from ..decode.client import DecodeClient
+        from ..engines.samenode import SameNodeUnavailable
 
         self._close_client()
         options, kv_buffer = self.options, ENGINES[engine]["kv_buffer"]
@@ -314,7 +314,7 @@ class _Rank:
                 else None
             reply["transports"] = self.client.agent.transports() if lanes is not None else None
             if self.cache.mem_type == "VRAM" and lanes:
-                from ..ucxlog import device_lanes_on_tcp
+                from ..nixl.ucxlog import device_lanes_on_tcp
 
                 reply["tcp_for_device_memory"] = [str(lane) for lane in
                                                   device_lanes_on_tcp(lanes, True, True)]

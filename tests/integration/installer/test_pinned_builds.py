@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from installer import envfile, recipe, verify
-from kvruntime import transports
+from kvruntime.nixl import transports
 
 pytestmark = [pytest.mark.integration, pytest.mark.build]
 PR_HEAD = "b8d6012325b5fe026a94be537009f486ed2b9d40"
@@ -228,7 +228,7 @@ def test_the_choice_across_hosts_on_the_cpu_builds_real_ucx_info(cpu, monkeypatc
     """The cpu build has verbs, rdmacm, mlx5 and efa, but ucx_info lists an RDMA transport only
     on a device that exists: on a host without an HCA none, so across hosts is tcp, said; and a
     UCX_NET_DEVICES naming an RDMA port is refused before NIXL would fail (prime-rl #3204)."""
-    from kvruntime import nics
+    from kvruntime.nixl import nics
 
     _ucx_env(cpu, monkeypatch)
     offered = transports.offered_devices()
@@ -249,7 +249,7 @@ def test_the_choice_across_hosts_under_ibmocks_efa_devices(cpu, monkeypatch):
     them): two EFA devices with ud_verbs and srd, which the policy takes as RDMA with an AM lane,
     pinning a GPU's nearest; sysfs shows none of them, which the policy says."""
     from installer import ibmock
-    from kvruntime import nics
+    from kvruntime.nixl import nics
 
     mock = Path(os.environ.get("KVSTACK_IBMOCK_DIR") or cpu["dir"] / "verify" / "ibmock")
     if not (mock / "libibverbs.so.1").exists():

@@ -14,7 +14,7 @@ def pytest_configure(config):
 
 
 def _have_nixl() -> bool:
-    from kvruntime.binding import load_nixl
+    from kvruntime.nixl.binding import load_nixl
     from kvruntime.errors import NixlNotFoundError
 
     try:
@@ -42,7 +42,7 @@ def check_bench_descriptors(row: dict, regions: int, pieces: int = 1) -> None:
     times its ``pieces`` a run (``split``); one that went through the staging pools
     (``coalesced``) has one a chunk READ, its runs merged: at least one, at most a piece's
     chunks (staging.MAX_CHUNKS; the bench's pools hold its largest request whole)."""
-    from kvruntime.staging import MAX_CHUNKS
+    from kvruntime.pools.staging import MAX_CHUNKS
 
     if row["coalesced"]:
         assert 1 <= row["descriptors"] <= max(MAX_CHUNKS.values()), row
@@ -93,10 +93,10 @@ def pushing_prefill():
 
 
 def _pair(engine: str, **options):
-    from kvruntime.decode import DecodeClient
+    from kvruntime.decode.client import DecodeClient
     from kvruntime.layout import CROSS_LAYER, KVLayout
     from kvruntime.memory import KVCache
-    from kvruntime.prefill import PrefillServer
+    from kvruntime.prefill.server import PrefillServer
 
     layout = KVLayout(CROSS_LAYER, 2, 128, 16, 4, 32, "float16")
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)

@@ -15,10 +15,10 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 
 from kvruntime import native  # noqa: E402
-from kvruntime.binding import load_nixl  # noqa: E402
+from kvruntime.nixl.binding import load_nixl  # noqa: E402
 from kvruntime.layout import CROSS_LAYER, KVLayout  # noqa: E402
 from kvruntime.memory import KVCache  # noqa: E402
-from kvruntime.transports import apply_ucx_settings  # noqa: E402
+from kvruntime.nixl.transports import apply_ucx_settings  # noqa: E402
 
 LAYOUT = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
 SEED = 11
@@ -29,7 +29,7 @@ def prefill(uid: int) -> None:
     import sysconfig
 
 
-    from kvruntime.prefill import PrefillServer
+    from kvruntime.prefill.server import PrefillServer
 
     load_nixl()
     native.status()
@@ -49,7 +49,7 @@ def prefill(uid: int) -> None:
 
 
 def decode(port: int) -> None:
-    from kvruntime.decode import DecodeClient
+    from kvruntime.decode.client import DecodeClient
 
     apply_ucx_settings("cpu")
     src = KVCache.allocate_host(LAYOUT, False)

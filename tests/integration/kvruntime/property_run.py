@@ -57,7 +57,7 @@ def trial(cfg: dict, seed: int, rnd: random.Random, requests: int) -> dict:
     """Run one configuration; its counts."""
     import numpy as np
 
-    from kvruntime.decode import DecodeClient
+    from kvruntime.decode.client import DecodeClient
     from kvruntime.errors import KVRuntimeError
     from kvruntime.memory import KVCache
     from kvruntime.tools.roles import prefill_main, reap

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from kvruntime.decode import DecodeClient
+from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import KVRuntimeError, PeerError, TransferTimeout, WaitTimeout
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
-from kvruntime.prefill import PrefillServer
+from kvruntime.prefill.server import PrefillServer
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +108,7 @@ def test_a_push_sent_as_runs_is_checked_by_the_prefill(prefill, monkeypatch):
     """A push of few runs travels as runs (three integers each), not as two id lists, and the
     prefill plans from them. Runs naming one block twice — a hostile or broken decode — are
     refused there with the planner's line, and nothing is written."""
-    from kvruntime import decode as decode_mod
+    from kvruntime.decode import client as decode_mod
     from kvruntime.errors import TransferError
 
     layout = small()
@@ -155,7 +155,7 @@ def test_wait_shorter_than_the_request_leaves_it_running(prefill, stall):
 
 
 def test_a_peer_whose_cancel_goes_unanswered_is_not_trusted(prefill, monkeypatch, stall):
-    import kvruntime.channel as channel
+    import kvruntime.wire.channel as channel
 
     monkeypatch.setattr(channel, "SETTLE_SECONDS", 0.5)
     layout = small()

@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from kvruntime.decode import DecodeClient
+from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import KVRuntimeError, TransferError, TransferTimeout
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.plan import make_plan
-from kvruntime.staging import StagingExhausted
+from kvruntime.pools.staging import StagingExhausted
 
 pytestmark = pytest.mark.integration
 
@@ -259,7 +259,7 @@ def test_a_decode_killed_mid_request_has_the_prefills_run_freed_and_released(dec
     by a decode that is gone."""
     import multiprocessing
 
-    from kvruntime.prefill import PrefillServer
+    from kvruntime.prefill.server import PrefillServer
 
     layout = KVLayout(CROSS_LAYER, 2, 200, 16, 8, 256, "float16")  # 256 KiB blocks
     cache = KVCache.allocate_host(layout)

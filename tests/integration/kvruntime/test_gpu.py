@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from kvruntime.decode import DecodeClient
+from kvruntime.decode.client import DecodeClient
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache, device_unavailable
 from kvruntime.plan import coalesce
@@ -32,7 +32,7 @@ def small(kind, blocks=64):
 
 
 def _has_triton() -> bool:
-    from kvruntime import gather
+    from kvruntime.engines import gather
 
     return gather.triton is not None
 
@@ -296,7 +296,7 @@ def test_head_gather_kernel_copies_the_slice_and_nothing_else(monkeypatch, ids, 
         pytest.skip("the head kernel is Triton's")
     import torch
 
-    from kvruntime import gather
+    from kvruntime.engines import gather
     from kvruntime.tp import HeadSlice
 
     monkeypatch.setattr(gather, "HEAD_TILE_BYTES", tile)
@@ -381,7 +381,7 @@ def test_staged_copies_through_the_bounce_ring_are_bit_exact(kind, heads):
     each other; compared with the device's own index ops on the same tensors."""
     import numpy as np
 
-    from kvruntime.staging import StagingPool
+    from kvruntime.pools.staging import StagingPool
 
     layout = small(kind)
     cache = KVCache.allocate_device(layout, "cuda", DEVICE_ID)
@@ -408,7 +408,7 @@ def test_coalesced_vram_pool_copies_chunk_by_chunk_are_bit_exact(kind, heads):
     regions, compared with the device's own index ops region by region."""
     import numpy as np
 
-    from kvruntime.staging import StagingPool
+    from kvruntime.pools.staging import StagingPool
 
     layout = small(kind)
     cache = KVCache.allocate_device(layout, "cuda", DEVICE_ID)
@@ -452,7 +452,7 @@ def test_the_runtime_calls_order_work_like_torchs_own():
     import numpy as np
     import torch
 
-    from kvruntime import cudart
+    from kvruntime.host import cudart
 
     dev = torch.device("cuda", DEVICE_ID)
     caller = torch.cuda.current_stream(dev)
@@ -484,7 +484,7 @@ def test_the_peers_gpu_is_found_by_uuid_when_it_numbers_gpus_otherwise(prefill, 
 
     import torch
 
-    from kvruntime.samenode import visible_gpus
+    from kvruntime.engines.samenode import visible_gpus
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from kvruntime import frames
-from kvruntime.decode import DecodeClient
+from kvruntime.wire import frames
+from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import AuthError, KVRuntimeError
 from kvruntime.layout import CROSS_LAYER, KVLayout
 from kvruntime.memory import KVCache
-from kvruntime.prefill import PrefillServer
+from kvruntime.prefill.server import PrefillServer
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def test_listener_survives_a_connection_flood_past_its_fd_limit():
         resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
         from kvruntime.layout import KVLayout
         from kvruntime.memory import KVCache
-        from kvruntime.prefill import PrefillServer
+        from kvruntime.prefill.server import PrefillServer
         cache = KVCache.allocate_host(KVLayout("cross_layer", 2, 32, 16, 4, 32, "float16"))
         cache.fill_random(5)
         server = PrefillServer(cache, secret=b"k", timeout=1.0, max_connections=1000,

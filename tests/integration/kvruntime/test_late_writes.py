@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-from kvruntime.decode import DecodeClient
+from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import KVRuntimeError
 from kvruntime.layout import CROSS_LAYER, KVLayout
 from kvruntime.memory import KVCache

@@ -11,7 +11,7 @@ import resource
 
 import pytest
 
-from kvruntime.decode import DecodeClient
+from kvruntime.decode.client import DecodeClient
 from kvruntime.layout import CROSS_LAYER, KVLayout
 from kvruntime.memory import KVCache
 

@@ -7,7 +7,7 @@ when staged."""
 import numpy as np
 import pytest
 
-from kvruntime.decode import DecodeClient
+from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import IncompatiblePeerError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
@@ -119,7 +119,7 @@ def test_layouts_that_cannot_pair_are_named(prefill):
 def test_direct_mixed_tp_refuses_what_it_cannot_do_by_name(prefill):
     """Direct mixed TP needs one block kind on both sides, and the same-node engine (whole
     blocks) cannot serve it: both refused at connect with the way out named."""
-    from kvruntime.samenode import SameNodeUnavailable
+    from kvruntime.engines.samenode import SameNodeUnavailable
 
     with prefill([rank_layout(PER_LAYER, 2)], seed=3, tp_ranks=[0]) as (_proc, ports):
         cache = KVCache.allocate_host(rank_layout(CROSS_LAYER, 1))

@@ -13,11 +13,11 @@ import textwrap
 
 import pytest
 
-from kvruntime.decode import DecodeClient
+from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import KVRuntimeError
 from kvruntime.layout import CROSS_LAYER, KVLayout
 from kvruntime.memory import KVCache
-from kvruntime.prefill import PrefillServer
+from kvruntime.prefill.server import PrefillServer
 
 pytestmark = pytest.mark.integration
 

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from kvruntime import frames, messages
-from kvruntime.decode import DecodeClient, PrefillPeer
+from kvruntime.wire import frames, messages
+from kvruntime.decode.client import DecodeClient, PrefillPeer
 from kvruntime.errors import KVRuntimeError, PlanError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
-from kvruntime.prefill import PrefillServer
-from kvruntime.procmem import read_remote
-from kvruntime.samenode import NodeToken, SameNodeUnavailable, prove_same_node
+from kvruntime.prefill.server import PrefillServer
+from kvruntime.host.procmem import read_remote
+from kvruntime.engines.samenode import NodeToken, SameNodeUnavailable, prove_same_node
 
 pytestmark = pytest.mark.integration
 
@@ -86,7 +86,7 @@ def test_forced_samenode_moves_scattered_blocks_in_one_request(prefill, kind, st
                                                                monkeypatch):
     """``streams``: the request split over 3 reader threads (what a many-core host gets), in
     pieces smaller than a block so that ranges are cut too."""
-    import kvruntime.samenode as samenode
+    import kvruntime.engines.samenode as samenode
 
     layout = small(kind)
     monkeypatch.setattr(samenode, "STREAM_PIECE", layout.chunk_bytes // 2 + 8)
@@ -122,7 +122,7 @@ def test_the_connect_rehearses_the_request_path_without_touching_the_cache(prefi
     bit-exact and released."""
     import numpy as np
 
-    import kvruntime.samenode as samenode
+    import kvruntime.engines.samenode as samenode
 
     started = []
 
@@ -169,7 +169,7 @@ def test_a_failed_rehearsal_is_logged_and_the_connect_stands(prefill, monkeypatc
     that missed its deadline could still write into it)."""
     import logging
 
-    import kvruntime.samenode as samenode
+    import kvruntime.engines.samenode as samenode
 
     def scratch_request(engine):
         def start():
@@ -180,7 +180,7 @@ def test_a_failed_rehearsal_is_logged_and_the_connect_stands(prefill, monkeypatc
     layout = small(CROSS_LAYER)
     with prefill([layout], seed=25) as (_proc, ports):
         cache = KVCache.allocate_host(layout)
-        with caplog.at_level(logging.INFO, logger="kvruntime.decode"):
+        with caplog.at_level(logging.INFO, logger="kvruntime.decode.client"):
             with DecodeClient(cache, engine="samenode") as client:
                 peer = client.connect("127.0.0.1", ports[0])
                 assert "rehearsing the request path failed" in caplog.text
@@ -193,7 +193,7 @@ def test_a_failed_rehearsal_is_logged_and_the_connect_stands(prefill, monkeypatc
 
 
 def test_samenode_pull_releases_the_blocks_on_the_prefill():
-    from kvruntime.prefill import PrefillServer
+    from kvruntime.prefill.server import PrefillServer
 
     layout = small()
     src_cache, dst_cache = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
@@ -287,7 +287,7 @@ def test_a_prefill_naming_another_process_is_not_trusted(prefill, monkeypatch):
     token — a victim of the same user, here another prefill whose offer it read as one of its
     decodes — is refused: that pid does not hold our connection's other end. Before, the
     decode accepted the offer and read the victim's memory at the addresses the liar named."""
-    import kvruntime.prefill as prefill_mod
+    import kvruntime.prefill.server as prefill_mod
 
     layout = small(CROSS_LAYER)
     with prefill([layout], seed=31, secret=b"s") as (victim, ports):
@@ -328,7 +328,7 @@ def test_engine_reason_says_what_was_proved(prefill):
 
 def test_the_reason_names_another_users_process_read_as_root():
     """Root reads any user's process: the reason says so instead of "same user"."""
-    from kvruntime.samenode import what_was_proved
+    from kvruntime.engines.samenode import what_was_proved
 
     if os.geteuid() != 0:
         pytest.skip("needs root to start a process of another user")

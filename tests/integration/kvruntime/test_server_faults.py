@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from kvruntime import frames
+from kvruntime.wire import frames
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
-from kvruntime.prefill import PrefillServer
+from kvruntime.prefill.server import PrefillServer
 from kvruntime.tools.roles import reap
 from kvruntime.tools.selftest import SELFTEST_SHAPE, decode_main
 

@@ -6,13 +6,13 @@ import time
 
 import pytest
 
-from kvruntime.decode import DecodeClient
+from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import IncompatiblePeerError, KVRuntimeError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
-from kvruntime.prefill import PrefillServer
+from kvruntime.prefill.server import PrefillServer
 from kvruntime.tools.selftest import request_blocks
-from kvruntime.staging import StagingExhausted, StagingPool
+from kvruntime.pools.staging import StagingExhausted, StagingPool
 
 pytestmark = pytest.mark.integration
 
@@ -225,7 +225,7 @@ def test_a_stage_naming_blocks_outside_the_prefills_cache_is_refused(prefill, mo
     what keeps its reads inside its cache. A decode whose own plan was sound but whose frame
     names another block (forged here on the way out) is refused, saying which, and nothing
     lands; the connection goes on serving. A block named twice is only read twice."""
-    from kvruntime import staged
+    from kvruntime.engines import staged
 
     layout = small(CROSS_LAYER)
     with prefill([layout], seed=5, kv_buffer="host_staged", staging_blocks=16) as (_p, ports):
@@ -294,7 +294,7 @@ def _staged_pair(**server_options):
 
 
 def _stage_frame(request, blocks, ahead):
-    from kvruntime import frames, messages
+    from kvruntime.wire import frames, messages
 
     return messages.STAGE.build(request=request, src=frames.pack_ids(blocks),
                                 deadline=time.time() + ahead)
@@ -313,7 +313,7 @@ def test_a_second_stage_of_one_request_piece_is_refused_and_the_first_run_freed(
     prefill keeps one run for it, refuses the second stage, and the unstage frees the pool
     whole. (Before: the second record replaced the first, whose run was never freed, not even
     at expiry.)"""
-    from kvruntime import staged
+    from kvruntime.engines import staged
 
     server, client, peer, src, dst = _staged_pair()
     real = staged.StagedPull.send
@@ -404,7 +404,7 @@ def test_a_failed_request_through_the_pools_names_its_engine(monkeypatch, mode, 
     the way out) names what moves it, as a NIXL READ's failure does ("NIXL READ of ...").
     (Before: "host_staged of 16384 bytes", "nixl of 16384 bytes": a result's engine name, a
     coalesced request passing for a plain NIXL one.)"""
-    from kvruntime import staged
+    from kvruntime.engines import staged
 
     layout = small(CROSS_LAYER)
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvruntime.decode import DecodeClient
+from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import KVRuntimeError, PlanError, TransferError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvruntime.binding import NixlBinding
+from kvruntime.nixl.binding import NixlBinding
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -55,8 +55,8 @@ def test_an_agent_of_pypis_nixl_ends_cleanly_on_a_host_with_rdma_core():
     pytest.importorskip("nixl_cu12")
     if ctypes.util.find_library("efa") is None:
         pytest.skip("this host has no libefa: the clash cannot happen")
-    code = ("from kvruntime.agent import Agent\n"
-            "from kvruntime.binding import load_nixl\n"
+    code = ("from kvruntime.nixl.agent import Agent\n"
+            "from kvruntime.nixl.binding import load_nixl\n"
             "a = Agent('clash-check', load_nixl('nixl_cu12'))\n"
             "print(a.ucx_env.get('UCX_MODULES'))\n"
             "a.close()\n"

@@ -2,9 +2,9 @@
 
 import pytest
 
-from kvruntime.binding import CANDIDATES, as_str, load_nixl
+from kvruntime.nixl.binding import CANDIDATES, as_str, load_nixl
 from kvruntime.errors import NixlNotFoundError, TransportError
-from kvruntime.transports import (admitted_am, apply_ucx_settings, shm_error_handling,
+from kvruntime.nixl.transports import (admitted_am, apply_ucx_settings, shm_error_handling,
                                   ucx_environment, ucx_settings, usable_am)
 
 
@@ -169,7 +169,7 @@ def test_policy_table(device, env, offered, want):
 
 
 def test_policy_says_why_and_keeps_the_users_settings():
-    from kvruntime.transports import describe
+    from kvruntime.nixl.transports import describe
 
     lines = describe({"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on"}, {"UCX_TLS": "tcp,cuda_ipc"}, "cuda")
     assert lines[0].startswith("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=on: a pull (READ)")
@@ -179,7 +179,7 @@ def test_policy_says_why_and_keeps_the_users_settings():
 def test_xpu_says_why_it_falls_back_to_ze_copy():
     """Issue 28: the ze_copy fallback is said, not silent (the real ucx_info -d of both pinned xpu
     builds: tests/integration/installer/test_pinned_builds.py)."""
-    from kvruntime.transports import REASONS, describe, xpu_tls
+    from kvruntime.nixl.transports import REASONS, describe, xpu_tls
 
     release = {"tcp", "posix", "sysv", "cma", "self", "ze_copy"}
     assert xpu_tls({}, release | {"ze_ipc"}) == ("ze_ipc,ze_copy,tcp", REASONS["UCX_TLS"])
@@ -196,14 +196,14 @@ def test_xpu_says_why_it_falls_back_to_ze_copy():
 
 
 def test_offered_transports_from_this_hosts_ucx_info_or_none():
-    from kvruntime.transports import offered_transports
+    from kvruntime.nixl.transports import offered_transports
 
     got = offered_transports()
     assert got is None or "tcp" in got  # ucx_info lists tcp wherever it runs
 
 
 def test_policy_says_the_xpu_choice_and_why_in_every_case():
-    from kvruntime.transports import REASONS, policy
+    from kvruntime.nixl.transports import REASONS, policy
 
     release = {"cma", "posix", "self", "sysv", "tcp", "ze_copy"}
     assert "UCX_TLS=ze_ipc,ze_copy,tcp: " + REASONS["UCX_TLS"] in policy("xpu", {}, release | {"ze_ipc"})

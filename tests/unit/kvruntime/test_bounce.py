@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from kvruntime.bounce import BounceRing, Piece, pieces
+from kvruntime.pools.bounce import BounceRing, Piece, pieces
 
 torch = pytest.importorskip("torch")  # the ring and the pool's device path run on torch
 

@@ -3,7 +3,7 @@ cost more than its gathered bytes, a round trip and a gather's fixed cost per pi
 numbers are the 2 x H100 ones that made auto wrong: the connect-time probe gathered 32 blocks
 of 256 KiB, took the fixed cost of launches and a wait for the gather's rate (50 GB/s) and kept
 1 GiB of 4096 random blocks direct (21.5 ms) where coalesced took 4.7 ms."""
-from kvruntime.coalesce import EXPOSED, Model
+from kvruntime.engines.coalesce import EXPOSED, Model
 
 MIB = 1 << 20
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvruntime.errors import TransportError
-from kvruntime.nics import Nic, Port, RdmaHost
-from kvruntime.transports import (cross_host, describe, parse_ucx_info, policy,
+from kvruntime.nixl.nics import Nic, Port, RdmaHost
+from kvruntime.nixl.transports import (cross_host, describe, parse_ucx_info, policy,
                                   ucx_settings)
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -56,7 +56,7 @@ def test_missing_device_gives_a_reason_and_skipped_modes(device):
 
 
 def test_kv_buffer_default_comes_from_the_environment(monkeypatch):
-    from kvruntime.staging import resolve_kv_buffer
+    from kvruntime.pools.staging import resolve_kv_buffer
 
     monkeypatch.delenv("KVRUNTIME_KV_BUFFER", raising=False)
     assert resolve_kv_buffer(None) == "device"
@@ -71,7 +71,7 @@ def test_kv_buffer_default_comes_from_the_environment(monkeypatch):
 def test_xpu_goes_direct_only_with_a_ze_capable_ucx(monkeypatch, caplog):
     import logging
 
-    from kvruntime.staging import resolve_kv_buffer
+    from kvruntime.pools.staging import resolve_kv_buffer
 
     monkeypatch.delenv("KVRUNTIME_KV_BUFFER", raising=False)
     assert resolve_kv_buffer(None, "xpu", lambda: {"tcp", "ze_copy"}) == "device"

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvruntime import frames
+from kvruntime.wire import frames
 from kvruntime.errors import FrameError, PeerError, ProtocolVersionError
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvruntime.freeruns import FreeRuns
+from kvruntime.pools.freeruns import FreeRuns
 
 
 class _ByteMap:

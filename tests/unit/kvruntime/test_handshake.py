@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kvruntime.errors import AuthError, FrameError, IncompatiblePeerError, PeerError
-from kvruntime.handshake import PeerInfo, client_handshake, serve_handshake
+from kvruntime.wire.handshake import PeerInfo, client_handshake, serve_handshake
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 
 BASE = dict(kind=CROSS_LAYER, num_layers=2, num_blocks=8, tokens_per_block=16, num_kv_heads=2,
@@ -144,7 +144,7 @@ def test_no_secret_no_metadata():
     """A client with a wrong secret never sees the server's NIXL metadata."""
     a, b = socket.socketpair()
     received = []
-    from kvruntime import frames
+    from kvruntime.wire import frames
 
     t = threading.Thread(target=lambda: _swallow(serve_handshake, a, info("p"), b"right"))
     t.start()
@@ -187,7 +187,7 @@ def _listener():
 
 
 def test_connect_to_an_ip_literal_skips_the_resolver(monkeypatch):
-    from kvruntime import handshake
+    from kvruntime.wire import handshake
 
     srv, port = _listener()
     calls = []
@@ -208,7 +208,7 @@ def test_connect_to_an_ip_literal_skips_the_resolver(monkeypatch):
 
 
 def test_connect_refused_literal_times_out_with_reason():
-    from kvruntime import handshake
+    from kvruntime.wire import handshake
     from kvruntime.errors import HandshakeTimeout
 
     srv, port = _listener()

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from kvruntime import frames
+from kvruntime.wire import frames
 from kvruntime.errors import FrameError
-from kvruntime.mailbox import Mailbox, MailboxReader
+from kvruntime.wire.mailbox import Mailbox, MailboxReader
 
 
 def ready(request, n=0):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvruntime import frames, messages
+from kvruntime.wire import frames, messages
 from kvruntime.errors import KVRuntimeError
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -39,7 +39,7 @@ def test_types_are_unique_but_for_the_two_readies():
 
 def test_the_prefill_serves_exactly_the_requests_of_the_catalog():
     """Read from PrefillServer._handle: each branch compares the type with a catalog entry."""
-    tree = ast.parse((ROOT / "kvruntime" / "prefill.py").read_text())
+    tree = ast.parse((ROOT / "kvruntime" / "prefill/server.py").read_text())
     handle = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
                   and n.name == "_handle")
     served = {node.value.attr for node in ast.walk(handle)

@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from kvruntime.naps import SLACK_NS, tighten_timer_slack
+from kvruntime.host.naps import SLACK_NS, tighten_timer_slack
 
 PR_GET_TIMERSLACK = 30
 
@@ -45,7 +45,7 @@ def test_readable_takes_any_fd_wakes_on_input_and_serves_threads_at_once():
     import socket
     import time
 
-    from kvruntime.naps import readable
+    from kvruntime.host.naps import readable
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200:
@@ -78,7 +78,7 @@ def test_await_readable_ends_on_input_or_at_its_time_either_way(monkeypatch, spi
     import os
     import socket
 
-    from kvruntime import naps
+    from kvruntime.host import naps
 
     monkeypatch.setattr(naps, "SPINS", spins)
     yields = []

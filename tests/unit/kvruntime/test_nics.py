@@ -1,11 +1,11 @@
-"""This host's RDMA NICs from sysfs, and the one nearest a GPU (kvruntime/nics.py), on fake
+"""This host's RDMA NICs from sysfs, and the one nearest a GPU (kvruntime/nixl/nics.py), on fake
 sysfs trees: no machine here has an HCA."""
 
 import os
 
 import pytest
 
-from kvruntime import nics
+from kvruntime.nixl import nics
 
 # One host, two sockets. Socket 0's root complex pci0000:00 has a PCIe switch (upstream port
 # 0000:01:00.0, downstream ports 0000:02:00.0 and 0000:02:04.0) with the GPU behind one port

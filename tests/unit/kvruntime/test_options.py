@@ -52,7 +52,7 @@ def test_the_kv_buffer_values_documented_are_the_ones_taken():
     """What ENV's table (and README's from it) and Options' docstring say ``kv_buffer`` takes
     are the values resolve_kv_buffer accepts. (Before: "direct", which it refuses.)"""
     from kvruntime.options import Options
-    from kvruntime.staging import KV_BUFFERS, resolve_kv_buffer
+    from kvruntime.pools.staging import KV_BUFFERS, resolve_kv_buffer
 
     _field, what = ENV["KVRUNTIME_KV_BUFFER"]
     assert set(re.findall(r"`(\w+)`", what)) == set(KV_BUFFERS)

@@ -10,11 +10,11 @@ import random
 import numpy as np
 import pytest
 
-from kvruntime.bounce import _TorchStreams
+from kvruntime.pools.bounce import _TorchStreams
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
-from kvruntime.poolcopy import copy_rows, pieces, spans
-from kvruntime.staging import StagingPool
+from kvruntime.pools.poolcopy import copy_rows, pieces, spans
+from kvruntime.pools.staging import StagingPool
 
 torch = pytest.importorskip("torch")  # the ring and the pool's device path run on torch
 

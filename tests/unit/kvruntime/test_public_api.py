@@ -10,11 +10,11 @@ import pytest
 import kvruntime
 
 PUBLIC = {
-    "PrefillServer": "kvruntime.prefill",
-    "DecodeClient": "kvruntime.decode",
+    "PrefillServer": "kvruntime.prefill.server",
+    "DecodeClient": "kvruntime.decode.client",
     "KVCache": "kvruntime.memory",
     "KVLayout": "kvruntime.layout",
-    "TransferHandle": "kvruntime.inflight",
+    "TransferHandle": "kvruntime.decode.inflight",
     "TransferResult": "kvruntime.jobs",
 }
 
@@ -38,10 +38,10 @@ def test_an_unknown_name_is_an_attribute_error():
 
 def test_a_bare_import_loads_no_runtime_module():
     code = ("import sys, kvruntime\n"
-            "heavy = [m for m in ('torch', 'kvruntime.decode', 'kvruntime.prefill', 'kvruntime.agent')"
+            "heavy = [m for m in ('torch', 'kvruntime.decode.client', 'kvruntime.prefill.server', 'kvruntime.nixl.agent')"
             " if m in sys.modules]\n"
             "print(heavy)\n"
             "from kvruntime import DecodeClient\n"
-            "print('kvruntime.decode' in sys.modules)\n")
+            "print('kvruntime.decode.client' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"]

@@ -4,7 +4,7 @@ GPU test (tests/integration/kvruntime/test_gpu.py) runs it with real devices."""
 
 import pytest
 
-from kvruntime.samenode import SameNodeUnavailable, local_indices
+from kvruntime.engines.samenode import SameNodeUnavailable, local_indices
 
 VISIBLE = {"GPU-aaaa": 0, "GPU-bbbb": 1}
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvruntime.errors import KVRuntimeError
-from kvruntime.samenode import host_copy_streams, split_ranges
+from kvruntime.engines.samenode import host_copy_streams, split_ranges
 
 
 def _pieces(out):

@@ -4,7 +4,7 @@ mixed-TP transfer, checked against byte offsets computed from the layout by hand
 import pytest
 
 from kvruntime.errors import IncompatiblePeerError
-from kvruntime.handshake import check_compat
+from kvruntime.wire.handshake import check_compat
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.tp import HeadSlice, head_rows, head_slices, rows_per_chunk
 

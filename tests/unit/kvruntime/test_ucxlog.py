@@ -8,8 +8,8 @@ import logging
 
 import pytest
 
-from kvruntime import ucxlog
-from kvruntime.ucxlog import UcxLog, device_lanes_on_tcp
+from kvruntime.nixl import ucxlog
+from kvruntime.nixl.ucxlog import UcxLog, device_lanes_on_tcp
 
 P = "[1795428300.092621] [vm:16521:0]   "
 HOST_TABLE = f"""{P}+--------+-------------+-------------------------------------------+
@@ -156,7 +156,7 @@ def test_the_reader_thread_survives_emfile(tmp_path):
 
     script = textwrap.dedent(f'''
         import logging, os, resource, sys, time
-        from kvruntime import ucxlog
+        from kvruntime.nixl import ucxlog
         records = []
         class Keep(logging.Handler):
             def emit(self, record):
@@ -198,7 +198,7 @@ INTER_NODE_TCP_TABLE = HOST_TABLE.replace("intra-node cfg#1", "inter-node cfg#3"
 
 
 def test_data_to_another_host_over_tcp_is_named_while_rdma_is_active(tmp_path, monkeypatch):
-    from kvruntime.agent import Agent, lane_faults
+    from kvruntime.nixl.agent import Agent, lane_faults
     from kvruntime.errors import TransportError
 
     lanes = read(tmp_path, HOST_TABLE + INTER_NODE_TCP_TABLE).read()
@@ -225,7 +225,7 @@ def test_data_to_another_host_over_tcp_is_named_while_rdma_is_active(tmp_path, m
 
 
 def test_a_device_lane_to_another_host_is_named_once_as_the_nic_it_missed(tmp_path):
-    from kvruntime.agent import lane_faults
+    from kvruntime.nixl.agent import lane_faults
 
     lanes = read(tmp_path, CUDA_TCP_TABLE.replace("intra-node", "inter-node")).read()
     (fault,) = lane_faults(lanes, True, True, ("mlx5_0:1", "mlx5_1:1"))

@@ -33,9 +33,8 @@ import socket
 import time
 from dataclasses import dataclass, field, replace
 
-from . import frames, messages
-from .app import check_app, check_same_app
-from .errors import (
+from ..app import check_app, check_same_app
+from ..errors import (
     AuthError,
     FrameError,
     HandshakeTimeout,
@@ -44,7 +43,8 @@ from .errors import (
     LayoutError,
     PeerError,
 )
-from .layout import KVLayout, layout_differences
+from ..layout import KVLayout, layout_differences
+from . import frames, messages
 
 NONCE_BYTES = 32
 MEM_TYPES = ("DRAM", "VRAM")
@@ -178,7 +178,7 @@ def check_buffers(ours: "PeerInfo", theirs: "PeerInfo") -> None:
     if ours.device_layout and theirs.device_layout:
         # staged peers may differ in TP size (and layout kind): the model's heads must agree
         # and this decode rank must get some of its heads from that prefill rank
-        from .tp import check_tp_pair
+        from ..tp import check_tp_pair
 
         check_tp_pair(ours.device_layout, theirs.device_layout)
 
@@ -186,7 +186,7 @@ def check_buffers(ours: "PeerInfo", theirs: "PeerInfo") -> None:
 def check_compat(ours: KVLayout, theirs: KVLayout) -> None:
     """Every compatibility field alike, except heads per rank and TP size: those may differ
     when the model's heads agree (mixed TP; which heads a rank takes is checked at connect)."""
-    from .tp import TP_ONLY, tp_differences
+    from ..tp import TP_ONLY, tp_differences
 
     diffs = [d for d in layout_differences(ours, theirs) if d.split(":", 1)[0] not in TP_ONLY]
     fields = [d.split(":", 1)[0] for d in diffs]

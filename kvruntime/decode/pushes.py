@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 import time
 
-from . import coalesce as coalescing
-from . import frames, messages
-from .errors import KVRuntimeError, TransferError
+from ..engines import coalesce as coalescing
+from ..errors import KVRuntimeError, TransferError
+from ..plan import Planner, TransferPlan, make_plan, spans_ids
+from ..wire import frames, messages
 from .inflight import PENDING, TransferHandle
-from .plan import Planner, TransferPlan, make_plan, spans_ids
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import threading
 import uuid
 from dataclasses import dataclass
 
+from ..errors import KVRuntimeError, NixlError, TransportError
+from ..options import environment
 from . import nics, ucxlog
 from .binding import NixlBinding, as_str, load_nixl
-from .errors import KVRuntimeError, NixlError, TransportError
-from .options import environment
 from .transports import apply_ucx_settings, forced_by_user
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,8 @@ import threading
 import time
 from collections import OrderedDict
 
+from ..errors import KVRuntimeError
 from . import messages
-from .errors import KVRuntimeError
 
 log = logging.getLogger(__name__)
 FRAME_IDS = 1024  # request ids a release frame names at most (frames stay small)

@@ -29,8 +29,8 @@ import time
 
 import numpy as np
 
+from ..errors import FrameError, PeerError, ProtocolVersionError
 from . import messages
-from .errors import FrameError, PeerError, ProtocolVersionError
 
 MAGIC = b"KVRT"
 HEADER = struct.Struct(">4sI")

@@ -9,11 +9,11 @@ import os
 import time
 from dataclasses import dataclass
 
-from . import frames, messages
-from .errors import KVRuntimeError
-from .jobs import CopyJob, TransferResult
-from .plan import TransferPlan
-from .staging import StagingExhausted, StagingPool, done, wait
+from ..errors import KVRuntimeError
+from ..jobs import CopyJob, TransferResult
+from ..plan import TransferPlan
+from ..pools.staging import StagingExhausted, StagingPool, done, wait
+from ..wire import frames, messages
 
 
 @dataclass(frozen=True)
@@ -282,7 +282,7 @@ class StagedPull(CopyJob):
         run is region-major, rows are contiguous), one descriptor."""
         import numpy as np
 
-        from .transfer import PostedTransfer, Rows
+        from ..nixl.transfer import PostedTransfer, Rows
 
         unit, row = pool.layout.block_bytes, pool.row_bytes(self._hs)
         off, length = rows[0] * row, (rows[1] - rows[0]) * row

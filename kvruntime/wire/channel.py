@@ -21,10 +21,10 @@ import threading
 import time
 from collections import OrderedDict
 
+from ..errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
+from ..host.naps import await_readable
 from . import frames, messages
-from .errors import KVRuntimeError, PeerError, TransferError, WaitTimeout
 from .mailbox import MailboxReader
-from .naps import await_readable
 
 log = logging.getLogger(__name__)
 _call_ids = itertools.count()
@@ -244,7 +244,7 @@ class PeerChannel(Channel):
         log.warning("%s sent an unexpected %r frame (request %r); ignored", self.name, kind,
                     request)
 
-    # -- the end -----------------------------------------------------------------------------------
+    # -- the end ----------------------------------------------------------------------------------
     def lose(self, why: str) -> None:
         """The side channel is unusable: fail what waits on it and close the peer. Once: a
         request's cleanup may send (a staged run's "unstage"), fail, and land here again while

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import KVRuntimeError
+from ..errors import KVRuntimeError
 
 # Who sends it.
 DECODE = "decode -> prefill"

@@ -16,15 +16,15 @@ import time
 
 import numpy as np
 
-from . import messages
-from .errors import KVRuntimeError, PeerError, TransferError
-from .handshake import PeerInfo
-from .mailbox import MailboxReader
-from .plan import make_plan
-from .registration import Scratch
+from ..errors import KVRuntimeError, PeerError, TransferError
+from ..nixl.registration import Scratch
+from ..nixl.transfer import PostedTransfer, Rows
+from ..plan import make_plan
+from ..tp import HeadSlice, direct_slice, slice_from
+from ..wire import messages
+from ..wire.handshake import PeerInfo
+from ..wire.mailbox import MailboxReader
 from .samenode import SameNodeUnavailable, open_engine
-from .tp import HeadSlice, direct_slice, slice_from
-from .transfer import PostedTransfer, Rows
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ import os
 import threading
 import time
 
-from . import messages
-from .errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
-from .jobs import Job, TransferResult
-from .plan import TransferPlan
+from ..errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
+from ..jobs import Job, TransferResult
+from ..plan import TransferPlan
+from ..wire import messages
 
 PENDING, DONE, FAILED = "pending", "done", "failed"
 # wait(): spin as long as the request should take (pace.py), then nap, doubling up to a cap

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-from .errors import NixlNotFoundError
-from .options import environment
+from ..errors import NixlNotFoundError
+from ..options import environment
 
 CANDIDATES = ("nixl_cpu", "nixl_xpu", "nixl_cu13", "nixl_cu12", "nixl")
 ENV_OVERRIDE = "KVRUNTIME_NIXL_MODULE"

@@ -23,10 +23,10 @@ import threading
 import time
 from dataclasses import dataclass
 
+from ..errors import NixlError, TransferError
+from ..jobs import TransferResult
+from ..plan import TransferPlan
 from .agent import Agent
-from .errors import NixlError, TransferError
-from .jobs import TransferResult
-from .plan import TransferPlan
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class PostedTransfer:
         return f"the {side} is gone or refused the memory access"
 
     def release(self, peer, request_id: str) -> None:
-        """A READ carries no NIXL notification (decode.py): the prefill hears of it by frame,
+        """A READ carries no NIXL notification (decode/client.py): the prefill hears of it by frame,
         whether it ended well or, failed, reads nothing any more (``give_back``)."""
         peer.release_later([request_id])
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import logging
 
-from . import cudart
-from .cudart import enable_peer_access
+from ..host import cudart
+from ..host.cudart import enable_peer_access
 
 log = logging.getLogger("kvruntime")
 

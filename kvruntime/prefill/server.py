@@ -33,28 +33,29 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from . import coalesce as coalescing
-from . import frames, messages, native
-from .agent import Agent, shm_free, ucx_threads, unique_name
-from .channel import Channel
-from .errors import KVRuntimeError, PeerError
-from .handshake import PeerInfo, serve_handshake
-from .layout import KVLayout
-from .listener import Listener
-from .mailbox import Mailbox
-from .memory import KVCache
-from .naps import tighten_timer_slack
-from .options import Options
-from .peercred import peer_uid
-from .plan import Planner, make_plan
+from .. import native
+from ..engines import coalesce as coalescing
+from ..engines.samenode import NodeToken, serve_offer
+from ..errors import KVRuntimeError, PeerError
+from ..host.naps import tighten_timer_slack
+from ..host.peercred import peer_uid
+from ..layout import KVLayout
+from ..memory import KVCache
+from ..nixl.agent import Agent, shm_free, ucx_threads, unique_name
+from ..nixl.registration import Registration
+from ..nixl.transports import offered_transports, shm_am_across_users
+from ..options import Options
+from ..plan import Planner, make_plan
+from ..pools.staging import StagingPool, resolve_kv_buffer
+from ..tp import HeadSlice, direct_slice
+from ..wire import frames, messages
+from ..wire.channel import Channel
+from ..wire.handshake import PeerInfo, serve_handshake
+from ..wire.listener import Listener
+from ..wire.mailbox import Mailbox
+from ..wire.releases import Released
 from .pushes import Pushes, Writes
-from .registration import Registration
-from .releases import Released
-from .samenode import NodeToken, serve_offer
 from .stages import MAX_STAGE_SECONDS, Stages
-from .staging import StagingPool, resolve_kv_buffer
-from .tp import HeadSlice, direct_slice
-from .transports import offered_transports, shm_am_across_users
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ class PrefillServer:
             # accepting within limits, a thread a connection (listener.py)
             self.listener = Listener(host, port, self.stats, self._serve_connection, self._stop,
                                      max_connections, max_handshaking_per_address)
-            # our WRITEs and the pushes they serve (pushes.py)
+            # our WRITEs and the pushes they serve (prefill/pushes.py)
             self.writes = Writes(self.agent, self.registration, cache, o.timeout, self._release,
                                  self._work.set, self._peers_lock)
             self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None,
@@ -335,7 +336,7 @@ class PrefillServer:
         else:  # a type of the catalog a decode does not send, or none of it
             raise KVRuntimeError(f"unknown request type {kind!r}")
 
-    # -- pushes we start (pushes.py) -------------------------------------------------------------
+    # -- pushes we start (prefill/pushes.py) ------------------------------------------------------
     def start_push(self, request: str, src_blocks, peer: str | None = None,
                    timeout: float = 30.0) -> None:
         """Push our ``src_blocks`` into the blocks a decode named for ``request``

@@ -11,9 +11,9 @@ import threading
 import time
 from collections import deque
 
-from . import frames, messages
-from .errors import KVRuntimeError
-from .plan import check_range
+from ..errors import KVRuntimeError
+from ..plan import check_range
+from ..wire import frames, messages
 
 log = logging.getLogger(__name__)
 EXPIRED_KEPT_S = 600.0  # how long an expired request's late unstage is recognized
@@ -212,7 +212,7 @@ class Stages:
         is freed and the request released — at once, or, while it is being gathered, once
         the gather stops reading its blocks; one still queued is dropped. Every request a
         decode stages ends in one release, a refused or failed one too: a push the prefill
-        started (pushes.py, "stage") gives its caller's blocks back that way. ``more``: a
+        started (prefill/pushes.py, "stage") gives its caller's blocks back that way. ``more``: a
         piece of a request larger than the pools, others to come (only its run is freed)."""
         request = frames.field(message, "request", str)
         more = message.get("more") is True

@@ -25,9 +25,9 @@ import ctypes
 import struct
 import threading
 
+from ..errors import FrameError
+from ..host.procmem import FewReads
 from . import frames
-from .errors import FrameError
-from .procmem import FewReads
 
 RING_BYTES = 1 << 20
 MAX_RING_BYTES = 16 << 20  # what a decode accepts from an offer

@@ -20,7 +20,7 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator, NamedTuple
 
-from . import cudart
+from ..host import cudart
 
 SLOTS = 3
 SLOT_BYTES = 32 << 20  # ~0.6 ms of PCIe Gen5 a slot, far above the ~60 µs of queueing one

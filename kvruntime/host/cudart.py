@@ -15,7 +15,7 @@ import glob
 import os
 import threading
 
-from .errors import KVRuntimeError
+from ..errors import KVRuntimeError
 
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 EVENT_DISABLE_TIMING = 2

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 
+from ..errors import NixlError
+from ..layout import KVLayout
+from ..memory import KVCache
 from .agent import Agent
-from .errors import NixlError
-from .layout import KVLayout
-from .memory import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -122,12 +122,12 @@ class Registration:
 class Scratch:
     """A few bytes of the cache's own memory kind (same device), registered with NIXL: the
     destination of a connect-time probe READ, so that UCX selects, and prints, the protocol a
-    peer's memory takes before any KV moves (decode.py: the lane check)."""
+    peer's memory takes before any KV moves (decode/client.py: the lane check)."""
 
     NBYTES = 256
 
     def __init__(self, agent: Agent, cache: KVCache):
-        from .memory import HostBuffer
+        from ..memory import HostBuffer
 
         self.agent = agent
         tensors = cache.tensors

@@ -54,8 +54,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping
 
+from ..errors import TransportError
 from . import ucxlog
-from .errors import TransportError
 
 # The RDMA transports as ``ucx_info -d`` names them (verbs, mlx5's own, EFA's srd), each with
 # the UCX_TLS aliases that select it (ucp_context.c's ucp_tl_aliases in UCX 1.22).

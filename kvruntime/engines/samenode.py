@@ -35,13 +35,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from . import cudart, frames
-from .errors import KVRuntimeError
-from .jobs import CopyJob, TransferResult
-from .layout import KVLayout
-from .peercred import owner_uid, prove_peer
-from .plan import TransferPlan
-from .procmem import read_remote
+from ..errors import KVRuntimeError
+from ..host import cudart
+from ..host.peercred import owner_uid, prove_peer
+from ..host.procmem import read_remote
+from ..jobs import CopyJob, TransferResult
+from ..layout import KVLayout
+from ..plan import TransferPlan
+from ..wire import frames
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def prove_same_node(offer: dict) -> tuple[int, None] | tuple[None, str]:
     return pid, None
 
 
-# -- jobs: what a TransferHandle polls ------------------------------------------------------------
+# -- jobs: what a TransferHandle polls -----------------------------------------------------------
 class _HostJob(CopyJob):
     engine = "samenode:process_vm_readv"
 
@@ -282,7 +283,7 @@ class SharedJob:
                               self.plan.descriptor_count, None, engine=self.engine)
 
 
-# -- engines --------------------------------------------------------------------------------------
+# -- engines -------------------------------------------------------------------------------------
 class HostEngine:
     """Reads the prefill's host regions with process_vm_readv (zero-copy, one call per
     ``IOV_MAX`` runs) on worker threads, so a request is started without waiting. With
@@ -474,7 +475,7 @@ def _scratch_plan(layout: KVLayout, k: int) -> TransferPlan:
     blocks 0..k-1 of a scratch of ``k`` blocks (our own planner's code: it is rehearsed too)."""
     from dataclasses import replace
 
-    from .plan import Planner
+    from ..plan import Planner
 
     src = np.linspace(0, layout.num_blocks - 1, k).astype(np.int64)
     if k > 1 and np.any(np.diff(src) < 2):  # a cache of few blocks: runs merge, still a plan

@@ -21,12 +21,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from . import frames, messages
-from .errors import KVRuntimeError
-from .pace import Pace
-from .plan import Planner, make_plan
-from .tp import head_rows
-from .transfer import Draining, PostedTransfer, Rows
+from ..errors import KVRuntimeError
+from ..nixl.transfer import Draining, PostedTransfer, Rows
+from ..pace import Pace
+from ..plan import Planner, make_plan
+from ..tp import head_rows
+from ..wire import frames, messages
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ EXPECTED_GRACE = 0.5
 
 @dataclass
 class _Write:
-    peer: object  # the decode's connection (prefill.py)
+    peer: object  # the decode's connection (prefill/server.py)
     request: str
     xfer: PostedTransfer
     deadline: float  # monotonic: the decode's deadline, or our own timeout if sooner (a

@@ -30,27 +30,30 @@ import threading
 import time
 from dataclasses import replace
 
-from . import coalesce as coalescing
-from . import engines, frames, messages, native, pushed
-from .agent import Agent, shm_free, ucx_threads, unique_name
-from .channel import PeerChannel
-from .errors import IncompatiblePeerError, KVRuntimeError, PeerError, WaitTimeout
-from .handshake import PeerInfo, client_handshake, connect
+from .. import native
+from ..engines import choice as engines
+from ..engines import coalesce as coalescing
+from ..engines.samenode import ENGINES, REHEARSALS, Batch, SharedJob, host_copy_streams
+from ..engines.staged import StagedPull
+from ..errors import IncompatiblePeerError, KVRuntimeError, PeerError, WaitTimeout
+from ..host.peercred import peer_uid
+from ..jobs import TransferResult
+from ..memory import KVCache
+from ..nixl.agent import Agent, shm_free, ucx_threads, unique_name
+from ..nixl.registration import Registration
+from ..nixl.transfer import Draining, PostedTransfer, Rows, split_runs
+from ..nixl.transports import offered_transports, shm_am_across_users
+from ..options import Options
+from ..pace import Pace
+from ..plan import Planner, TransferPlan
+from ..pools.staging import StagingPool, resolve_kv_buffer
+from ..tp import head_rows
+from ..wire import frames, messages
+from ..wire.channel import PeerChannel
+from ..wire.handshake import PeerInfo, client_handshake, connect
+from ..wire.releases import Pending, ReleaseSender
+from . import pushes as pushed
 from .inflight import PENDING, TransferHandle
-from .jobs import TransferResult
-from .memory import KVCache
-from .options import Options
-from .pace import Pace
-from .peercred import peer_uid
-from .plan import Planner, TransferPlan
-from .registration import Registration
-from .releases import Pending, ReleaseSender
-from .samenode import ENGINES, REHEARSALS, Batch, SharedJob, host_copy_streams
-from .staged import StagedPull
-from .staging import StagingPool, resolve_kv_buffer
-from .tp import head_rows
-from .transfer import Draining, PostedTransfer, Rows, split_runs
-from .transports import offered_transports, shm_am_across_users
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count()
@@ -71,7 +74,7 @@ class PrefillPeer:
                                    client.progress_worker, self.copy_ready, self.close)
         # requests done here whose blocks the prefill may free (releases.py)
         self.releases = Pending(self, client.releaser)
-        # what moves its requests (engines.py): a same-node engine when one serves this peer;
+        # what moves its requests (engines/choice.py): a same-node engine when one serves this peer;
         # host-staged and on this host, the engine that copies its pool's runs into ours
         self.samenode = None
         self.pool_engine = None
@@ -144,7 +147,7 @@ class PrefillPeer:
         """Through the pools (staging.py: host-staged, or coalesced): the prefill gathers into
         its pool chunk by chunk, we READ each chunk into ours and scatter it. A push takes
         the same road (the outcome is the push's), and so does a push the prefill started
-        (``new`` False: its handle already waits for frames, pushed.py's ready)."""
+        (``new`` False: its handle already waits for frames, decode/pushes.py's ready)."""
         if new:
             self.channel.check_new(handle.request_id)
         # larger than the pools: in pieces; not even a block fits: refused now (StagedPull)
@@ -159,7 +162,7 @@ class PrefillPeer:
         return handle
 
     def start_staged(self, handle: TransferHandle) -> TransferHandle:
-        """A push the prefill started, through the pools (its ready is here: pushed.py)."""
+        """A push the prefill started, through the pools (its ready is here: decode/pushes.py)."""
         return self._start_staged(handle, new=False)
 
     def read_split(self, plan: TransferPlan) -> int:
@@ -375,11 +378,11 @@ class PrefillPeer:
         return out
 
     def copy_ready(self, handle: TransferHandle, message: dict) -> None:
-        """A "ready" for a push we copy ourselves (pushed.py)."""
+        """A "ready" for a push we copy ourselves (decode/pushes.py)."""
         pushed.copy_ready(self, handle, message)
 
     def on_notif(self, raw) -> str | None:
-        """A NIXL notification from this peer's agent (pushed.py); why it was ignored, if it
+        """A NIXL notification from this peer's agent (decode/pushes.py); why it was ignored, if it
         was."""
         return pushed.on_notif(self, raw)
 
@@ -460,7 +463,7 @@ class DecodeClient:
                  host_streams: int | None = None, engine: str = "auto", **shared):
         """A decode's client for ``cache``. ``options`` (options.py), or its fields as keyword
         arguments, are what a prefill server takes too; ``engine``: "auto", "nixl" or
-        "samenode" (engines.py); ``host_streams``: the same-node engine's reader threads for
+        "samenode" (engines/choice.py); ``host_streams``: the same-node engine's reader threads for
         host memory (None: by this host's cores)."""
         o = self.options = Options.of(options, shared)
         if engine not in ENGINES:
@@ -524,7 +527,7 @@ class DecodeClient:
             self.prewarmed = None
             if engine != "nixl" and o.kv_buffer != "host_staged" and cache.mem_type == "VRAM":
                 start = time.perf_counter()
-                from .gather import prewarm
+                from ..engines.gather import prewarm
 
                 self.prewarmed = prewarm(cache)
                 log.info("%s: %s in %.0f ms", self.agent.name, self.prewarmed,

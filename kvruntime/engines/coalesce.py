@@ -25,11 +25,11 @@ import logging
 import time
 from dataclasses import dataclass
 
-from . import messages
-from .errors import KVRuntimeError
+from ..errors import KVRuntimeError
+from ..pools.staging import StagingExhausted, StagingPool
+from ..tp import rows_per_chunk
+from ..wire import messages
 from .staged import PoolRoute
-from .staging import StagingExhausted, StagingPool
-from .tp import rows_per_chunk
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class Model:
 
 def _read(peer, local_rows, remote_rows, remote_mem: str) -> float:
     """Seconds of one READ of ``remote_rows`` of the peer into ``local_rows`` of our pool."""
-    from .transfer import PostedTransfer, Rows
+    from ..nixl.transfer import PostedTransfer, Rows
 
     client = peer.client
     local_mem = client.pool.cache.mem_type
@@ -212,7 +212,7 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
     peer's requests hold it) or the peer's cache is too small to scatter the pieces."""
     import numpy as np
 
-    from .transfer import split_runs
+    from ..nixl.transfer import split_runs
 
     pool, client = route.pool, peer.client
     theirs = peer.info.layout  # what NIXL sees of the peer: its cache's layout

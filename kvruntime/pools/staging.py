@@ -40,11 +40,11 @@ import time
 from dataclasses import replace
 from functools import cached_property
 
-from . import native
+from .. import native
+from ..errors import KVRuntimeError, TransferError
+from ..layout import CROSS_LAYER, KVLayout
 from .bounce import SLOT_BYTES, BounceRing, pieces, streams
-from .errors import KVRuntimeError, TransferError
 from .freeruns import FreeRuns
-from .layout import CROSS_LAYER, KVLayout
 from .poolcopy import copy_rows
 
 log = logging.getLogger("kvruntime")
@@ -58,7 +58,7 @@ def resolve_kv_buffer(kv_buffer: str | None, device_kind: str = "cpu",
     platform recipe: tpu stages), else by device: Intel GPU memory goes direct only when this
     host's UCX offers a Level Zero transport (``offered()``: ucx_info's transports), else staged
     with a warning that says why; everything else direct."""
-    from .options import environment
+    from ..options import environment
 
     value = kv_buffer if kv_buffer is not None else environment("KVRUNTIME_KV_BUFFER")
     if value is None and device_kind == "xpu":
@@ -128,7 +128,7 @@ class StagingPool:
 
     def __init__(self, layout: KVLayout, blocks: int, device_cache,
                  bounce_bytes: int = SLOT_BYTES, memory: str = "host"):
-        from .memory import KVCache
+        from ..memory import KVCache
 
         if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
             raise KVRuntimeError(f"staging_blocks must be a positive integer, got {blocks!r}")
