@@ -4,28 +4,35 @@
 # (KVSTACK_MIRROR or ../shared/mirror) or, without one, from the recipes' upstream URLs
 # (ci/pinned-builds.sh: cpu, xpu, xpu ze-ipc, each verified) while the unit and integration
 # suites run beside them, then the tests that use those builds.
-# Usage: ci/test.sh [--containers] [PYTEST_ARGS...]; --containers (CI's .ci/run) also runs the
-# container step (ci/containers.sh) in the background beside the builds and the tests: what it does
-# not need a build for at once, the rest as each build it needs is verified; its log is shown when
-# it is joined at the end.
+# Usage: ci/test.sh [--containers|--quick] [PYTEST_ARGS...]; --containers (CI's .ci/run) also
+# runs the container step (ci/containers.sh) in the background beside the builds and the tests:
+# what it does not need a build for at once, the rest as each build it needs is verified; its log
+# is shown when it is joined at the end. --quick: the Python packages, the lint and the unit tests
+# only (about a minute once the packages are in .venv; no root, no build, no system package).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-containers=0
-if [ "${1:-}" = --containers ]; then containers=1; shift; fi
+containers=0 quick=0
+case "${1:-}" in
+  --containers) containers=1; shift ;;
+  --quick) quick=1; shift ;;
+esac
 
 step() { printf '\n=== %s (%s)\n' "$1" "$(date +%T)"; }
 
-step "system packages"
-pkgs=(git build-essential autoconf automake libtool pkg-config cmake ninja-build libnuma-dev
-      libze-dev python3-dev python3-venv ccache libibverbs-dev librdmacm-dev)
-missing=()
-for p in "${pkgs[@]}"; do dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii' || missing+=("$p"); done
-if ((${#missing[@]})); then
-  if [ "$(id -u)" = 0 ]; then
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  else
-    echo "missing: ${missing[*]}; run: sudo apt-get install ${missing[*]}" >&2; exit 1
+# --quick needs no system package (no build)
+if [ "$quick" = 0 ]; then
+  step "system packages"
+  pkgs=(git build-essential autoconf automake libtool pkg-config cmake ninja-build libnuma-dev
+        libze-dev python3-dev python3-venv ccache libibverbs-dev librdmacm-dev)
+  missing=()
+  for p in "${pkgs[@]}"; do dpkg-query -W -f='${db:Status-Abbrev}' "$p" 2>/dev/null | grep -q '^ii' || missing+=("$p"); done
+  if ((${#missing[@]})); then
+    if [ "$(id -u)" = 0 ]; then
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    else
+      echo "missing: ${missing[*]}; run: sudo apt-get install ${missing[*]}" >&2; exit 1
+    fi
   fi
 fi
 
@@ -43,6 +50,11 @@ if [ "$containers" = 1 ]; then $PY -m pip install -q --disable-pip-version-check
 # First, in seconds: a style finding fails the run before ~20 minutes of builds and tests start.
 step "lint (ruff over kvruntime and ci: pyproject.toml's [tool.ruff])"
 $PY -m ruff check kvruntime ci
+
+if [ "$quick" = 1 ]; then
+  step "unit tests (--quick: no build, no container)"
+  exec $PY -m pytest -p no:cacheprovider -q tests/unit -m "not build" "$@"
+fi
 
 # pytest exits 5 when a selection holds no test: that is a failure here, never a pass. Each step's
 # temporary files (real builds among them) go to a folder of its own, removed when the step

@@ -116,7 +116,7 @@ class Interrupted(InstallerError):
     kind = "interrupted"
 
 
-# exit code -> the error that exits with it: the installer's table (README, "Exit codes"; the
+# exit code -> the error that exits with it: the installer's table (docs/exit-codes.md; the
 # command-line convention kvruntime shares: kvruntime/tools/cli.py)
 EXIT_CODES = {e.exit_code: e for e in (
     UsageError, RecipeError, DownloadError, OfflineError, ChecksumError, SystemPackagesError,

@@ -5,7 +5,8 @@ environment variable, read here and nowhere else.
 fill it, so ``PrefillServer(cache, timeout=2)`` and ``PrefillServer(cache, Options(timeout=2))``
 are the same server). ``Options.from_env()`` starts from the environment (``ENV``), then takes
 what the caller gives. ``environment(name)`` is how any other module reads one of the variables
-in ``ENV``, so that the table below is the whole list (README's table is made from it).
+in ``ENV``, so that the table below is the whole list (docs/kvruntime.md lists the same
+variables: a unit test compares the names).
 """
 
 from __future__ import annotations

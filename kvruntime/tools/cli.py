@@ -14,7 +14,7 @@ import argparse
 import sys
 
 OK, MODE_FAILED, USAGE, UNUSABLE, INTERRUPTED = 0, 1, 2, 3, 130
-# exit code -> what it means (README, "Exit codes")
+# exit code -> what it means (docs/exit-codes.md)
 EXIT_CODES = {
     OK: "every mode passed (bench: measured)",
     MODE_FAILED: "a selftest mode failed (the report names it; demo: a case's tokens or logits "

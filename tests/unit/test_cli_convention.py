@@ -1,4 +1,4 @@
-"""The command-line convention both programs follow (README, "Exit codes"): parser classes of one
+"""The command-line convention both programs follow (docs/exit-codes.md): parser classes of one
 shape — no abbreviated options, a bad argument in one line ``usage error: <what>; see `<prog>
 --help``` and exit code 2 — and each program's exit codes in one table that README lists whole.
 The two parsers are separate classes because kvruntime and the installer never import each
@@ -38,7 +38,7 @@ def test_both_parsers_refuse_alike(capsys):
 
 
 def _readme_table(after: str) -> set[int]:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "exit-codes.md").read_text()
     table = text[text.index(after):].split("\n\n")[1]
     return {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
 

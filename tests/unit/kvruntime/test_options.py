@@ -61,3 +61,11 @@ def test_the_kv_buffer_values_documented_are_the_ones_taken():
     assert set(re.findall(r'"(\w+)"', said)) == set(KV_BUFFERS)
     for value in KV_BUFFERS:
         assert resolve_kv_buffer(value) == value
+
+
+def test_the_guide_lists_every_variable_options_reads():
+    """docs/kvruntime.md's table of KVRUNTIME_* variables names exactly ENV's (options.py reads
+    them all, and nowhere else does)."""
+    guide = (Path(__file__).resolve().parents[3] / "docs" / "kvruntime.md").read_text()
+    listed = set(re.findall(r"^\| `(KVRUNTIME_[A-Z_]+)` \|", guide, re.M))
+    assert listed == set(ENV)
