@@ -32,13 +32,17 @@ POLL_S = 0.25  # how soon a running step notices that it was asked to stop
 # until a pass finds none alive (a process forked during one is killed by the next), at most 100.
 _KILL_SESSION = r"""
 kill_session() {
+  # its output may be a pipe to the dead installer: a message there (a process that ended
+  # between the glob and the read) would end this shell by SIGPIPE half way through the session
+  trap '' PIPE
+  exec >/dev/null 2>&1
   n=0
   while [ $n -lt 100 ]; do
     n=$((n + 1)); found=
     for f in /proc/[0-9]*/stat; do
       pid=${f#/proc/}; pid=${pid%/stat}
       [ "$pid" = $$ ] && continue
-      read -r line < "$f" 2>/dev/null || continue
+      read -r line 2>/dev/null < "$f" || continue
       set -- ${line##*) }
       if [ "$4" = $$ ] && [ "$1" != Z ]; then kill -KILL "$pid" 2>/dev/null; found=1; fi
     done
