@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from . import elf, prefix as prefixmod, ucxdirs
+from . import elf, ucxdirs
+from . import prefix as prefixmod
 from .cache import sha256_file
 from .errors import BinaryCacheError
 from .extract import extract_safely

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlparse
 
-from . import (binarycache, buildcompare, detect, image_cli, install, mirror, plan as planmod, recipe as recipemod,
-               ucxdirs, verify, wheel)
+from . import binarycache, buildcompare, detect, image_cli, install, mirror, ucxdirs, verify, wheel
+from . import plan as planmod
+from . import recipe as recipemod
 from .cache import Cache
 from .errors import InstallerError, Interrupted, UsageError
 from .sources import Fetcher

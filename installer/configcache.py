@@ -28,7 +28,6 @@ import tarfile
 import time
 from pathlib import Path
 
-
 SITE_FILE = "kvstack-config.site"
 AUTOGEN_MARK = ".kvstack-autogen-start"  # in a source tree while its autogen.sh runs
 AUTOTOOLS = ("autoconf", "autoheader", "automake", "aclocal", "libtoolize", "m4", "autoreconf")

@@ -212,7 +212,6 @@ def _link_or_copy(src, dst) -> None:
 def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None]) -> dict:
     """Build through the low-level API so the log streams; intermediate containers are removed
     even on failure (rm + forcerm); the base is pulled only when it is not local."""
-    import docker.errors  # noqa: PLC0415
     bases = {req.base_image, req.runtime_base_image or req.base_image}
     pull = not all(base_is_local(client, b) for b in bases)
     stage_context(req, checkout)

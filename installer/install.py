@@ -21,11 +21,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import binarycache, configcache, elf, envfile, nixlpackage, prefix as prefixmod, rdma, schedule
-from . import syspkgs, tools, verify
-from .cache import Cache
-from .errors import BinaryCacheError, BuildError, BuildToolsError, HostError, InstallerError, VerifyError
+from . import (
+    binarycache,
+    configcache,
+    elf,
+    envfile,
+    nixlpackage,
+    rdma,
+    schedule,
+    syspkgs,
+    tools,
+    verify,
+)
+from . import prefix as prefixmod
 from .buildsys import pkgconfig
+from .cache import Cache
+from .errors import (
+    BinaryCacheError,
+    BuildError,
+    BuildToolsError,
+    HostError,
+    InstallerError,
+    VerifyError,
+)
 from .extract import extract
 from .phases import PhaseLog
 from .plan import ComponentPlan, Plan

@@ -9,12 +9,12 @@ import copy
 import difflib
 import json
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import jsonschema
+import tomllib
 
 from .errors import RecipeError
 

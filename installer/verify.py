@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import envfile, hostcaps, ibmock, prefix as prefixmod, wheeldeps
+from . import envfile, hostcaps, ibmock, wheeldeps
+from . import prefix as prefixmod
 from .buildsys.step import Step
 from .detect import detect_platform
 from .errors import PrefixError

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import elf, envfile, nixlpackage, prefix as prefixmod, privateucx, repair, ucxdirs, \
-    wheeldeps, wheelformat
+from . import elf, envfile, nixlpackage, privateucx, repair, ucxdirs, wheeldeps, wheelformat
+from . import prefix as prefixmod
 from .errors import HostError, PrefixError, SystemPackagesError
 
 log = logging.getLogger("kvstack.installer")

@@ -4,9 +4,10 @@ build's libcudart from nvidia-cuda-runtime). auditwheel is told to graft none of
 requires the last."""
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 TABLE = Path(__file__).with_name("wheeldeps.toml")
 

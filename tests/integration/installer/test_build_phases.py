@@ -21,7 +21,8 @@ from pathlib import Path
 import filelock
 import pytest
 
-from installer import buildcompare, prefix as prefixmod
+from installer import buildcompare
+from installer import prefix as prefixmod
 from installer.runner import stop_leftovers
 from tests.integration.installer.localserver import sha256
 

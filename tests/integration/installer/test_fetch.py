@@ -8,7 +8,6 @@ import pytest
 from installer.cache import Cache
 from installer.errors import ChecksumError, DownloadError, OfflineError
 from installer.sources import Fetcher, tar_commit_id
-
 from tests.integration.installer.localserver import make_tarball, sha256
 
 pytestmark = pytest.mark.integration

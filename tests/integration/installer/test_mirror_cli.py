@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from installer import mirror, recipe
+from installer import recipe
 from installer.cache import Cache
 from installer.sources import Fetcher
 from tests.integration.installer.localserver import make_tarball, sha256

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from installer import plan as planmod, recipe
+from installer import plan as planmod
+from installer import recipe
 from installer.cache import Cache
 from installer.sources import upstream
 

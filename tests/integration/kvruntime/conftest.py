@@ -6,7 +6,6 @@ import multiprocessing as mp
 import pytest
 
 
-
 def pytest_configure(config):
     # pyproject registers these for the whole suite; repeated here so this directory runs alone
     config.addinivalue_line("markers", "integration: real NIXL agents, processes and sockets")
@@ -14,8 +13,8 @@ def pytest_configure(config):
 
 
 def _have_nixl() -> bool:
-    from kvruntime.nixl.binding import load_nixl
     from kvruntime.errors import NixlNotFoundError
+    from kvruntime.nixl.binding import load_nixl
 
     try:
         load_nixl()

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from kvruntime.wire import frames
 from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import AuthError, KVRuntimeError
 from kvruntime.layout import CROSS_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill.server import PrefillServer
+from kvruntime.wire import frames
 
 pytestmark = pytest.mark.integration
 

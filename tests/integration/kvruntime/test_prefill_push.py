@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from kvruntime.wire import frames
 from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import KVRuntimeError, TransferError, TransferTimeout
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill.server import PrefillServer
+from kvruntime.wire import frames
 
 pytestmark = pytest.mark.integration
 

@@ -2,10 +2,16 @@
 
 import pytest
 
-from kvruntime.nixl.binding import CANDIDATES, as_str, load_nixl
 from kvruntime.errors import NixlNotFoundError, TransportError
-from kvruntime.nixl.transports import (admitted_am, apply_ucx_settings, shm_error_handling,
-                                  ucx_environment, ucx_settings, usable_am)
+from kvruntime.nixl.binding import CANDIDATES, as_str, load_nixl
+from kvruntime.nixl.transports import (
+    admitted_am,
+    apply_ucx_settings,
+    shm_error_handling,
+    ucx_environment,
+    ucx_settings,
+    usable_am,
+)
 
 
 def test_missing_module_names_what_was_tried(monkeypatch):

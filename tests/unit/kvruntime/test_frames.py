@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from kvruntime.wire import frames
 from kvruntime.errors import FrameError, PeerError, ProtocolVersionError
+from kvruntime.wire import frames
 
 
 def test_roundtrip():
