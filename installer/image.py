@@ -246,7 +246,7 @@ def _context(checkout: Path):
     once: both builds see the same bytes even if the checkout changes meanwhile."""
     from docker import utils  # noqa: PLC0415
     ignore = checkout / ".dockerignore"
-    exclude = [l.strip() for l in ignore.read_text().splitlines() if l.strip() and not l.startswith("#")] \
+    exclude = [line.strip() for line in ignore.read_text().splitlines() if line.strip() and not line.startswith("#")] \
         if ignore.is_file() else None
     return utils.tar(str(checkout), exclude=exclude, dockerfile=(CONTAINERFILE, None))
 

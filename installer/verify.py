@@ -266,7 +266,7 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
         checks.append(_check(f"memory domain {m}", m in dev["memory_domains"], f"listed: {', '.join(dev['memory_domains'])}"))
     if lz:
         text = dev["sections"].get("ze_cpy", "")
-        marked = [l.strip("# ").strip() for l in text.splitlines() if lz["mark"] in l]
+        marked = [line.strip("# ").strip() for line in text.splitlines() if lz["mark"] in line]
         checks.append(_check(f"ze_cpy shows {lz['mark']!r}", bool(marked),
                              (note + "; " if note else "") + (marked[0] if marked else "no such line in ze_cpy")))
     if "policy" in spec and res.returncode == 0:

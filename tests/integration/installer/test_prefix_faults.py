@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.installer.test_build_phases import ROOT, _cmd, _install, world  # noqa: F401 (fixture)
+from tests.integration.installer.test_build_phases import ROOT, _cmd, _install
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,7 @@ def test_top_level_help_lists_every_verb_with_its_summary():
     r = _cli("--help")
     assert r.returncode == 0, r.stderr
     for name, verb in cli.VERBS.items():
-        line = next((l for l in r.stdout.splitlines() if l.strip().startswith(name + " ")), None)
+        line = next((ln for ln in r.stdout.splitlines() if ln.strip().startswith(name + " ")), None)
         assert line is not None, f"{name} missing from --help:\n{r.stdout}"
         assert verb.summary in line
     assert "--prefix" in r.stdout  # install's options still shown: no verb means install
