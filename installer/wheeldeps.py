@@ -41,6 +41,11 @@ class Outside:
 
 def load(path: Path = TABLE) -> Outside:
     table = tomllib.loads(path.read_text())
-    return Outside(list(table.get("drivers", [])),
-                   pip={lib: FromPip(lib, row["requirement"], row["directory"]) for lib, row in table.get("pip", {}).items()},
-                   rdma_core=list(table.get("rdma_core", [])))
+    return Outside(
+        list(table.get("drivers", [])),
+        pip={
+            lib: FromPip(lib, row["requirement"], row["directory"])
+            for lib, row in table.get("pip", {}).items()
+        },
+        rdma_core=list(table.get("rdma_core", [])),
+    )
