@@ -32,7 +32,9 @@ def git_repo(tmp_path):
            "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
 
     def git(*args, cwd=work):
-        return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
 
     work.mkdir()
     git("init", "-q", "-b", "main")
@@ -56,10 +58,27 @@ def pypi_ucx(tmp_path_factory):
     """libucp.so.0 of PyPI's libucx-cu12 (UCX 1.22.0 without CUDA's own libraries): a UCX that is
     not the wheel's, as a distribution's libucx0 or another wheel's would be."""
     d = tmp_path_factory.mktemp("foreign-ucx")
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-                        "--only-binary=:all:", "-d", str(d), FOREIGN_UCX], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--only-binary=:all:",
+            "-d",
+            str(d),
+            FOREIGN_UCX,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
-        pytest.skip(f"cannot download {FOREIGN_UCX} from PyPI (the other UCX): {r.stderr.strip()[-200:]}")
+        pytest.skip(
+            f"cannot download {FOREIGN_UCX} from PyPI (the other UCX): {r.stderr.strip()[-200:]}"
+        )
     with zipfile.ZipFile(next(d.glob("*.whl"))) as zf:
         zf.extractall(d / "tree")
     return next((d / "tree").rglob("libucp.so.0"))
@@ -85,16 +104,42 @@ def world(tmp_path_factory):
     recipes.mkdir()
     mirror.mkdir()
     shutil.copy(ROOT / "recipes" / "schema.json", recipes)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                        "--only-binary=:all:", "-d", str(mirror / "wheels"), *TOOLS], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--only-binary=:all:",
+            "-d",
+            str(mirror / "wheels"),
+            *TOOLS,
+        ],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         pytest.skip(f"cannot download the build tools' wheels from PyPI: {r.stderr.strip()[-200:]}")
     lines = ["schema_version = 1", 'description = "tests: small real projects"', ""]
-    for project in ("hello-autotools", "hello-headers", "hello-meson", "hello-cmake", "hello-parts"):
+    for project in (
+        "hello-autotools",
+        "hello-headers",
+        "hello-meson",
+        "hello-cmake",
+        "hello-parts",
+    ):
         name, digest = _tarball(project, mirror)
-        lines += [f"[sources.{project}]", f'url = "https://example.invalid/{name}"', f'filename = "{name}"',
-                  f'sha256 = "{digest}"', ""]
-    lines += ["""
+        lines += [
+            f"[sources.{project}]",
+            f'url = "https://example.invalid/{name}"',
+            f'filename = "{name}"',
+            f'sha256 = "{digest}"',
+            "",
+        ]
+    lines += [
+        """
 [components.hello-autotools]
 source = "hello-autotools"
 build = "autotools"
@@ -136,9 +181,11 @@ target = []
 kv_buffer = "host"
 
 [verify]
-files = ["hello-autotools/lib/libhowdy.so", "hello-headers/include/hello.h", "hello-meson/bin/greet",
-         "hello-cmake/lib/libhello.so", "hello-parts/lib/libhello_greet.a"]
-""" % json.dumps(TOOLS)]
+files = ["hello-autotools/lib/libhowdy.so", "hello-headers/include/hello.h",
+         "hello-meson/bin/greet", "hello-cmake/lib/libhello.so", "hello-parts/lib/libhello_greet.a"]
+"""
+        % json.dumps(TOOLS)
+    ]
     (recipes / "defaults.toml").write_text("\n".join(lines))
     (recipes / "cpu.toml").write_text('platform = "cpu"\n')
     return {"recipes": recipes, "mirror": mirror, "cache": base / "cache"}

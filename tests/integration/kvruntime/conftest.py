@@ -65,8 +65,11 @@ def spawn_pushing_prefill(layouts, seed=1, **options):
     ready_q, control = ctx.Queue(), ctx.Queue()
     from kvruntime.tools.roles import prefill_main, push_command, reap
 
-    proc = ctx.Process(target=prefill_main, daemon=True,
-                       args=(ready_q, control, [layout.to_dict() for layout in layouts], seed, options))
+    proc = ctx.Process(
+        target=prefill_main,
+        daemon=True,
+        args=(ready_q, control, [layout.to_dict() for layout in layouts], seed, options),
+    )
     proc.start()
 
     def push(index, request, src, peer, timeout=30.0):

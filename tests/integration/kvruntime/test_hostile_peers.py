@@ -73,7 +73,9 @@ def test_listener_survives_a_connection_flood_past_its_fd_limit():
             assert peer.digests([1, 2]) == cache.block_digests([1, 2])
         cache.close()
         out, _ = proc.communicate("", timeout=30)
-        assert int(out.split("accept_errors")[1].split()[0]) > 0, out  # it did hit the limit, and survived it
+        assert int(out.split("accept_errors")[1].split()[0]) > 0, (
+            out
+        )  # it did hit the limit, and survived it
     finally:
         for s in flood:
             s.close()
