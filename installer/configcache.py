@@ -28,15 +28,34 @@ import tarfile
 import time
 from pathlib import Path
 
-
 SITE_FILE = "kvstack-config.site"
 AUTOGEN_MARK = ".kvstack-autogen-start"  # in a source tree while its autogen.sh runs
 AUTOTOOLS = ("autoconf", "autoheader", "automake", "aclocal", "libtoolize", "m4", "autoreconf")
 CACHE_FILE = "config.cache"
-ENV_READ = ("CC", "CXX", "CPP", "CXXCPP", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "LIBS", "PATH",
-            "PKG_CONFIG", "PKG_CONFIG_PATH", "PKG_CONFIG_LIBDIR", "LD_LIBRARY_PATH", "CUDA_HOME", "LC_ALL")
+ENV_READ = (
+    "CC",
+    "CXX",
+    "CPP",
+    "CXXCPP",
+    "CFLAGS",
+    "CXXFLAGS",
+    "CPPFLAGS",
+    "LDFLAGS",
+    "LIBS",
+    "PATH",
+    "PKG_CONFIG",
+    "PKG_CONFIG_PATH",
+    "PKG_CONFIG_LIBDIR",
+    "LD_LIBRARY_PATH",
+    "CUDA_HOME",
+    "LC_ALL",
+)
 COMPILERS = ("cc", "gcc", "c++", "g++", "cpp")
-PACKAGE_DBS = (Path("/var/lib/dpkg/status"), Path("/var/lib/rpm/rpmdb.sqlite"), Path("/var/lib/rpm/Packages"))
+PACKAGE_DBS = (
+    Path("/var/lib/dpkg/status"),
+    Path("/var/lib/rpm/rpmdb.sqlite"),
+    Path("/var/lib/rpm/Packages"),
+)
 
 
 def key(configure_argv: list[str], source_pin: str, env: dict[str, str]) -> str | None:
@@ -44,9 +63,16 @@ def key(configure_argv: list[str], source_pin: str, env: dict[str, str]) -> str 
     if packages is None:
         return None
     args = [a for a in configure_argv[1:] if not a.startswith("--prefix=")]
-    material = {"args": args, "source": source_pin, "packages": packages, "dirs": _with_dirs(args),
-                "env": {k: env.get(k) for k in ENV_READ},
-                "compilers": {c: _identity(c, env) for c in (env.get("CC"), env.get("CXX"), *COMPILERS) if c}}
+    material = {
+        "args": args,
+        "source": source_pin,
+        "packages": packages,
+        "dirs": _with_dirs(args),
+        "env": {k: env.get(k) for k in ENV_READ},
+        "compilers": {
+            c: _identity(c, env) for c in (env.get("CC"), env.get("CXX"), *COMPILERS) if c
+        },
+    }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
 
 
@@ -58,7 +84,10 @@ def restore(cache_dir: Path, build_dir: Path, key_: str | None) -> str:
     if key_ is None:
         site.write_text("# kvstack: no autoconf cache (this host's package state cannot be read)\n")
         return "no cache: the host's package database (dpkg, rpm) was not found"
-    site.write_text(f"# kvstack: autoconf results kept per toolchain, key {key_}\ncache_file={build_dir / CACHE_FILE}\n")
+    site.write_text(
+        "# kvstack: autoconf results kept per toolchain, key "
+        f"{key_}\ncache_file={build_dir / CACHE_FILE}\n"
+    )
     entry = _entry(cache_dir, key_)
     if entry.is_file():
         shutil.copyfile(entry, build_dir / CACHE_FILE)

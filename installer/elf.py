@@ -62,7 +62,11 @@ def sections(data: bytes) -> list[Section]:
     names = data[str_off:str_off + str_size]
     out = []
     for name_off, off, size in headers:
-        name = names[name_off:names.index(b"\0", name_off)].decode(errors="replace") if name_off < len(names) else "?"
+        name = (
+            names[name_off : names.index(b"\0", name_off)].decode(errors="replace")
+            if name_off < len(names)
+            else "?"
+        )
         out.append(Section(name or "(null)", off, size))
     return out
 
@@ -140,7 +144,9 @@ class Patchelf:
 
     def dynamic(self, so: Path) -> Dynamic:
         r = subprocess.run([self.exe, "--print-soname", str(so)], capture_output=True, text=True)
-        soname = (r.stdout.strip() or None) if r.returncode == 0 else None  # no DT_SONAME: patchelf fails
+        soname = (
+            (r.stdout.strip() or None) if r.returncode == 0 else None
+        )  # no DT_SONAME: patchelf fails
         needed = tuple(self._run("--print-needed", str(so)).split())
         return Dynamic(soname, needed, self.rpath(so))
 

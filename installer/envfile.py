@@ -13,7 +13,11 @@ from .plan import Plan
 def nixl_site_packages(build_dir: Path) -> Path | None:
     """Where meson installed NIXL's Python module: the directory above the package holding
     `_bindings*.so` (lib/python3.X/site-packages, or lib/python3/dist-packages for Debian's)."""
-    hits = sorted(glob.glob(str(build_dir / "nixl" / "lib" / "python3*" / "*-packages" / "nixl*" / "_bindings*.so")))
+    hits = sorted(
+        glob.glob(
+            str(build_dir / "nixl" / "lib" / "python3*" / "*-packages" / "nixl*" / "_bindings*.so")
+        )
+    )
     return Path(hits[0]).parent.parent if hits else None
 
 
@@ -43,7 +47,9 @@ def runtime_env(plan: Plan, build_dir: Path) -> dict[str, str]:
     site = nixl_site_packages(build_dir)
     if site:
         env["PYTHONPATH"] = str(site)
-    module = nixl_module(build_dir, plan.verify["nixl"]["module"]) if "nixl" in plan.verify else None
+    module = (
+        nixl_module(build_dir, plan.verify["nixl"]["module"]) if "nixl" in plan.verify else None
+    )
     if module:
         env["KVRUNTIME_NIXL_MODULE"] = module
     # how kvruntime moves KV here by default: through host staging (tpu), else registered directly
@@ -84,14 +90,28 @@ def policy_comment(report: dict) -> str:
     lines = []
     for check in levels.get("loaded", {}).get("checks", []):
         if check["check"].startswith(POLICY_CHECK) and check["ok"]:
-            lines += [f"# {check['check']}, from this build's ucx_info -d when it was verified: {check['detail']}",
-                      "# Each process chooses again from the ucx_info on its PATH (`python -m kvruntime "
-                      "selftest` prints its choice)."]
-    rdma = [c for c in levels.get("moved", {}).get("checks", []) if "RDMA" in c["check"] or "rdmap" in c["check"]]
+            lines += [
+                f"# {check['check']}, from this build's ucx_info -d when it was verified: "
+                f"{check['detail']}",
+                "# Each process chooses again from the ucx_info on its PATH (`python -m kvruntime "
+                "selftest` prints its choice).",
+            ]
+    rdma = [
+        c
+        for c in levels.get("moved", {}).get("checks", [])
+        if "RDMA" in c["check"] or "rdmap" in c["check"]
+    ]
     if rdma:
-        lines.append("# RDMA when this build was verified: " + "; ".join(
-            f"{c['check']}: {'passed' if c['ok'] else 'FAILED' if c['ok'] is False else 'not proven here'}"
-            for c in rdma))
-        lines.append("# Between hosts each process chooses its wire (RDMA device, nearest NIC, GPUDirect) "
-                     "and says why: `python -m kvruntime policy`.")
+        lines.append(
+            "# RDMA when this build was verified: "
+            + "; ".join(
+                f"{c['check']}: "
+                f"{'passed' if c['ok'] else 'FAILED' if c['ok'] is False else 'not proven here'}"
+                for c in rdma
+            )
+        )
+        lines.append(
+            "# Between hosts each process chooses its wire (RDMA device, nearest NIC, GPUDirect) "
+            "and says why: `python -m kvruntime policy`."
+        )
     return "".join(line + "\n" for line in lines)

@@ -97,9 +97,13 @@ class HostError(InstallerError):
     @classmethod
     def from_oserror(cls, e: OSError, where: str) -> "HostError":
         import errno
-        fix = {errno.ENOSPC: "free space there (the download and build cache can go: --cache-dir) and run again",
-               errno.EACCES: "run as a user who may write there, or choose another --prefix/--cache-dir",
-               errno.EROFS: "choose a writable --prefix/--cache-dir"}.get(e.errno, "fix that and run again")
+        fix = {
+            errno.ENOSPC: "free space there (the download and build cache can go: --cache-dir) and "
+                          "run again",
+            errno.EACCES: "run as a user who may write there, or choose another "
+                          "--prefix/--cache-dir",
+            errno.EROFS: "choose a writable --prefix/--cache-dir",
+        }.get(e.errno, "fix that and run again")
         return cls(f"{where}: {e.strerror or e}" + (f" ({e.filename})" if e.filename else ""),
                    fix=fix + "; the previous install is untouched")
 

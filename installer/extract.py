@@ -20,14 +20,19 @@ def extract_safely(tf: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Pa
     for m in members:
         target = (root / m.name).resolve()
         if m.name.startswith("/") or not (target == root or root in target.parents):
-            raise tarfile.TarError(f"member {m.name!r} would land outside the directory it is extracted into")
+            raise tarfile.TarError(
+                f"member {m.name!r} would land outside the directory it is extracted into"
+            )
         if m.isdev() or m.isfifo():
             raise tarfile.TarError(f"member {m.name!r} is a device or fifo")
         if m.issym() or m.islnk():
             base = target.parent if m.issym() else root
             link = (base / m.linkname).resolve()
             if m.linkname.startswith("/") or not (link == root or root in link.parents):
-                raise tarfile.TarError(f"link {m.name!r} -> {m.linkname!r} points outside the directory it is extracted into")
+                raise tarfile.TarError(
+                    f"link {m.name!r} -> {m.linkname!r} points outside the directory it is "
+                    "extracted into"
+                )
     if hasattr(tarfile, "data_filter"):
         tf.extractall(dest, filter="data")
     else:
@@ -40,10 +45,16 @@ def extract(fetched: Fetched, dest: Path) -> Path:
     shutil.rmtree(dest, ignore_errors=True)
     tmp.mkdir(parents=True)
     if fetched.kind == "git":
-        archive = subprocess.run(["git", "--git-dir", str(fetched.path), "archive", "--format=tar", fetched.commit],
-                                 capture_output=True, check=False)
+        archive = subprocess.run(
+            ["git", "--git-dir", str(fetched.path), "archive", "--format=tar", fetched.commit],
+            capture_output=True,
+            check=False,
+        )
         if archive.returncode:
-            raise BuildError(f"{fetched.name}: git archive {fetched.commit} failed: {archive.stderr.decode()[-300:]}")
+            raise BuildError(
+                f"{fetched.name}: git archive {fetched.commit} failed: "
+                f"{archive.stderr.decode()[-300:]}"
+            )
         subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive.stdout, check=True)
         tmp.rename(dest)
         return dest

@@ -20,10 +20,19 @@ def cross_memory_denied() -> str | None:
     fn.restype = ctypes.c_ssize_t
     src, dst = ctypes.create_string_buffer(b"kvstack!", 8), ctypes.create_string_buffer(8)
     local, remote = _IOVec(ctypes.addressof(src), 8), _IOVec(ctypes.addressof(dst), 8)
-    n = fn(os.getpid(), ctypes.byref(local), ctypes.c_ulong(1), ctypes.byref(remote), ctypes.c_ulong(1),
-           ctypes.c_ulong(0))
+    n = fn(
+        os.getpid(),
+        ctypes.byref(local),
+        ctypes.c_ulong(1),
+        ctypes.byref(remote),
+        ctypes.c_ulong(1),
+        ctypes.c_ulong(0),
+    )
     if n == 8 and dst.raw == b"kvstack!":
         return None
     err = ctypes.get_errno()
-    return (f"process_vm_writev is refused here ({os.strerror(err) if err else 'short write'}): in a container, "
-            f"the default seccomp profile allows it only with CAP_SYS_PTRACE (docker run --cap-add SYS_PTRACE)")
+    return (
+        f"process_vm_writev is refused here ({os.strerror(err) if err else 'short write'}): in a "
+        "container, the default seccomp profile allows it only with CAP_SYS_PTRACE (docker run "
+        "--cap-add SYS_PTRACE)"
+    )

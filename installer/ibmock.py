@@ -90,7 +90,9 @@ def device_nodes(dev: Path = DEV, sysfs: Path = SYSFS, count: int = DEVICES,
     Raises Unavailable (with why) where the mock must not or cannot run."""
     real = real_devices(sysfs)
     if real:
-        raise Unavailable(f"this host has RDMA devices ({', '.join(real)}): they are checked, not the mock")
+        raise Unavailable(
+            f"this host has RDMA devices ({', '.join(real)}): they are checked, not the mock"
+        )
     lock_path = (lock_dir or Path(tempfile.gettempdir())) / "kvstack-ibmock.lock"
     with open(lock_path, "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one maker at a time; users share it below
@@ -105,8 +107,10 @@ def device_nodes(dev: Path = DEV, sysfs: Path = SYSFS, count: int = DEVICES,
                                           f"{NODE[0]}:{NODE[1]}); it is left alone")
                     continue
                 if os.geteuid() != 0:
-                    raise Unavailable(f"{node} is missing and only root can make it (as root: mkdir -p {dev} "
-                                      f"&& mknod {node} c {NODE[0]} {NODE[1]})")
+                    raise Unavailable(
+                        f"{node} is missing and only root can make it (as root: mkdir -p {dev} "
+                        f"&& mknod {node} c {NODE[0]} {NODE[1]})"
+                    )
                 if not dev.is_dir():
                     dev.mkdir(mode=0o755)
                     made_dir = True
@@ -115,7 +119,9 @@ def device_nodes(dev: Path = DEV, sysfs: Path = SYSFS, count: int = DEVICES,
                 made.append(node)
         except PermissionError as e:
             _remove(made, dev if made_dir else None)
-            raise Unavailable(f"cannot make {dev}/uverbsN here ({e.strerror}): a container without CAP_MKNOD")
+            raise Unavailable(
+                f"cannot make {dev}/uverbsN here ({e.strerror}): a container without CAP_MKNOD"
+            )
         except BaseException:
             _remove(made, dev if made_dir else None)
             raise

@@ -25,19 +25,27 @@ BASE_IMAGES = {
 PLATFORMS = tuple(BASE_IMAGES)
 # What a platform's build loads at run time from the distribution, for a base that lacks it (the
 # Debian base CI makes; intel/oneapi-basekit carries its own loader): Debian's packages, and the
-# library whose presence (ldconfig -p) makes them unneeded. The build stage's verification runs it too.
+# library whose presence (ldconfig -p) makes them unneeded. The build stage's verification runs it
+# too.
 # Every platform's UCX has RDMA modules that link the host's rdma-core (installer/rdma.py): an image
 # made to move KV between hosts carries its user-space libraries and providers.
 RDMA_CORE = ("libibverbs1 librdmacm1 ibverbs-providers", "libibverbs.so.1")
 RUNTIME_PACKAGES = {
-    "xpu": [("libze1", "libze_loader.so.1"), RDMA_CORE],  # Level Zero's loader: UCX's ze modules link it
+    "xpu": [
+        ("libze1", "libze_loader.so.1"),
+        RDMA_CORE,
+    ],  # Level Zero's loader: UCX's ze modules link it
 }
 CONTAINERFILE = "Containerfile"
-MIRROR_DIR = "_work/image-mirror"  # inside the build context; the Containerfile copies it when present
+MIRROR_DIR = (
+    "_work/image-mirror"  # inside the build context; the Containerfile copies it when present
+)
 CA_FILE = "_work/image-ca.crt"
 OVERLAY_DIR = "_work/image-overlays"  # --recipe-overlay files, in order (NN-name.toml)
 WHEEL_DIR = "_work/image-wheels"      # --wheels: installed into the image's venv as given
-BINARY_CACHE_DIR = "_work/image-binary-cache"  # --binary-cache: the installer takes the build from it
+BINARY_CACHE_DIR = (
+    "_work/image-binary-cache"  # --binary-cache: the installer takes the build from it
+)
 STAGED = (MIRROR_DIR, CA_FILE, OVERLAY_DIR, WHEEL_DIR, BINARY_CACHE_DIR)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")  # the daemon colours a RUN step's stderr
 _TAG_RE = re.compile(r"^[a-z0-9]+(?:[._/:@-][a-zA-Z0-9._-]+)*$")
@@ -72,7 +80,10 @@ def request(platform: str, tag: str | None = None, base_image: str | None = None
     if not _TAG_RE.match(tag) or len(tag) > 255:
         raise UsageError(f"bad image tag {tag!r}", fix="use --tag NAME[:TAG] (lowercase name)")
     base = base_image or BASE_IMAGES[platform]
-    for option, ref in (("--base-image", base), ("--runtime-base-image", runtime_base_image or base)):
+    for option, ref in (
+        ("--base-image", base),
+        ("--runtime-base-image", runtime_base_image or base),
+    ):
         if not _TAG_RE.match(ref.lower()) or len(ref) > 512:
             raise UsageError(f"bad base image reference {ref!r}",
                              fix=f"use {option} NAME[:TAG][@sha256:...]")
@@ -92,16 +103,20 @@ def request(platform: str, tag: str | None = None, base_image: str | None = None
     ov = tuple(_overlays(platform, overlays, variant))
     w = Path(wheels).resolve() if wheels else None
     if w is not None and not any(w.glob("*.whl")):
-        raise UsageError(f"--wheels {wheels}: no .whl files there",
-                         fix="fill it with: python -m pip download -d DIR --only-binary=:all: REQUIREMENT...")
+        raise UsageError(
+            f"--wheels {wheels}: no .whl files there",
+            fix="fill it with: python -m pip download -d DIR --only-binary=:all: REQUIREMENT...",
+        )
     bc = Path(binary_cache).resolve() if binary_cache else None
     if bc is not None and not any(bc.glob("*/manifest.json")):
         raise UsageError(f"--binary-cache {binary_cache}: no published build there",
                          fix="fill it with: python -m installer publish DIR --prefix PREFIX")
     if offline and w is None:
-        raise UsageError("--offline: pip has no index in an offline build, so it needs --wheels",
-                         fix="pass --wheels DIR with every wheel the image's venv and the installer "
-                             "need (ci/image-wheels.sh fills one)")
+        raise UsageError(
+            "--offline: pip has no index in an offline build, so it needs --wheels",
+            fix="pass --wheels DIR with every wheel the image's venv and the installer "
+            "need (ci/image-wheels.sh fills one)",
+        )
     return ImageRequest(platform, tag, base, m, ca, ov, w, variant, bc, offline, runtime_base_image)
 
 
@@ -121,14 +136,24 @@ def _overlays(platform: str, overlays: Iterable[str], variant: str | None) -> li
 
 def build_args(req: ImageRequest) -> dict[str, str]:
     """The Containerfile's ARGs for this request (the mapping unit tests check)."""
-    args = {"PLATFORM": req.platform, "VARIANT": req.variant or "", "BASE_IMAGE": req.base_image,
-            "RUNTIME_BASE_IMAGE": req.runtime_base_image or req.base_image,
-            "WITH_MIRROR": "1" if req.mirror else "0", "WITH_CA": "1" if req.ca_bundle else "0",
-            "WITH_OVERLAYS": "1" if req.overlays else "0", "WITH_WHEELS": "1" if req.wheels else "0",
-            "WITH_BINARY_CACHE": "1" if req.binary_cache else "0", "KVSTACK_STAGED": "1",
-            "OFFLINE": "1" if req.offline else "0"}
+    args = {
+        "PLATFORM": req.platform,
+        "VARIANT": req.variant or "",
+        "BASE_IMAGE": req.base_image,
+        "RUNTIME_BASE_IMAGE": req.runtime_base_image or req.base_image,
+        "WITH_MIRROR": "1" if req.mirror else "0",
+        "WITH_CA": "1" if req.ca_bundle else "0",
+        "WITH_OVERLAYS": "1" if req.overlays else "0",
+        "WITH_WHEELS": "1" if req.wheels else "0",
+        "WITH_BINARY_CACHE": "1" if req.binary_cache else "0",
+        "KVSTACK_STAGED": "1",
+        "OFFLINE": "1" if req.offline else "0",
+    }
     rows = RUNTIME_PACKAGES.get(req.platform, [RDMA_CORE])
-    args.update(RUNTIME_PACKAGES=" ".join(p for p, _ in rows), RUNTIME_LIBRARY=" ".join(lib for _, lib in rows))
+    args.update(
+        RUNTIME_PACKAGES=" ".join(p for p, _ in rows),
+        RUNTIME_LIBRARY=" ".join(lib for _, lib in rows),
+    )
     args.update(req.extra_args)
     return args
 
@@ -150,9 +175,11 @@ def connect(env: dict[str, str] | None = None):
         client = docker.from_env(environment=env)
         client.ping()
     except Exception as e:  # the SDK raises DockerException, requests' errors, or OSError
-        raise HostError(f"no container daemon reachable ({type(e).__name__})",
-                        fix="start dockerd or podman's API service and set DOCKER_HOST "
-                            "(e.g. unix:///run/docker.sock or unix:///run/podman/podman.sock)") from None
+        raise HostError(
+            f"no container daemon reachable ({type(e).__name__})",
+            fix="start dockerd or podman's API service and set DOCKER_HOST "
+            "(e.g. unix:///run/docker.sock or unix:///run/podman/podman.sock)",
+        ) from None
     return client
 
 
@@ -167,8 +194,8 @@ def base_is_local(client, ref: str) -> bool:
 
 def stage_context(req: ImageRequest, checkout: Path) -> None:
     """Put the optional mirror, overlays, wheels, binary cache and CA bundle where the Containerfile
-    looks for them (the CA file and the wheels' directory always: it copies them by name) (wheels, mirror and cache files hard-linked where the filesystem allows: no copy
-    of GBs)."""
+    looks for them (the CA file and the wheels' directory always: it copies them by name) (wheels,
+    mirror and cache files hard-linked where the filesystem allows: no copy of GBs)."""
     import shutil  # noqa: PLC0415
     unstage_context(checkout)
     mdir, ca = checkout / MIRROR_DIR, checkout / CA_FILE
@@ -212,7 +239,6 @@ def _link_or_copy(src, dst) -> None:
 def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None]) -> dict:
     """Build through the low-level API so the log streams; intermediate containers are removed
     even on failure (rm + forcerm); the base is pulled only when it is not local."""
-    import docker.errors  # noqa: PLC0415
     bases = {req.base_image, req.runtime_base_image or req.base_image}
     pull = not all(base_is_local(client, b) for b in bases)
     stage_context(req, checkout)
@@ -229,11 +255,19 @@ def build(client, req: ImageRequest, checkout: Path, log: Callable[[str], None])
     img = client.images.get(image_id)
     base = client.images.get(req.runtime_base_image or req.base_image)  # what the image is over
     inside = inspect(client, image_id)
-    return {"id": image_id, "tag": req.tag, "size": img.attrs.get("Size"),
-            "build_stage": {"id": build_id, "tag": build_tag(req.tag),
-                            "size": client.images.get(build_id).attrs.get("Size")},
-            "base_size": base.attrs.get("Size"), "manifest": inside.get("manifest"),
-            "parts": parts(inside.get("manifest"), inside.get("dists", {}), inside.get("nixl_module"))}
+    return {
+        "id": image_id,
+        "tag": req.tag,
+        "size": img.attrs.get("Size"),
+        "build_stage": {
+            "id": build_id,
+            "tag": build_tag(req.tag),
+            "size": client.images.get(build_id).attrs.get("Size"),
+        },
+        "base_size": base.attrs.get("Size"),
+        "manifest": inside.get("manifest"),
+        "parts": parts(inside.get("manifest"), inside.get("dists", {}), inside.get("nixl_module")),
+    }
 
 
 def build_tag(tag: str) -> str:
@@ -247,24 +281,50 @@ def _context(checkout: Path):
     once: both builds see the same bytes even if the checkout changes meanwhile."""
     from docker import utils  # noqa: PLC0415
     ignore = checkout / ".dockerignore"
-    exclude = [l.strip() for l in ignore.read_text().splitlines() if l.strip() and not l.startswith("#")] \
-        if ignore.is_file() else None
+    exclude = (
+        [
+            line.strip()
+            for line in ignore.read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        ]
+        if ignore.is_file()
+        else None
+    )
     return utils.tar(str(checkout), exclude=exclude, dockerfile=(CONTAINERFILE, None))
 
 
-def _build(client, req: ImageRequest, context, log, pull: bool, target: str | None, tag: str) -> str:
+def _build(
+    client, req: ImageRequest, context, log, pull: bool, target: str | None, tag: str
+) -> str:
     import docker.errors  # noqa: PLC0415
     tail: list[str] = []
     image_id = None
     try:
-        stream = client.api.build(fileobj=context, custom_context=True, dockerfile=CONTAINERFILE, tag=tag, target=target,
-                                  buildargs=build_args(req), rm=True, forcerm=True, pull=False,
-                                  decode=True, network_mode=network_mode(req))
+        stream = client.api.build(
+            fileobj=context,
+            custom_context=True,
+            dockerfile=CONTAINERFILE,
+            tag=tag,
+            target=target,
+            buildargs=build_args(req),
+            rm=True,
+            forcerm=True,
+            pull=False,
+            decode=True,
+            network_mode=network_mode(req),
+        )
         for chunk in _chunks(stream):
             if "error" in chunk:
-                raise BuildError(f"image build failed: {chunk['error'].strip()}", detail="\n".join(tail[-30:]),
-                                 fix=("the base image is not local and no registry is reachable: "
-                                      "docker import one and pass --base-image" if pull else None))
+                raise BuildError(
+                    f"image build failed: {chunk['error'].strip()}",
+                    detail="\n".join(tail[-30:]),
+                    fix=(
+                        "the base image is not local and no registry is reachable: "
+                        "docker import one and pass --base-image"
+                        if pull
+                        else None
+                    ),
+                )
             text = _ANSI.sub("", chunk.get("stream") or chunk.get("status") or "")
             if "aux" in chunk and "ID" in chunk["aux"]:
                 image_id = chunk["aux"]["ID"]
@@ -273,7 +333,9 @@ def _build(client, req: ImageRequest, context, log, pull: bool, target: str | No
                     tail.append(line)
                     log(line)
     except docker.errors.APIError as e:
-        raise BuildError(f"image build failed: {e.explanation or e}", detail="\n".join(tail[-30:])) from None
+        raise BuildError(
+            f"image build failed: {e.explanation or e}", detail="\n".join(tail[-30:])
+        ) from None
     if image_id is None:
         raise BuildError("image build gave no image id", detail="\n".join(tail[-30:]))
     return image_id
@@ -296,15 +358,20 @@ except (OSError, ValueError):
 names = [os.environ["KVRUNTIME_NIXL_MODULE"]] if os.environ.get("KVRUNTIME_NIXL_MODULE") else \
     ["nixl_cpu", "nixl_xpu", "nixl_cu13", "nixl_cu12", "nixl"]
 found = next((n for n in names if iu.find_spec(n)), None)
-print(json.dumps({"manifest": manifest, "nixl_module": found and {"name": found, "file": iu.find_spec(found).origin},
-                  "dists": {d.metadata["Name"].lower().replace("_", "-"): d.version for d in md.distributions()}}))
+module = found and {"name": found, "file": iu.find_spec(found).origin}
+dists = {d.metadata["Name"].lower().replace("_", "-"): d.version for d in md.distributions()}
+print(json.dumps({"manifest": manifest, "nixl_module": module, "dists": dists}))
 """
 
 
 def inspect(client, image_id: str) -> dict:
     """What the runtime image holds (manifest, distributions, NIXL module), read from inside it."""
-    out = client.containers.run(image_id, ["bash", "-c", 'source /opt/kvstack/env.sh && exec python -c "$0"', INSPECT],
-                                remove=True, network_mode="none")
+    out = client.containers.run(
+        image_id,
+        ["bash", "-c", 'source /opt/kvstack/env.sh && exec python -c "$0"', INSPECT],
+        remove=True,
+        network_mode="none",
+    )
     try:
         return json.loads(out.decode().strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -323,14 +390,30 @@ def parts(manifest: dict | None, dists: dict[str, str], nixl_module: dict | None
         comp = comps.get(name)
         if comp:
             src = sources.get(comp.get("source"), {})
-            out.append({"part": name, "from": "source", "source": comp.get("source"),
-                        "file": src.get("filename"), "sha256": src.get("sha256"), "url": src.get("url"),
-                        "version": _version_of(src.get("filename") or ""),
-                        "binary_cache": (manifest.get("binary_cache") or {}).get("built_in")})
+            out.append(
+                {
+                    "part": name,
+                    "from": "source",
+                    "source": comp.get("source"),
+                    "file": src.get("filename"),
+                    "sha256": src.get("sha256"),
+                    "url": src.get("url"),
+                    "version": _version_of(src.get("filename") or ""),
+                    "binary_cache": (manifest.get("binary_cache") or {}).get("built_in"),
+                }
+            )
         elif name == "nixl" and nixl_module:
             dist = nixl_module["name"].replace("_", "-")
-            out.append({"part": name, "from": "wheel", "distribution": dist, "version": dists.get(dist),
-                        "module": nixl_module["name"], "file": nixl_module.get("file")})
+            out.append(
+                {
+                    "part": name,
+                    "from": "wheel",
+                    "distribution": dist,
+                    "version": dists.get(dist),
+                    "module": nixl_module["name"],
+                    "file": nixl_module.get("file"),
+                }
+            )
         else:
             out.append({"part": name, "from": None})
     return out
@@ -346,12 +429,20 @@ def render_parts(res: dict) -> list[str]:
     lines = []
     for p in res["parts"]:
         if p["from"] == "source":
-            lines.append(f"{p['part']}: {p['version'] or '?'} built from source {p['source']} "
-                         f"({p['file']}, sha256 {p['sha256']}, {p['url']})"
-                         + (f", taken from a binary cache (built in {p['binary_cache']})" if p.get("binary_cache") else ""))
+            lines.append(
+                f"{p['part']}: {p['version'] or '?'} built from source {p['source']} "
+                f"({p['file']}, sha256 {p['sha256']}, {p['url']})"
+                + (
+                    f", taken from a binary cache (built in {p['binary_cache']})"
+                    if p.get("binary_cache")
+                    else ""
+                )
+            )
         elif p["from"] == "wheel":
-            lines.append(f"{p['part']}: {p['distribution']} {p['version']} wheel in the image's venv "
-                         f"(module {p['module']}, not built from source)")
+            lines.append(
+                f"{p['part']}: {p['distribution']} {p['version']} wheel in the image's venv "
+                f"(module {p['module']}, not built from source)"
+            )
         else:
             lines.append(f"{p['part']}: none in this image")
     mib = 2 ** 20

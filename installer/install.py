@@ -21,11 +21,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import binarycache, configcache, elf, envfile, nixlpackage, prefix as prefixmod, rdma, schedule
-from . import syspkgs, tools, verify
-from .cache import Cache
-from .errors import BinaryCacheError, BuildError, BuildToolsError, HostError, InstallerError, VerifyError
+from . import (
+    binarycache,
+    configcache,
+    elf,
+    envfile,
+    nixlpackage,
+    rdma,
+    schedule,
+    syspkgs,
+    tools,
+    verify,
+)
+from . import prefix as prefixmod
 from .buildsys import pkgconfig
+from .cache import Cache
+from .errors import (
+    BinaryCacheError,
+    BuildError,
+    BuildToolsError,
+    HostError,
+    InstallerError,
+    VerifyError,
+)
 from .extract import extract
 from .phases import PhaseLog
 from .plan import ComponentPlan, Plan
@@ -90,21 +108,38 @@ def _from_binary_cache(plan: Plan, where: str) -> dict[str, Any] | None:
         if not report["ok"]:
             failed = [f"{lvl}: {c['check']} ({c['detail']})" for lvl, v in report["levels"].items()
                       for c in v["checks"] if c["ok"] is False]
-            raise BinaryCacheError(f"build {plan.build_id} from the binary cache failed verification on this host: "
-                                   f"{failed[0] if failed else 'see the levels'}", fix="it was not used")
+            raise BinaryCacheError(
+                f"build {plan.build_id} from the binary cache failed verification on this host: "
+                f"{failed[0] if failed else 'see the levels'}",
+                fix="it was not used",
+            )
     except BaseException:
         shutil.rmtree(plan.install_dir, ignore_errors=True)
         raise
-    manifest.update(env=renv, verification=report, prefix=str(plan.prefix), kvstack_plan=plan.to_dict(),
-                    python={"path": plan.target.python, "version": plan.target.version}, complete=True,
-                    phases={"binary-cache": {"status": "done", "seconds": round(time.monotonic() - started, 1)}},
-                    seconds=round(time.monotonic() - started, 1), logs=str(plan.install_dir / "logs"))
+    manifest.update(
+        env=renv,
+        verification=report,
+        prefix=str(plan.prefix),
+        kvstack_plan=plan.to_dict(),
+        python={"path": plan.target.python, "version": plan.target.version},
+        complete=True,
+        phases={
+            "binary-cache": {"status": "done", "seconds": round(time.monotonic() - started, 1)}
+        },
+        seconds=round(time.monotonic() - started, 1),
+        logs=str(plan.install_dir / "logs"),
+    )
     _drop_work(plan)  # what verify compiled (the Level Zero null driver's tree)
     (plan.install_dir / prefixmod.COMPLETE).write_text(json.dumps(manifest, indent=2, default=str))
     old = prefixmod.switch(plan.prefix, plan.install_dir)
     manifest["python_link"] = _link_python(plan)
     prefixmod.prune(plan.prefix, keep=[plan.install_dir, old] if old else [plan.install_dir])
-    log.info("%s -> %s (from binary cache %s)", plan.prefix, plan.install_dir, manifest["binary_cache"]["entry"])
+    log.info(
+        "%s -> %s (from binary cache %s)",
+        plan.prefix,
+        plan.install_dir,
+        manifest["binary_cache"]["entry"],
+    )
     return manifest
 
 
@@ -127,7 +162,9 @@ def fetch_only(plan: Plan, mirror: str | None) -> dict[str, dict[str, Any]]:
     return {n: fetcher.check(f, plan.sources[n]) for n, f in fetched.items()}
 
 
-def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path | None) -> dict[str, Any]:
+def _build(
+    plan: Plan, mirror: str | None, system_packages: str, previous: Path | None
+) -> dict[str, Any]:
     phases = PhaseLog()
     log_dir = plan.work_dir / "logs"
     stop_leftovers(log_dir)
@@ -150,7 +187,10 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
         with phases.phase("build-tools") as rec:
             venv, rec["tools"] = tools.ensure_build_tools(plan, mirror, log_dir)
             rec["target_packages"] = tools.ensure_target_packages(plan, mirror, log_dir)
-            rec["build_tools"] = {"venv": str(venv), "requirements": plan.recipe.data["build_tools"]["python"]}
+            rec["build_tools"] = {
+                "venv": str(venv),
+                "requirements": plan.recipe.data["build_tools"]["python"],
+            }
         env = _build_env(venv, mirror)
         # the archives hold no .git: git, asked by UCX's configure and NIXL's meson.build for
         # their revision, must not find the checkout around the cache (its commit was compiled
@@ -182,8 +222,16 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
                     if s.phase == phase:
                         if stop.is_set():
                             raise Stopped()
-                        out.append(run_step(s, component=comp.name, env=cenv, log_dir=log_dir, actions=actions,
-                                            stop=stop))
+                        out.append(
+                            run_step(
+                                s,
+                                component=comp.name,
+                                env=cenv,
+                                log_dir=log_dir,
+                                actions=actions,
+                                stop=stop,
+                            )
+                        )
                 return out
 
             for phase in ("configure", "build", "install"):
@@ -209,17 +257,27 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             rec["levels"] = {k: v["status"] for k, v in report["levels"].items()}
             manifest["verification"] = report
             if not report["ok"]:
-                failed = [f"{lvl}: {c['check']} ({c['detail']})" for lvl, v in report["levels"].items()
-                          for c in v["checks"] if c["ok"] is False]
-                raise VerifyError(f"the new build did not prove itself: {failed[0] if failed else 'see manifest'}",
-                                  fix=f"nothing was switched; {plan.prefix} still points to "
-                                      f"{previous or 'nothing'}; details in {plan.work_dir / 'manifest.failed.json'}")
+                failed = [
+                    f"{lvl}: {c['check']} ({c['detail']})"
+                    for lvl, v in report["levels"].items()
+                    for c in v["checks"]
+                    if c["ok"] is False
+                ]
+                raise VerifyError(
+                    "the new build did not prove itself: "
+                    f"{failed[0] if failed else 'see manifest'}",
+                    fix=f"nothing was switched; {plan.prefix} still points to "
+                    f"{previous or 'nothing'}; details in {plan.work_dir / 'manifest.failed.json'}",
+                )
             note = envfile.policy_comment(report)
             if note:  # the build's transport choice, with its reason, where its users look
                 with open(plan.install_dir / "env.sh", "a") as f:
                     f.write(note)
     except (InstallerError, KeyboardInterrupt, OSError) as e:
-        running = next((n for n, r in phases.records.items() if r.get("status") in ("running", "failed")), "install")
+        running = next(
+            (n for n, r in phases.records.items() if r.get("status") in ("running", "failed")),
+            "install",
+        )
         error = HostError.from_oserror(e, f"during {running}") if isinstance(e, OSError) else e
         ignored = phases.records.get("system-packages", {})
         if isinstance(e, BuildError) and ignored.get("ignored"):  # a likely cause, said in the line
@@ -230,28 +288,46 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
             # half-built files would otherwise keep the disk full
             kept = _keep_logs(plan, log_dir)
             removed = _drop_unfinished(plan)
-            said = (e.what if isinstance(e, InstallerError) else
-                    os.strerror(errno.ENOSPC) if isinstance(e, shutil.Error) else (e.strerror or str(e)))
+            said = (
+                e.what
+                if isinstance(e, InstallerError)
+                else os.strerror(errno.ENOSPC)
+                if isinstance(e, shutil.Error)
+                else (e.strerror or str(e))
+            )
             step_log = getattr(e, "log", None)
-            error = HostError(f"no space left on device during {running}: {said}",
-                              log=_moved(step_log, str(log_dir), str(kept)) if kept else None,
-                              detail=getattr(e, "detail", None),
-                              fix=f"free space there and run again; removed the unfinished build ({len(removed)} "
-                                  f"directories: {plan.install_dir} and the source and build trees under {plan.work_dir})"
-                                  + (f", its logs kept in {kept}" if kept else "")
-                                  + f"; {plan.prefix} still points to {previous or 'nothing'}")
-        manifest.update(complete=False, phases=phases.records, error=getattr(error, "line", lambda: "interrupted")())
+            error = HostError(
+                f"no space left on device during {running}: {said}",
+                log=_moved(step_log, str(log_dir), str(kept)) if kept else None,
+                detail=getattr(e, "detail", None),
+                fix=f"free space there and run again; removed the unfinished build ({len(removed)} "
+                f"directories: {plan.install_dir} and the source and build trees under "
+                f"{plan.work_dir})"
+                + (f", its logs kept in {kept}" if kept else "")
+                + f"; {plan.prefix} still points to {previous or 'nothing'}",
+            )
+        manifest.update(
+            complete=False,
+            phases=phases.records,
+            error=getattr(error, "line", lambda: "interrupted")(),
+        )
         if plan.install_dir.exists():  # not where a full disk made us remove the unfinished build
             try:
                 plan.work_dir.mkdir(parents=True, exist_ok=True)
-                (plan.work_dir / "manifest.failed.json").write_text(json.dumps(manifest, indent=2, default=str))
+                (plan.work_dir / "manifest.failed.json").write_text(
+                    json.dumps(manifest, indent=2, default=str)
+                )
             except OSError:
                 pass  # a full disk may refuse this too; the error line still says what happened
         if error is not e:
             raise error from e
         raise
-    manifest.update(complete=True, phases=phases.records, seconds=round(time.monotonic() - started, 1),
-                    logs=str(plan.install_dir / "logs"))
+    manifest.update(
+        complete=True,
+        phases=phases.records,
+        seconds=round(time.monotonic() - started, 1),
+        logs=str(plan.install_dir / "logs"),
+    )
     shutil.copytree(log_dir, plan.install_dir / "logs", dirs_exist_ok=True)
     for key in ("phases", "verification"):  # their logs' paths: where the logs are kept
         manifest[key] = _moved(manifest[key], str(log_dir), str(plan.install_dir / "logs"))
@@ -259,7 +335,9 @@ def _build(plan: Plan, mirror: str | None, system_packages: str, previous: Path 
     (plan.install_dir / prefixmod.COMPLETE).write_text(json.dumps(manifest, indent=2, default=str))
     old = prefixmod.switch(plan.prefix, plan.install_dir)
     manifest["python_link"] = _link_python(plan)
-    removed = prefixmod.prune(plan.prefix, keep=[plan.install_dir, old] if old else [plan.install_dir])
+    removed = prefixmod.prune(
+        plan.prefix, keep=[plan.install_dir, old] if old else [plan.install_dir]
+    )
     log.info("%s -> %s%s", plan.prefix, plan.install_dir, f" (previous: {old})" if old else "")
     if removed:
         log.info("removed older builds: %s", ", ".join(str(r) for r in removed))
@@ -319,7 +397,9 @@ def _drop_unfinished(plan: Plan) -> list[str]:
     return removed
 
 
-def _timed(phases: PhaseLog, lock: threading.Lock, phase: str, fn, *, component: str, steps: bool = False) -> None:
+def _timed(
+    phases: PhaseLog, lock: threading.Lock, phase: str, fn, *, component: str, steps: bool = False
+) -> None:
     """One component's part of a phase. A phase's seconds are the sum over its components: with
     components side by side that is more than the wall time, which the "components" record has."""
     start = time.monotonic()
@@ -328,12 +408,18 @@ def _timed(phases: PhaseLog, lock: threading.Lock, phase: str, fn, *, component:
         out = fn()
     except Stopped:
         with lock:
-            rec["components"][component] = {"seconds": round(time.monotonic() - start, 3), "status": "stopped"}
+            rec["components"][component] = {
+                "seconds": round(time.monotonic() - start, 3),
+                "status": "stopped",
+            }
         raise
     except BaseException:
         with lock:
             rec["status"] = "failed"
-            rec["components"][component] = {"seconds": round(time.monotonic() - start, 3), "status": "failed"}
+            rec["components"][component] = {
+                "seconds": round(time.monotonic() - start, 3),
+                "status": "failed",
+            }
         raise
     took = round(time.monotonic() - start, 3)
     entry: dict[str, Any] = {"seconds": took}
@@ -355,7 +441,11 @@ def _manifest_head(plan: Plan, mirror: str | None) -> dict[str, Any]:
         "prefix": str(plan.prefix),
         "python": {"path": plan.target.python, "version": plan.target.version},
         "mirror": mirror,
-        "host": {"machine": pyplatform.machine(), "system": pyplatform.platform(), "installer_python": sys.version.split()[0]},
+        "host": {
+            "machine": pyplatform.machine(),
+            "system": pyplatform.platform(),
+            "installer_python": sys.version.split()[0],
+        },
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -368,22 +458,41 @@ def _build_env(venv: Path, mirror: str | None) -> dict[str, str]:
     if mirror:
         # offline means offline for every tool a build calls: Python packages come from the mirror
         wheels = mirror.rstrip("/") + "/wheels"
-        env.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=wheels, UV_OFFLINE="1", UV_NO_INDEX="1", UV_FIND_LINKS=wheels)
+        env.update(
+            PIP_NO_INDEX="1",
+            PIP_FIND_LINKS=wheels,
+            UV_OFFLINE="1",
+            UV_NO_INDEX="1",
+            UV_FIND_LINKS=wheels,
+        )
     return env
 
 
 def _tool_versions(env: dict[str, str]) -> dict[str, str]:
     out = {}
-    for tool, args in {"gcc": ["--version"], "g++": ["--version"], "make": ["--version"], "autoconf": ["--version"],
-                       "automake": ["--version"], "libtoolize": ["--version"], "cmake": ["--version"],
-                       "meson": ["--version"], "ninja": ["--version"], "pkg-config": ["--version"],
-                       "patchelf": ["--version"]}.items():
+    for tool, args in {
+        "gcc": ["--version"],
+        "g++": ["--version"],
+        "make": ["--version"],
+        "autoconf": ["--version"],
+        "automake": ["--version"],
+        "libtoolize": ["--version"],
+        "cmake": ["--version"],
+        "meson": ["--version"],
+        "ninja": ["--version"],
+        "pkg-config": ["--version"],
+        "patchelf": ["--version"],
+    }.items():
         path = shutil.which(tool, path=env["PATH"])
         if not path:
             out[tool] = "missing"
             continue
         r = subprocess.run([path, *args], capture_output=True, text=True, env=env)
-        out[tool] = (r.stdout or r.stderr).strip().splitlines()[0] if (r.stdout or r.stderr).strip() else "?"
+        out[tool] = (
+            (r.stdout or r.stderr).strip().splitlines()[0]
+            if (r.stdout or r.stderr).strip()
+            else "?"
+        )
     return out
 
 
@@ -399,9 +508,11 @@ def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: 
     def write_pkgconfig(path: Path, version: str) -> None:
         root = path.parent.parent.parent
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"prefix={root}\nincludedir=${{prefix}}/include\n\nName: {path.stem}\n"
-                        f"Description: {path.stem} (header-only, installed by kvstack)\nVersion: {version}\n"
-                        f"Cflags: -I${{includedir}}\n")
+        path.write_text(
+            f"prefix={root}\nincludedir=${{prefix}}/include\n\nName: {path.stem}\n"
+            f"Description: {path.stem} (header-only, installed by kvstack)\nVersion: {version}\n"
+            f"Cflags: -I${{includedir}}\n"
+        )
 
     def autoconf_key() -> str | None:
         configure = next(s for s in comp.steps if s.name == "configure")
@@ -433,10 +544,17 @@ def _actions(fetched: dict[str, Fetched], plan: Plan, comp: ComponentPlan, env: 
     def closure_install(build_dir: Path, modules: str, install_dir: Path) -> str:
         return pkgconfig.install(Path(build_dir), Path(install_dir), modules.split(","), env)
 
-    return {"stage-subprojects": stage_subprojects, "copy-tree": copy_tree, "write-pkgconfig": write_pkgconfig,
-            "autoconf-cache-restore": autoconf_cache_restore, "autoconf-cache-keep": autoconf_cache_keep,
-            "autogen-cache-restore": autogen_cache_restore, "autogen-cache-keep": autogen_cache_keep,
-            "pkgconfig-closure": closure_targets, "pkgconfig-install": closure_install}
+    return {
+        "stage-subprojects": stage_subprojects,
+        "copy-tree": copy_tree,
+        "write-pkgconfig": write_pkgconfig,
+        "autoconf-cache-restore": autoconf_cache_restore,
+        "autoconf-cache-keep": autoconf_cache_keep,
+        "autogen-cache-restore": autogen_cache_restore,
+        "autogen-cache-keep": autogen_cache_keep,
+        "pkgconfig-closure": closure_targets,
+        "pkgconfig-install": closure_install,
+    }
 
 
 def _fix_python_extensions(plan: Plan, venv: Path) -> None:
@@ -503,11 +621,16 @@ def _link_python(plan: Plan) -> str | None:
     if site is None:
         return None
     via_prefix = plan.prefix / "nixl" / site.relative_to(plan.install_dir / "nixl")
-    r = subprocess.run([plan.target.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [plan.target.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+    )
     purelib = Path(r.stdout.strip()) if r.returncode == 0 else None
     if not purelib or not os.access(purelib, os.W_OK):
-        log.warning("cannot write to %s: source %s/env.sh to use NIXL's module", purelib, plan.prefix)
+        log.warning(
+            "cannot write to %s: source %s/env.sh to use NIXL's module", purelib, plan.prefix
+        )
         return None
     pth = purelib / "kvstack-nixl.pth"
     tmp = pth.with_suffix(".pth.tmp")
@@ -519,14 +642,23 @@ def _link_python(plan: Plan) -> str | None:
 
 def summary(manifest: dict[str, Any]) -> str:
     if manifest.get("noop"):
-        return f"kvstack {manifest['platform']}: {manifest['prefix']} is up to date ({manifest['install_dir']})"
-    lines = [f"kvstack {manifest['platform']} installed: {manifest['prefix']} -> {manifest['install_dir']} "
-             f"in {manifest.get('seconds', '?')}s",
-             f"  use it:   . {manifest['prefix']}/env.sh",
-             f"  manifest: {manifest['prefix']}/manifest.json"]
+        return (
+            f"kvstack {manifest['platform']}: {manifest['prefix']} is up to date "
+            f"({manifest['install_dir']})"
+        )
+    lines = [
+        f"kvstack {manifest['platform']} installed: {manifest['prefix']} -> "
+        f"{manifest['install_dir']} in {manifest.get('seconds', '?')}s",
+        f"  use it:   . {manifest['prefix']}/env.sh",
+        f"  manifest: {manifest['prefix']}/manifest.json",
+    ]
     for name, rec in manifest["phases"].items():
         comps = rec.get("components")
-        extra = (" (" + ", ".join(f"{c} {v['seconds']:.1f}s" for c, v in comps.items()) + ")") if comps else ""
+        extra = (
+            (" (" + ", ".join(f"{c} {v['seconds']:.1f}s" for c, v in comps.items()) + ")")
+            if comps
+            else ""
+        )
         lines.append(f"  {name:16} {rec['seconds']:7.1f}s{extra}")
         if name == "install" and "components" in manifest:
             c = manifest["components"]

@@ -28,8 +28,10 @@ def fill(dest: Path, recipes: list[Recipe], fetcher: Fetcher) -> list[dict]:
             key = src.get("filename", f"{name}.git")
             pin = src.get("sha256") or src["commit"]
             if pins.get(key, pin) != pin:
-                raise RecipeError(f"two recipes pin {key} differently ({pins[key]} and {pin})",
-                                  fix="a mirror holds one file per name: give one of them another filename")
+                raise RecipeError(
+                    f"two recipes pin {key} differently ({pins[key]} and {pin})",
+                    fix="a mirror holds one file per name: give one of them another filename",
+                )
             if key in pins:
                 continue
             pins[key] = pin
@@ -54,13 +56,26 @@ def fill_wheels(dest: Path, requirements: list[str], python: str, log_path: Path
         return
     wheels = dest / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    cmd = [python, "-m", "pip", "download", "--disable-pip-version-check", "--quiet", "--only-binary=:all:",
-           "-d", str(wheels), *requirements]
+    cmd = [
+        python,
+        "-m",
+        "pip",
+        "download",
+        "--disable-pip-version-check",
+        "--quiet",
+        "--only-binary=:all:",
+        "-d",
+        str(wheels),
+        *requirements,
+    ]
     with open(log_path, "w") as logf:
         rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT).returncode
     if rc:
         from .errors import DownloadError
-        raise DownloadError(f"pip download of {' '.join(requirements)} failed (exit {rc})", log=str(log_path))
+
+        raise DownloadError(
+            f"pip download of {' '.join(requirements)} failed (exit {rc})", log=str(log_path)
+        )
     log.info("mirror: wheels for %s", ", ".join(requirements))
 
 
@@ -76,7 +91,9 @@ def _push_commit(cache_repo: Path, dest: Path, src: dict) -> None:
     if not dest.exists():
         subprocess.run(["git", "init", "--quiet", "--bare", str(dest)], check=True)
         # the cache holds shallow (depth 1) fetches; the mirror must accept them as they are
-        subprocess.run(["git", "--git-dir", str(dest), "config", "receive.shallowUpdate", "true"], check=True)
+        subprocess.run(
+            ["git", "--git-dir", str(dest), "config", "receive.shallowUpdate", "true"], check=True
+        )
     ref = f"refs/tags/{src['tag']}" if "tag" in src else f"refs/kvstack/{src['commit']}"
     subprocess.run(["git", "--git-dir", str(cache_repo), "push", "--quiet", "--force", str(dest),
                     f"{src['commit']}:{ref}"], check=True, capture_output=True)

@@ -58,7 +58,8 @@ def write(site: Path, backend: str, platform: str, build_id: str) -> Path:
 def site_for(build_dir: Path, backend: str, platform: str, build_id: str, into: Path) -> Path:
     """The directory from which `import nixl` is the build's: its own site-packages when the
     install wrote the package there, else `into`, given the package now and a link to the build's
-    module beside it (a build installed before kvstack wrote the package; the build is only read)."""
+    module beside it (a build installed before kvstack wrote the package; the build is only
+    read)."""
     site = envfile.nixl_site_packages(build_dir)
     if site is None or not (site / backend / "__init__.py").is_file():
         raise PrefixError(f"{build_dir} holds no NIXL module {backend!r}", fix="install again")

@@ -12,9 +12,15 @@ from typing import Callable, Mapping
 Value = bool | str
 
 # style -> (render True, render False, render a string)
-FLAG_STYLES: dict[str, tuple[Callable[[str], str], Callable[[str], str], Callable[[str, str], str]]] = {
+FLAG_STYLES: dict[
+    str, tuple[Callable[[str], str], Callable[[str], str], Callable[[str, str], str]]
+] = {
     "with": (lambda k: f"--with-{k}", lambda k: f"--without-{k}", lambda k, v: f"--with-{k}={v}"),
-    "enable": (lambda k: f"--enable-{k}", lambda k: f"--disable-{k}", lambda k, v: f"--enable-{k}={v}"),
+    "enable": (
+        lambda k: f"--enable-{k}",
+        lambda k: f"--disable-{k}",
+        lambda k, v: f"--enable-{k}={v}",
+    ),
     "meson": (lambda k: f"-D{k}=true", lambda k: f"-D{k}=false", lambda k, v: f"-D{k}={v}"),
     "cmake": (lambda k: f"-D{k}=ON", lambda k: f"-D{k}=OFF", lambda k, v: f"-D{k}={v}"),
 }

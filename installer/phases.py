@@ -9,7 +9,18 @@ from typing import Any, Iterator
 
 log = logging.getLogger("kvstack.installer")
 
-PHASES = ("resolve", "fetch", "check", "system-packages", "build-tools", "extract", "configure", "build", "install", "verify")
+PHASES = (
+    "resolve",
+    "fetch",
+    "check",
+    "system-packages",
+    "build-tools",
+    "extract",
+    "configure",
+    "build",
+    "install",
+    "verify",
+)
 
 
 class PhaseLog:

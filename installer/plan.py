@@ -41,15 +41,21 @@ class Target:
     def probe(cls, python: str) -> "Target":
         code = "import sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}')"
         try:
-            out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=30, check=True)
+            out = subprocess.run(
+                [python, "-c", code], capture_output=True, text=True, timeout=30, check=True
+            )
         except (OSError, subprocess.SubprocessError) as e:
-            raise UsageError(f"--python {python} does not run ({e.__class__.__name__})",
-                             fix="give the path of a Python 3 interpreter, e.g. --python /usr/bin/python3") from None
+            raise UsageError(
+                f"--python {python} does not run ({e.__class__.__name__})",
+                fix="give the path of a Python 3 interpreter, e.g. --python /usr/bin/python3",
+            ) from None
         version = out.stdout.strip()
         if not re.fullmatch(r"3\.\d+", version):  # /bin/true runs and prints nothing
-            raise UsageError(f"--python {python} is not a Python 3 interpreter (it printed "
-                             f"{version[:40]!r} for its version)",
-                             fix="give the path of a Python 3 interpreter, e.g. --python /usr/bin/python3")
+            raise UsageError(
+                f"--python {python} is not a Python 3 interpreter (it printed "
+                f"{version[:40]!r} for its version)",
+                fix="give the path of a Python 3 interpreter, e.g. --python /usr/bin/python3",
+            )
         return cls(python, version, "cp" + version.replace(".", ""))
 
 
@@ -83,7 +89,9 @@ class Plan:
     work_dir: Path
     cache_dir: Path
     jobs: int
-    component_jobs: int   # components built side by side at most (the dependency graph allows the rest)
+    component_jobs: (
+        int  # components built side by side at most (the dependency graph allows the rest)
+    )
     target: Target
     cuda_home: str
     components: list[ComponentPlan]
@@ -119,7 +127,11 @@ class Plan:
 
     def unreleased(self) -> dict[str, dict[str, Any]]:
         """Sources this plan builds that are no release: upstream pull requests, by source."""
-        return {n: self.sources[n]["pull_request"] for n in self.used_sources() if "pull_request" in self.sources[n]}
+        return {
+            n: self.sources[n]["pull_request"]
+            for n in self.used_sources()
+            if "pull_request" in self.sources[n]
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -151,58 +163,93 @@ class Plan:
 
     def render(self) -> str:
         variant = f", variant {self.recipe.variant}" if self.recipe.variant else ""
-        lines = [f"kvstack install plan: platform {self.platform}{variant} ({self.platform_reason})",
-                 f"  recipe:      {', '.join(str(f) for f in self.recipe.files)}",
-                 f"  build id:    {self.build_id}",
-                 f"  prefix:      {self.prefix} -> {self.install_dir}",
-                 f"  python:      {self.target.python} ({self.target.version})",
-                 f"  jobs:        {self.jobs} (one component's compile at a time; up to {self.component_jobs} "
-                 f"components side by side, as dependencies allow)",
-                 f"  cache:       {self.cache_dir}", "", "sources:"]
+        lines = [
+            f"kvstack install plan: platform {self.platform}{variant} ({self.platform_reason})",
+            f"  recipe:      {', '.join(str(f) for f in self.recipe.files)}",
+            f"  build id:    {self.build_id}",
+            f"  prefix:      {self.prefix} -> {self.install_dir}",
+            f"  python:      {self.target.python} ({self.target.version})",
+            f"  jobs:        {self.jobs} (one component's compile at a time; up to "
+            f"{self.component_jobs} components side by side, as dependencies allow)",
+            f"  cache:       {self.cache_dir}",
+            "",
+            "sources:",
+        ]
         for name in self.used_sources():
             s = self.sources[name]
             pin = [f"sha256 {s['sha256']}"] if "sha256" in s else []
             if "commit" in s:
-                pin.append(f"commit {s['commit']}" + (f" (tag {s['tag']})" if "tag" in s else " (no tag: pinned by commit alone)"))
+                pin.append(
+                    f"commit {s['commit']}"
+                    + (f" (tag {s['tag']})" if "tag" in s else " (no tag: pinned by commit alone)")
+                )
             if "pull_request" in s:
                 pr = s["pull_request"]
-                pin.append(f"UNRELEASED: upstream pull request {pr['number']} \"{pr['title']}\" ({pr['url']})")
+                pin.append(
+                    f"UNRELEASED: upstream pull request {pr['number']} \"{pr['title']}\" "
+                    f"({pr['url']})"
+                )
             lines.append(f"  {name:13} {s['url']}")
             lines += [f"  {'':13} {p}" for p in pin]
         ucx = next((c for c in self.components if c.name == "ucx"), None)
         if ucx is not None:
             lines += ["", "RDMA (UCX between hosts):", *rdma.plan_lines(ucx.spec.get("with", {}))]
-        lines += ["", "system packages (debian):",
-                  *(f"  {pkg:13} {why}" for pkg, why in self.system_packages.get("debian", {}).items())]
+        lines += [
+            "",
+            "system packages (debian):",
+            *(f"  {pkg:13} {why}" for pkg, why in self.system_packages.get("debian", {}).items()),
+        ]
         for comp in self.components:
-            lines += ["", f"component {comp.name} ({comp.build}, source {comp.source}) -> {comp.install_dir}"]
+            lines += [
+                "",
+                f"component {comp.name} ({comp.build}, source {comp.source}) -> {comp.install_dir}",
+            ]
             if comp.env:
                 lines.append("  env: " + " ".join(f"{k}={v}" for k, v in comp.env.items()))
             lines += [f"  {s.phase:9} {s.describe()}" for s in comp.steps]
         lines += ["", f"runtime: kv_buffer = {self.kv_buffer}", "env.sh exports:",
                   *(f"  {k}={v}" for k, v in self.runtime_env.items())]
         v = self.verify
-        lines += ["", "verification must prove:",
-                  f"  built:  ucx_info -b defines {v['ucx']['defines'] or '(none beyond the base)'}, "
-                  f"modules {v['ucx']['modules']}",
-                  f"  loaded: ucx_info -d transports {v['ucx']['transports']}, memory domains "
-                  f"{v['ucx']['memory_domains']}; NIXL module {v['nixl']['module']} with plugins {v['nixl']['plugins']}"]
+        lines += [
+            "",
+            "verification must prove:",
+            f"  built:  ucx_info -b defines {v['ucx']['defines'] or '(none beyond the base)'}, "
+            f"modules {v['ucx']['modules']}",
+            f"  loaded: ucx_info -d transports {v['ucx']['transports']}, memory domains "
+            f"{v['ucx']['memory_domains']}; NIXL module {v['nixl']['module']} with plugins "
+            f"{v['nixl']['plugins']}",
+        ]
         if "level_zero" in v:
-            lines.append(f"          (no Intel GPU: Level Zero null driver from {v['level_zero']['null_driver_source']}, "
-                         f"mark {v['level_zero']['mark']!r})")
+            lines.append(
+                "          (no Intel GPU: Level Zero null driver from "
+                f"{v['level_zero']['null_driver_source']}, mark {v['level_zero']['mark']!r})"
+            )
         if "policy" in v:
-            lines.append(f"          kvruntime's UCX_TLS for {v['policy']['device']} memory on one node from that list: "
-                         f"{v['policy']['ucx_tls'] or '(left to UCX)'}")
+            lines.append(
+                f"          kvruntime's UCX_TLS for {v['policy']['device']} memory on one node "
+                f"from that list: {v['policy']['ucx_tls'] or '(left to UCX)'}"
+            )
         if "rdma" in v:
             r = v["rdma"]
-            lines.append(f"          RDMA: the devices `ibv_devices` lists; with none, UCX's fake device (contrib/ibmock) "
-                         f"shows {r['memory_domains']} with {r['transports']} and NIXL's UCX backend comes up on it")
-        device = "" if self.kv_buffer != "device" else f", {self.platform} memory where the device is here"
-        lines.append(f"  moved:  python -m kvruntime selftest on the new stack: host memory always{device}")
+            lines.append(
+                "          RDMA: the devices `ibv_devices` lists; with none, UCX's fake device "
+                f"(contrib/ibmock) shows {r['memory_domains']} with {r['transports']} and NIXL's "
+                "UCX backend comes up on it"
+            )
+        device = (
+            ""
+            if self.kv_buffer != "device"
+            else f", {self.platform} memory where the device is here"
+        )
+        lines.append(
+            f"  moved:  python -m kvruntime selftest on the new stack: host memory always{device}"
+        )
         if "rdma" in v:
-            lines.append(f"          RDMA: a READ held to UCX_TLS={v['rdma']['moved_tls']} on {v['rdma']['net_device']} "
-                         f"(one process, two NIXL agents), bit-exact, its lanes read back on that device; between "
-                         f"hosts: not proven without an HCA")
+            lines.append(
+                f"          RDMA: a READ held to UCX_TLS={v['rdma']['moved_tls']} on "
+                f"{v['rdma']['net_device']} (one process, two NIXL agents), bit-exact, its lanes "
+                "read back on that device; between hosts: not proven without an HCA"
+            )
         return "\n".join(lines)
 
 
@@ -218,8 +265,17 @@ def default_cache_dir() -> Path:
     return Path(platformdirs.user_cache_dir("kvstack"))
 
 
-def make_plan(recipe: Recipe, *, prefix: Path, cache_dir: Path, jobs: int, target: Target,
-              platform_reason: str, cuda_home: str | None = None, component_jobs: int | None = None) -> Plan:
+def make_plan(
+    recipe: Recipe,
+    *,
+    prefix: Path,
+    cache_dir: Path,
+    jobs: int,
+    target: Target,
+    platform_reason: str,
+    cuda_home: str | None = None,
+    component_jobs: int | None = None,
+) -> Plan:
     """component_jobs: how many components may build at once (None: as many as the dependency
     graph allows; 1: one after another). Neither it nor jobs enters the build id: they change
     when things are built, not what."""
@@ -230,7 +286,9 @@ def make_plan(recipe: Recipe, *, prefix: Path, cache_dir: Path, jobs: int, targe
     cuda_home = cuda_home or os.environ.get("CUDA_HOME") or "/usr/local/cuda"
     prefix = Path(os.path.abspath(prefix))
     if prefix == Path("/"):
-        raise UsageError("--prefix / would replace the root directory", fix="choose a directory of its own")
+        raise UsageError(
+            "--prefix / would replace the root directory", fix="choose a directory of its own"
+        )
     build_id = _build_id(recipe, target, cuda_home)
     install_dir = prefix.parent / f"{prefix.name}.builds" / build_id
     # The source and build trees live inside the build they make, removed once it is finished:
@@ -242,10 +300,20 @@ def make_plan(recipe: Recipe, *, prefix: Path, cache_dir: Path, jobs: int, targe
     comps = []
     for name in recipe.build_order():
         spec = recipe.components[name]
-        comps.append(ComponentPlan(
-            name=name, build=spec["build"], source=spec["source"], spec={}, depends=list(spec.get("depends", [])),
-            subprojects=list(spec.get("subprojects", [])), install_dir=install_dir / name,
-            src_dir=work_dir / "src" / name, build_dir=work_dir / "build" / name, jobs=jobs))
+        comps.append(
+            ComponentPlan(
+                name=name,
+                build=spec["build"],
+                source=spec["source"],
+                spec={},
+                depends=list(spec.get("depends", [])),
+                subprojects=list(spec.get("subprojects", [])),
+                install_dir=install_dir / name,
+                src_dir=work_dir / "src" / name,
+                build_dir=work_dir / "build" / name,
+                jobs=jobs,
+            )
+        )
     subst = _substituter(install_dir, cuda_home, target.python)
     by_name = {c.name: c for c in comps}
     for comp in comps:
@@ -253,9 +321,22 @@ def make_plan(recipe: Recipe, *, prefix: Path, cache_dir: Path, jobs: int, targe
         comp.env = _component_env(comp, by_name)
         comp.steps = STEP_MAKERS[comp.build](comp)
     runtime_env = subst(dict(recipe.data["runtime"].get("env", {})))
-    return Plan(platform=recipe.platform, platform_reason=platform_reason, recipe=recipe, build_id=build_id,
-                prefix=prefix, install_dir=install_dir, work_dir=work_dir, cache_dir=cache_dir, jobs=jobs,
-                component_jobs=component_jobs or len(comps), target=target, cuda_home=cuda_home, components=comps, runtime_env=runtime_env)
+    return Plan(
+        platform=recipe.platform,
+        platform_reason=platform_reason,
+        recipe=recipe,
+        build_id=build_id,
+        prefix=prefix,
+        install_dir=install_dir,
+        work_dir=work_dir,
+        cache_dir=cache_dir,
+        jobs=jobs,
+        component_jobs=component_jobs or len(comps),
+        target=target,
+        cuda_home=cuda_home,
+        components=comps,
+        runtime_env=runtime_env,
+    )
 
 
 def _build_id(recipe: Recipe, target: Target, cuda_home: str) -> str:
@@ -308,7 +389,9 @@ def _closure(name: str, by_name: dict[str, ComponentPlan]) -> list[str]:
 
 
 def default_jobs() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
 
 
 def current_python() -> str:

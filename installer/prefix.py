@@ -35,13 +35,17 @@ def check_placeable(prefix: Path) -> None:
         raise HostError.from_oserror(e, f"--prefix {prefix}: cannot make {prefix.parent}") from None
     if prefix.is_symlink():
         if not made_by_us(prefix):
-            raise PrefixError(f"--prefix {prefix} is a symbolic link to {os.readlink(prefix)}, "
-                              f"which is not one of kvstack's builds ({prefix.name}.builds/<build id>)",
-                              fix="choose another --prefix, or remove that link if it is not "
-                                  "needed")
+            raise PrefixError(
+                f"--prefix {prefix} is a symbolic link to {os.readlink(prefix)}, "
+                f"which is not one of kvstack's builds ({prefix.name}.builds/<build id>)",
+                fix="choose another --prefix, or remove that link if it is not needed",
+            )
     elif prefix.is_dir() and is_mount_point(prefix):
-        raise PrefixError(f"--prefix {prefix} is a mount point: the prefix becomes a link to its build, and a mount "
-                          f"point cannot be replaced by one", fix=f"give a path inside it, e.g. --prefix {prefix / 'kvstack'}")
+        raise PrefixError(
+            f"--prefix {prefix} is a mount point: the prefix becomes a link to its build, and a "
+            "mount point cannot be replaced by one",
+            fix=f"give a path inside it, e.g. --prefix {prefix / 'kvstack'}",
+        )
     current(prefix)  # a file or a directory with something in it is refused here
     probe = prefix.parent / f".{prefix.name}.probe-{os.getpid()}"
     try:
@@ -50,7 +54,9 @@ def check_placeable(prefix: Path) -> None:
         probe.unlink()
         (prefix.parent / f"{prefix.name}.builds").mkdir(exist_ok=True)
     except OSError as e:
-        raise HostError.from_oserror(e, f"--prefix {prefix}: cannot make its link or builds in {prefix.parent}") from None
+        raise HostError.from_oserror(
+            e, f"--prefix {prefix}: cannot make its link or builds in {prefix.parent}"
+        ) from None
 
 
 def made_by_us(link: Path) -> bool:
@@ -108,8 +114,10 @@ def locked(prefix: Path) -> Iterator[None]:
     try:
         lock.acquire(timeout=0)
     except filelock.Timeout:
-        raise PrefixError(f"another installer is working on {prefix} (lock {lock_path(prefix)})",
-                          fix="wait for it to finish; if none runs, the lock frees itself") from None
+        raise PrefixError(
+            f"another installer is working on {prefix} (lock {lock_path(prefix)})",
+            fix="wait for it to finish; if none runs, the lock frees itself",
+        ) from None
     try:
         yield
     finally:
@@ -123,8 +131,10 @@ def current(prefix: Path) -> Path | None:
     if prefix.exists():
         if prefix.is_dir() and not any(prefix.iterdir()):
             return None
-        raise PrefixError(f"{prefix} exists and is not a kvstack prefix (not a symbolic link to a build)",
-                          fix="choose another --prefix, or move that directory away")
+        raise PrefixError(
+            f"{prefix} exists and is not a kvstack prefix (not a symbolic link to a build)",
+            fix="choose another --prefix, or move that directory away",
+        )
     return None
 
 

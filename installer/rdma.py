@@ -55,7 +55,9 @@ def wanted(with_table: Mapping[str, Any]) -> list[str]:
 def include_dir(with_table: Mapping[str, Any]) -> Path:
     """Where UCX's configure looks for the verbs headers: --with-verbs=DIR, else /usr."""
     value = with_table.get("verbs")
-    return Path(value if isinstance(value, str) and value not in ("yes", "") else "/usr") / "include"
+    return (
+        Path(value if isinstance(value, str) and value not in ("yes", "") else "/usr") / "include"
+    )
 
 
 def plan_lines(with_table: Mapping[str, Any]) -> list[str]:
@@ -90,8 +92,9 @@ def host_problems(with_table: Mapping[str, Any], include: Path | None = None) ->
             text = ""
             problems.append(f"verbs: {verbs_h} cannot be read ({e.strerror})")
         if text and not re.search(rf"\b{FLOOR[0]}\b", text):
-            problems.append(f"verbs: {verbs_h} has no {FLOOR[0]} (older than {FLOOR[1]}; needed for "
-                            f"{FLOOR[2]})")
+            problems.append(
+                f"verbs: {verbs_h} has no {FLOOR[0]} (older than {FLOOR[1]}; needed for {FLOOR[2]})"
+            )
     return problems
 
 
@@ -109,8 +112,13 @@ def check_host(with_table: Mapping[str, Any], include: Path | None = None) -> No
 def rdma_core_version(env: Mapping[str, str] | None = None) -> str | None:
     """The build host's rdma-core as its libibverbs.pc says (e.g. "1.14.44.0" for 44), or None."""
     try:
-        r = subprocess.run(["pkg-config", "--modversion", "libibverbs"], capture_output=True, text=True,
-                           timeout=30, env=dict(env) if env is not None else None)
+        r = subprocess.run(
+            ["pkg-config", "--modversion", "libibverbs"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=dict(env) if env is not None else None,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return r.stdout.strip() or None if r.returncode == 0 else None

@@ -9,12 +9,12 @@ import copy
 import difflib
 import json
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import jsonschema
+import tomllib
 
 from .errors import RecipeError
 
@@ -72,23 +72,32 @@ class Recipe:
 
 def variants(platform: str, recipes_dir: Path = RECIPES_DIR) -> list[str]:
     """The named variants of a platform (recipes/variants/<platform>-<variant>.toml)."""
-    return sorted(p.stem[len(platform) + 1:] for p in (recipes_dir / VARIANTS).glob(f"{platform}-*.toml"))
+    return sorted(
+        p.stem[len(platform) + 1 :] for p in (recipes_dir / VARIANTS).glob(f"{platform}-*.toml")
+    )
 
 
 def load(platform: str, overlays: Iterable[Path] = (), recipes_dir: Path = RECIPES_DIR,
          variant: str | None = None) -> Recipe:
     if platform not in PLATFORMS:
-        raise RecipeError(f"unknown platform {platform!r}",
-                          fix=f"choose one of {', '.join(PLATFORMS)}{_did_you_mean(platform, PLATFORMS)}")
+        raise RecipeError(
+            f"unknown platform {platform!r}",
+            fix=f"choose one of {', '.join(PLATFORMS)}{_did_you_mean(platform, PLATFORMS)}",
+        )
     schema = json.loads((recipes_dir / SCHEMA).read_text())
     layer_schema = _without_required(schema)
     files = [recipes_dir / DEFAULTS, recipes_dir / f"{platform}.toml"]
     if variant is not None:
         known = variants(platform, recipes_dir)
         if variant not in known:
-            raise RecipeError(f"platform {platform} has no variant {variant!r}",
-                              fix=(f"choose one of {', '.join(known)}{_did_you_mean(variant, known)}" if known
-                                   else f"{platform} has no variants: leave --variant out"))
+            raise RecipeError(
+                f"platform {platform} has no variant {variant!r}",
+                fix=(
+                    f"choose one of {', '.join(known)}{_did_you_mean(variant, known)}"
+                    if known
+                    else f"{platform} has no variants: leave --variant out"
+                ),
+            )
         files.append(recipes_dir / VARIANTS / f"{platform}-{variant}.toml")
     files += map(Path, overlays)
     merged: dict[str, Any] = {}
@@ -99,9 +108,12 @@ def load(platform: str, overlays: Iterable[Path] = (), recipes_dir: Path = RECIP
     _validate(merged, schema, files[-1] if len(files) > 2 else files[1])
     for key, want, where in (("platform", platform, files[1]), ("variant", variant, files[-1])):
         if merged.get(key) != want:
-            raise RecipeError(f"{where}: says {key} = {merged.get(key)!r}", expected=repr(want),
-                              actual=repr(merged.get(key)),
-                              fix=f"a recipe overlay may not change the {key} (a variant file names its own)")
+            raise RecipeError(
+                f"{where}: says {key} = {merged.get(key)!r}",
+                expected=repr(want),
+                actual=repr(merged.get(key)),
+                fix=f"a recipe overlay may not change the {key} (a variant file names its own)",
+            )
     _drop_false_packages(merged)
     _drop_disabled_components(merged)
     recipe = Recipe(platform, merged, tuple(files))
@@ -115,18 +127,25 @@ def _read_toml(path: Path) -> dict[str, Any]:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise RecipeError(f"recipe file {path} does not exist",
-                          fix="check the path, or run from a kvstack checkout") from None
+        raise RecipeError(
+            f"recipe file {path} does not exist",
+            fix="check the path, or run from a kvstack checkout",
+        ) from None
     except tomllib.TOMLDecodeError as e:
-        raise RecipeError(f"{path}: malformed TOML: {e}", fix="fix the syntax at that line") from None
+        raise RecipeError(
+            f"{path}: malformed TOML: {e}", fix="fix the syntax at that line"
+        ) from None
     except IsADirectoryError:
         raise RecipeError(f"recipe file {path} is a directory", fix="pass a TOML file") from None
     except UnicodeDecodeError as e:  # tomllib decodes UTF-8 before it parses: a binary file
-        raise RecipeError(f"{path}: not a UTF-8 text file (byte {e.start}: {e.reason})",
-                          fix="pass a TOML file") from None
+        raise RecipeError(
+            f"{path}: not a UTF-8 text file (byte {e.start}: {e.reason})", fix="pass a TOML file"
+        ) from None
     except OSError as e:
-        raise RecipeError(f"recipe file {path} cannot be read: {e.strerror}",
-                          fix="check the path and its permissions") from None
+        raise RecipeError(
+            f"recipe file {path} cannot be read: {e.strerror}",
+            fix="check the path and its permissions",
+        ) from None
 
 
 def _merge(base: dict[str, Any], layer: dict[str, Any]) -> dict[str, Any]:
@@ -153,7 +172,11 @@ def _drop_other_commit_names(merged: dict[str, Any], layer: dict[str, Any]) -> d
 
 def _without_required(schema: Any) -> Any:
     if isinstance(schema, dict):
-        return {k: _without_required(v) for k, v in schema.items() if k not in ("required", "minProperties")}
+        return {
+            k: _without_required(v)
+            for k, v in schema.items()
+            if k not in ("required", "minProperties")
+        }
     if isinstance(schema, list):
         return [_without_required(v) for v in schema]
     return schema
@@ -161,7 +184,10 @@ def _without_required(schema: Any) -> Any:
 
 def _validate(data: dict[str, Any], schema: dict[str, Any], path: Path) -> None:
     validator = jsonschema.Draft202012Validator(schema)
-    errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    errors = sorted(
+        validator.iter_errors(data),
+        key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))),
+    )
     if not errors:
         return
     err = errors[0]
@@ -198,7 +224,9 @@ def _drop_disabled_components(data: dict[str, Any]) -> None:
                 raise RecipeError(f"component {name!r} depends on {dep!r}, which is disabled",
                                   fix=f"disable {name!r} too, or enable {dep!r}")
     if not comps:
-        raise RecipeError("every component is disabled: nothing to build", fix="enable at least one component")
+        raise RecipeError(
+            "every component is disabled: nothing to build", fix="enable at least one component"
+        )
 
 
 def _check_references(recipe: Recipe) -> None:
@@ -206,21 +234,32 @@ def _check_references(recipe: Recipe) -> None:
     for name, src in sources.items():
         kind = src.get("kind", "archive")
         if kind == "archive" and "sha256" not in src:
-            raise RecipeError(f"source {name!r} has no pin",
-                              fix="add sha256 = \"<64 hex>\" (archives) or kind = \"git\" with commit = \"<40 hex>\"")
+            raise RecipeError(
+                f"source {name!r} has no pin",
+                fix="add sha256 = \"<64 hex>\" (archives) or kind = \"git\" with commit = \"<40 "
+                "hex>\"",
+            )
         if kind == "git" and "commit" not in src:
-            raise RecipeError(f"git source {name!r} has no pin", fix="add commit = \"<full 40-hex commit>\"")
+            raise RecipeError(
+                f"git source {name!r} has no pin", fix="add commit = \"<full 40-hex commit>\""
+            )
         if kind == "archive" and "filename" not in src:
-            raise RecipeError(f"source {name!r} has no filename",
-                              fix="add filename = \"<name>.tar.gz\" (the name mirrors and caches use)")
+            raise RecipeError(
+                f"source {name!r} has no filename",
+                fix="add filename = \"<name>.tar.gz\" (the name mirrors and caches use)",
+            )
     for name, comp in components.items():
         if comp["source"] not in sources:
-            raise RecipeError(f"component {name!r} uses unknown source {comp['source']!r}",
-                              fix=f"sources are: {', '.join(sources)}{_did_you_mean(comp['source'], sources)}")
+            raise RecipeError(
+                f"component {name!r} uses unknown source {comp['source']!r}",
+                fix=f"sources are: {', '.join(sources)}{_did_you_mean(comp['source'], sources)}",
+            )
         for dep in comp.get("depends", []):
             if dep not in components:
-                raise RecipeError(f"component {name!r} depends on unknown component {dep!r}",
-                                  fix=f"components are: {', '.join(components)}{_did_you_mean(dep, components)}")
+                raise RecipeError(
+                    f"component {name!r} depends on unknown component {dep!r}",
+                    fix=f"components are: {', '.join(components)}{_did_you_mean(dep, components)}",
+                )
         for sub in comp.get("subprojects", []):
             if sub not in sources:
                 raise RecipeError(f"component {name!r} names unknown subproject source {sub!r}",
@@ -228,9 +267,13 @@ def _check_references(recipe: Recipe) -> None:
         for text in _strings(comp):
             for m in PLACEHOLDER.finditer(text):
                 base, arg = m.group(1), m.group(2)
-                if base not in PLACEHOLDER_NAMES or (base == "prefix" and arg and arg not in components):
-                    raise RecipeError(f"component {name!r}: unknown placeholder {m.group(0)!r}",
-                                      fix="placeholders: {prefix}, {prefix:COMPONENT}, {cuda_home}, {python}")
+                if base not in PLACEHOLDER_NAMES or (
+                    base == "prefix" and arg and arg not in components
+                ):
+                    raise RecipeError(
+                        f"component {name!r}: unknown placeholder {m.group(0)!r}",
+                        fix="placeholders: {prefix}, {prefix:COMPONENT}, {cuda_home}, {python}",
+                    )
     lz = recipe.data["verify"].get("level_zero")
     if lz and lz["null_driver_source"] not in sources:
         raise RecipeError(f"verify.level_zero names unknown source {lz['null_driver_source']!r}",

@@ -70,8 +70,15 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
         return ""
 
 
-def run_step(step: Step, *, component: str, env: dict[str, str], log_dir: Path,
-             actions: dict[str, Callable[..., str | None]], stop: threading.Event | None = None) -> dict:
+def run_step(
+    step: Step,
+    *,
+    component: str,
+    env: dict[str, str],
+    log_dir: Path,
+    actions: dict[str, Callable[..., str | None]],
+    stop: threading.Event | None = None,
+) -> dict:
     log_path = log_dir / f"{component}.{step.name}.log"
     record = {"step": step.name, "phase": step.phase, "log": str(log_path)}
     if step.unless_exists is not None and step.unless_exists.exists():
@@ -92,19 +99,33 @@ def run_step(step: Step, *, component: str, env: dict[str, str], log_dir: Path,
     return record
 
 
-def _run(step: Step, component: str, env: dict[str, str], log_path: Path, stop: threading.Event) -> None:
+def _run(
+    step: Step, component: str, env: dict[str, str], log_path: Path, stop: threading.Event
+) -> None:
     if step.cwd is not None:
         step.cwd.mkdir(parents=True, exist_ok=True)
     tool = step.argv[0]
     if not (os.sep in tool or shutil.which(tool, path=env.get("PATH"))):
-        raise BuildError(f"{component}: `{tool}` is not installed (needed by step {step.name})",
-                         fix="install it (see the recipe's system_packages / build_tools) and run again")
+        raise BuildError(
+            f"{component}: `{tool}` is not installed (needed by step {step.name})",
+            fix="install it (see the recipe's system_packages / build_tools) and run again",
+        )
     with open(log_path, "w") as logf:
-        logf.write(f"$ cd {step.cwd or os.getcwd()}\n$ {' '.join([*(f'{k}={v}' for k, v in step.env.items()), *step.argv])}\n")
+        logf.write(
+            f"$ cd {step.cwd or os.getcwd()}\n$ "
+            f"{' '.join([*(f'{k}={v}' for k, v in step.env.items()), *step.argv])}\n"
+        )
         logf.flush()
-        proc = subprocess.Popen([*SUPERVISOR, *step.argv], cwd=step.cwd, env={**env, **step.env}, stdout=logf,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-                                preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(
+            [*SUPERVISOR, *step.argv],
+            cwd=step.cwd,
+            env={**env, **step.env},
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         marker = log_path.parent / RUNNING.format(component=component)
         # so a run after a SIGKILL can stop what this one left; whole or absent (renamed into
         # place), never empty: a marker read between its creation and its write named no group
@@ -119,9 +140,13 @@ def _run(step: Step, component: str, env: dict[str, str], log_path: Path, stop: 
         finally:
             marker.unlink(missing_ok=True)
     if rc != 0:
-        raise BuildError(f"{component}: step {step.name} failed with exit code {rc}: {' '.join(step.argv)[:200]}",
-                         log=str(log_path), fix="the tail of the log is above; the previous install is untouched",
-                         detail=tail(log_path))
+        raise BuildError(
+            f"{component}: step {step.name} failed with exit code {rc}: "
+            f"{' '.join(step.argv)[:200]}",
+            log=str(log_path),
+            fix="the tail of the log is above; the previous install is untouched",
+            detail=tail(log_path),
+        )
 
 
 def run_supervised(cmd: list[str], env: dict[str, str],

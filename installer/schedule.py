@@ -39,7 +39,9 @@ class JobBudget:
     @contextmanager
     def hold(self, component: str) -> Iterator[None]:
         if not self._lock.acquire(blocking=False):
-            log.info("    %s waits for %s to finish compiling (the -j budget)", component, self._holder)
+            log.info(
+                "    %s waits for %s to finish compiling (the -j budget)", component, self._holder
+            )
             self._lock.acquire()
         self._holder = component
         try:
@@ -69,8 +71,12 @@ def _signals_set(flag: threading.Event) -> Iterator[None]:
             signal.signal(sig, handler)
 
 
-def build_all(components: Sequence[ComponentPlan], build_one: Callable[[ComponentPlan, threading.Event], None],
-              *, at_once: int) -> None:
+def build_all(
+    components: Sequence[ComponentPlan],
+    build_one: Callable[[ComponentPlan, threading.Event], None],
+    *,
+    at_once: int,
+) -> None:
     """Run build_one(component, stop) for every component, each once all its dependencies
     returned, at most `at_once` at a time, in plan order where several are ready. build_one must
     return soon after `stop` is set (runner.run_step does)."""
@@ -88,7 +94,9 @@ def build_all(components: Sequence[ComponentPlan], build_one: Callable[[Componen
                     pending.remove(comp)
                     running[pool.submit(build_one, comp, stop)] = comp
                 if not running:  # only possible with a cycle, which recipe loading refuses
-                    raise RuntimeError(f"components {[c.name for c in pending]} wait for each other")
+                    raise RuntimeError(
+                        f"components {[c.name for c in pending]} wait for each other"
+                    )
                 finished, _ = wait(running, timeout=POLL_S, return_when=FIRST_COMPLETED)
                 if interrupted.is_set():
                     raise KeyboardInterrupt  # here, between waits, never inside one

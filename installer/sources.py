@@ -46,13 +46,27 @@ class Fetched:
     commit: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "path": str(self.path), "origin": self.origin, "cached": self.cached,
-                "sha256": self.sha256, "commit": self.commit}
+        return {
+            "kind": self.kind,
+            "path": str(self.path),
+            "origin": self.origin,
+            "cached": self.cached,
+            "sha256": self.sha256,
+            "commit": self.commit,
+        }
 
 
 class Fetcher:
-    def __init__(self, cache: Cache, mirror: str | None = None, *, retries: int = 4, backoff: float = 1.0,
-                 session: requests.Session | None = None, sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        cache: Cache,
+        mirror: str | None = None,
+        *,
+        retries: int = 4,
+        backoff: float = 1.0,
+        session: requests.Session | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.cache = cache
         self.mirror = mirror
         self.retries = retries
@@ -110,9 +124,11 @@ class Fetcher:
             raise DownloadError(f"{name}: the mirror {self.mirror} cannot serve {src['filename']}: "
                                 + "; ".join(unreachable),
                                 fix="fill it on a connected host: python -m installer mirror DIR")
-        raise OfflineError(f"{name}: no source location answered: " + "; ".join(unreachable),
-                           fix="check the network, or on a connected host run `python -m installer mirror DIR` "
-                               "and pass --mirror DIR here")
+        raise OfflineError(
+            f"{name}: no source location answered: " + "; ".join(unreachable),
+            fix="check the network, or on a connected host run `python -m installer mirror DIR` "
+            "and pass --mirror DIR here",
+        )
 
     def _archive_locations(self, src: dict[str, Any]) -> list[str]:
         if self.mirror:
@@ -139,14 +155,25 @@ class Fetcher:
         for attempt in range(1, self.retries + 1):
             if attempt > 1:
                 delay = self.backoff * 2 ** (attempt - 2)
-                log.info("retrying %s in %.1fs (attempt %d/%d): %s", url, delay, attempt, self.retries, last)
+                log.info(
+                    "retrying %s in %.1fs (attempt %d/%d): %s",
+                    url,
+                    delay,
+                    attempt,
+                    self.retries,
+                    last,
+                )
                 self.sleep(delay)
             try:
-                with self.session.get(url, stream=True, timeout=(CONNECT_TIMEOUT, READ_TIMEOUT)) as r:
+                with self.session.get(
+                    url, stream=True, timeout=(CONNECT_TIMEOUT, READ_TIMEOUT)
+                ) as r:
                     if 400 <= r.status_code < 500:
-                        raise DownloadError(f"{url}: HTTP {r.status_code} {r.reason}",
-                                            fix="the file is not at that address: check the recipe's url, "
-                                                "or use --mirror")
+                        raise DownloadError(
+                            f"{url}: HTTP {r.status_code} {r.reason}",
+                            fix="the file is not at that address: check the recipe's url, "
+                            "or use --mirror",
+                        )
                     if r.status_code >= 500:
                         last = f"HTTP {r.status_code}"
                         continue
@@ -158,11 +185,19 @@ class Fetcher:
                             f.write(chunk)
                             size += len(chunk)
                     expected = r.headers.get("Content-Length")
-                    if expected is not None and r.headers.get("Content-Encoding") is None and int(expected) != size:
+                    if (
+                        expected is not None
+                        and r.headers.get("Content-Encoding") is None
+                        and int(expected) != size
+                    ):
                         last = f"transfer cut short ({size} of {expected} bytes)"
                         continue
                     return h.hexdigest()
-            except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as e:
+            except (
+                requests.ConnectionError,
+                requests.Timeout,
+                requests.exceptions.ChunkedEncodingError,
+            ) as e:
                 last = f"{e.__class__.__name__}: {_short(e)}"
                 dest.unlink(missing_ok=True)
         dest.unlink(missing_ok=True)
@@ -184,18 +219,30 @@ class Fetcher:
         ref = f"refs/tags/{tag}" if tag else commit
         res = _git(["fetch", "--quiet", "--depth=1", "--no-tags", url, ref], repo, check=False)
         if res.returncode != 0:
-            msg = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"git exit {res.returncode}"
+            msg = (
+                res.stderr.strip().splitlines()[-1]
+                if res.stderr.strip()
+                else f"git exit {res.returncode}"
+            )
             if self.mirror:
-                raise DownloadError(f"{name}: cannot fetch {ref} from the mirror {url}: {msg}",
-                                    fix="fill it on a connected host: python -m installer mirror DIR")
-            raise OfflineError(f"{name}: cannot fetch {ref} from {url}: {msg}",
-                               fix="check the network, or pass --mirror DIR filled by `python -m installer mirror`")
+                raise DownloadError(
+                    f"{name}: cannot fetch {ref} from the mirror {url}: {msg}",
+                    fix="fill it on a connected host: python -m installer mirror DIR",
+                )
+            raise OfflineError(
+                f"{name}: cannot fetch {ref} from {url}: {msg}",
+                fix="check the network, or pass --mirror DIR filled by `python -m installer "
+                "mirror`",
+            )
         got = _git(["rev-parse", "FETCH_HEAD^{commit}"], repo).stdout.strip()
         if got != commit:
-            raise ChecksumError(f"{name}: {'tag ' + tag if tag else ref} at {url} is not the pinned commit",
-                                expected=f"commit {commit}", actual=f"commit {got}",
-                                fix="nothing was used; if the tag really moved, find out why before you change "
-                                    "the recipe's commit")
+            raise ChecksumError(
+                f"{name}: {'tag ' + tag if tag else ref} at {url} is not the pinned commit",
+                expected=f"commit {commit}",
+                actual=f"commit {got}",
+                fix="nothing was used; if the tag really moved, find out why before you change "
+                "the recipe's commit",
+            )
         _git(["update-ref", f"refs/kvstack/{commit}", commit], repo)
         log.info("%s: fetched %s at %s", name, url, commit)
         return Fetched(name, "git", repo, url, False, commit=commit)
@@ -206,9 +253,13 @@ class Fetcher:
         """Re-verify what will be extracted against the pins; return the manifest record."""
         record = fetched.to_dict()
         if fetched.kind == "git":
-            if _git(["cat-file", "-e", f"{src['commit']}^{{commit}}"], fetched.path, check=False).returncode:
-                raise ChecksumError(f"{fetched.name}: commit {src['commit']} is missing from {fetched.path}",
-                                    fix="delete that directory and fetch again")
+            if _git(
+                ["cat-file", "-e", f"{src['commit']}^{{commit}}"], fetched.path, check=False
+            ).returncode:
+                raise ChecksumError(
+                    f"{fetched.name}: commit {src['commit']} is missing from {fetched.path}",
+                    fix="delete that directory and fetch again",
+                )
             record["checked"] = ["commit"]
             return record
         got = sha256_file(fetched.path)
@@ -221,10 +272,15 @@ class Fetcher:
         if "commit" in src:
             embedded = tar_commit_id(fetched.path)
             if embedded is not None and embedded != src["commit"]:
-                raise ChecksumError(f"{fetched.name}: {src['filename']} was made from another commit",
-                                    expected=f"commit {src['commit']}", actual=f"commit {embedded}",
-                                    fix="the sha256 pin and the commit pin disagree: fix the recipe")
-            record["checked"].append("commit" if embedded else "commit (not embedded in this archive)")
+                raise ChecksumError(
+                    f"{fetched.name}: {src['filename']} was made from another commit",
+                    expected=f"commit {src['commit']}",
+                    actual=f"commit {embedded}",
+                    fix="the sha256 pin and the commit pin disagree: fix the recipe",
+                )
+            record["checked"].append(
+                "commit" if embedded else "commit (not embedded in this archive)"
+            )
             record["commit"] = src["commit"]
         return record
 
@@ -265,7 +321,9 @@ def _short(e: Exception) -> str:
     return text if len(text) < 160 else text[:157] + "..."
 
 
-def _git(args: list[str], repo: Path | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def _git(
+    args: list[str], repo: Path | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
     cmd = ["git"] + (["--git-dir", str(repo)] if repo else []) + args
     res = subprocess.run(cmd, capture_output=True, text=True)
     if check and res.returncode != 0:

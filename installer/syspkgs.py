@@ -18,9 +18,18 @@ log = logging.getLogger("kvstack.installer")
 DEBIAN_LIKE = {"debian", "ubuntu"}
 # package -> the executables any one of which does its job here (libraries and headers: dpkg only)
 PROVIDES: dict[str, tuple[str, ...]] = {
-    "autoconf": ("autoconf",), "automake": ("automake",), "libtool": ("libtoolize",), "make": ("make",),
-    "gcc": ("gcc",), "g++": ("g++",), "pkg-config": ("pkg-config", "pkgconf"), "pkgconf": ("pkgconf", "pkg-config"),
-    "cmake": ("cmake",), "git": ("git",), "ninja-build": ("ninja",), "patchelf": ("patchelf",),
+    "autoconf": ("autoconf",),
+    "automake": ("automake",),
+    "libtool": ("libtoolize",),
+    "make": ("make",),
+    "gcc": ("gcc",),
+    "g++": ("g++",),
+    "pkg-config": ("pkg-config", "pkgconf"),
+    "pkgconf": ("pkgconf", "pkg-config"),
+    "cmake": ("cmake",),
+    "git": ("git",),
+    "ninja-build": ("ninja",),
+    "patchelf": ("patchelf",),
 }
 
 
@@ -74,7 +83,9 @@ def looked_for(packages: list[str], provides: dict[str, tuple[str, ...]] = PROVI
 
 def distro_family(os_release: Path = Path("/etc/os-release")) -> str | None:
     try:
-        fields = dict(line.split("=", 1) for line in os_release.read_text().splitlines() if "=" in line)
+        fields = dict(
+            line.split("=", 1) for line in os_release.read_text().splitlines() if "=" in line
+        )
     except OSError:
         return None
     ids = {fields.get("ID", "").strip('"')} | set(fields.get("ID_LIKE", "").strip('"').split())
@@ -104,20 +115,31 @@ def ensure(table: dict[str, dict[str, str]], *, mode: str, log_path: Path,
     not_in_dpkg = missing_debian(wanted)
     on_path = provided_on_path(not_in_dpkg, path, provides)
     missing = [p for p in not_in_dpkg if p not in on_path]
-    record = {"family": family, "wanted": wanted, "missing": missing, "installed": [], "provided_by_path": on_path}
+    record = {
+        "family": family,
+        "wanted": wanted,
+        "missing": missing,
+        "installed": [],
+        "provided_by_path": on_path,
+    }
     if not missing:
         return record
     is_root = os.geteuid() == 0 if is_root is None else is_root
     command = apt_command(missing)
     if mode == "ignore":
-        log.warning("system packages missing, going on anyway (--system-packages ignore): %s", " ".join(missing))
+        log.warning(
+            "system packages missing, going on anyway (--system-packages ignore): %s",
+            " ".join(missing),
+        )
         record["ignored"] = True
         return record
     if mode == "check" or not is_root:
         why = "--system-packages check was given" if mode == "check" else "not running as root"
-        raise SystemPackagesError(f"missing system packages: {' '.join(missing)} ({why}); looked for: "
-                                  f"{looked_for(missing, provides)}",
-                                  fix=f"run: {'' if is_root else 'sudo '}apt-get update && {' '.join(command)}")
+        raise SystemPackagesError(
+            f"missing system packages: {' '.join(missing)} ({why}); looked for: "
+            f"{looked_for(missing, provides)}",
+            fix=f"run: {'' if is_root else 'sudo '}apt-get update && {' '.join(command)}",
+        )
     log.info("installing system packages: %s", " ".join(missing))
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -127,8 +149,11 @@ def ensure(table: dict[str, dict[str, str]], *, mode: str, log_path: Path,
             logf.flush()
             rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env).returncode
             if rc != 0:
-                raise SystemPackagesError(f"`{' '.join(cmd)}` failed with exit code {rc}", log=str(log_path),
-                                          fix="read the log; fix the package source, then run again")
+                raise SystemPackagesError(
+                    f"`{' '.join(cmd)}` failed with exit code {rc}",
+                    log=str(log_path),
+                    fix="read the log; fix the package source, then run again",
+                )
     still = missing_debian(missing)
     if still:
         raise SystemPackagesError(f"apt-get did not install: {' '.join(still)}", log=str(log_path))

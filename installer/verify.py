@@ -24,14 +24,17 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import envfile, hostcaps, ibmock, prefix as prefixmod, wheeldeps
+from . import envfile, hostcaps, ibmock, wheeldeps
+from . import prefix as prefixmod
 from .buildsys.step import Step
 from .detect import detect_platform
 from .errors import PrefixError
 from .extract import extract
 from .runner import run_step, run_supervised, start_supervised, stop_supervised
 
-if TYPE_CHECKING:  # annotations only: plan imports nothing of verify, and verify needs no plan at run time
+if (
+    TYPE_CHECKING
+):  # annotations only: plan imports nothing of verify, and verify needs no plan at run time
     from .plan import Plan
     from .sources import Fetched
 
@@ -84,8 +87,8 @@ state, deadline = reader.transfer(handle), time.monotonic() + 60
 while state not in ("DONE", "ERR") and time.monotonic() < deadline:
     state = reader.check_xfer_state(handle)
 # on a line of its own, flushed: UCX writes its protocol tables to the same stdout unbuffered
-print("\nKVSTACK-RESULT " + json.dumps({"state": state, "bit_exact": bool((src == dst).all()), "bytes": size}),
-      flush=True)
+result = {"state": state, "bit_exact": bool((src == dst).all()), "bytes": size}
+print("\nKVSTACK-RESULT " + json.dumps(result), flush=True)
 """
 RDMA_MOVE_BYTES = 4 << 20
 _RESULT = re.compile(r"KVSTACK-RESULT (\{[^\n]*\})")
@@ -96,8 +99,10 @@ _LANE = re.compile(r"\b([a-z][a-z0-9_]*)/([A-Za-z0-9_.\-]+(?::\d+)?)")
 _TABLE_TITLE = re.compile(r"^\S+ (self|intra-node|inter-node) cfg#\d+$")
 # memory kinds other than host in a table's operation ("into cuda/dev[0] memory from host")
 _DEVICE_MEMORY = re.compile(r"\b(?:into|from|to) (?!host )\S+ memory\b")
-NO_HCA = ("no RDMA device on this host (`ibv_devices` lists none): UCX's fake device proved the verbs "
-          "path in one process; between processes and hosts the RDMA data path is not proven on this host")
+NO_HCA = (
+    "no RDMA device on this host (`ibv_devices` lists none): UCX's fake device proved the verbs "
+    "path in one process; between processes and hosts the RDMA data path is not proven on this host"
+)
 
 
 def _check(name: str, ok: bool, detail: str) -> dict[str, Any]:
@@ -159,14 +164,23 @@ def built(spec: dict, build_dir: Path, env: dict[str, str], with_table: dict[str
           components: list[str]) -> dict[str, Any]:
     checks = []
     files = [build_dir / f for f in spec.get("files", [])]
-    has_ucx, has_nixl = "ucx" in components and "ucx" in spec, "nixl" in components and "nixl" in spec
+    has_ucx, has_nixl = (
+        "ucx" in components and "ucx" in spec,
+        "nixl" in components and "nixl" in spec,
+    )
     ucx_info = build_dir / "ucx" / "bin" / "ucx_info"
     if has_ucx:
         files += [ucx_info, build_dir / "ucx" / "lib" / "libucp.so"]
     if has_nixl:
         files += [build_dir / "nixl" / "lib" / "libnixl.so", build_dir / "nixl" / "lib" / "plugins"]
     for f in files:
-        checks.append(_check(f"file {f.relative_to(build_dir)}", f.exists(), "present" if f.exists() else "missing"))
+        checks.append(
+            _check(
+                f"file {f.relative_to(build_dir)}",
+                f.exists(),
+                "present" if f.exists() else "missing",
+            )
+        )
     if has_nixl:
         module = envfile.nixl_module(build_dir, spec["nixl"]["module"])
         checks.append(_check(f"python module {spec['nixl']['module']}", module is not None,
@@ -194,13 +208,19 @@ def built(spec: dict, build_dir: Path, env: dict[str, str], with_table: dict[str
         checks.append(_check(f"ldd resolves {len(libs) - len(host_rdma)} libraries", not unresolved,
                              "; ".join(unresolved[:5]) or "all resolved"))
     if host_rdma:
-        checks.append(_not_here(f"ldd resolves {', '.join(sorted(host_rdma))}",
-                                "this host has no rdma-core (libibverbs1, librdmacm1): UCX skips its RDMA "
-                                "modules here and moves bytes on one host only"))
+        checks.append(
+            _not_here(
+                f"ldd resolves {', '.join(sorted(host_rdma))}",
+                "this host has no rdma-core (libibverbs1, librdmacm1): UCX skips its RDMA "
+                "modules here and moves bytes on one host only",
+            )
+        )
     return _level(checks)
 
 
-def _ucx_build_info(ucx: dict, ucx_info: Path, env: dict[str, str], with_table: dict[str, Any]) -> list[dict]:
+def _ucx_build_info(
+    ucx: dict, ucx_info: Path, env: dict[str, str], with_table: dict[str, Any]
+) -> list[dict]:
     checks = []
     res = _run([str(ucx_info), "-b"], env)
     info = parse_build_info(res.stdout) if res.returncode == 0 else {}
@@ -210,13 +230,23 @@ def _ucx_build_info(ucx: dict, ucx_info: Path, env: dict[str, str], with_table: 
     if with_table.get("verbs") not in (None, False):
         defines.append("HAVE_IB")  # configure drops verbs silently when headers are missing
     for d in defines:
-        checks.append(_check(f"define {d}", info.get(d) == "1", f"{d} = {info.get(d, 'undefined')}"))
+        checks.append(
+            _check(f"define {d}", info.get(d) == "1", f"{d} = {info.get(d, 'undefined')}")
+        )
     for d in ucx.get("absent_defines", []):
-        checks.append(_check(f"define {d} absent", info.get(d) in (None, "0"), f"{d} = {info.get(d, 'undefined')}"))
+        checks.append(
+            _check(
+                f"define {d} absent",
+                info.get(d) in (None, "0"),
+                f"{d} = {info.get(d, 'undefined')}",
+            )
+        )
     for var, wanted in ucx["modules"].items():
         have = [m for m in info.get(var, "").split(":") if m]
         for w in wanted:
-            checks.append(_check(f"{var} has {w}", w in have, f"{var} = {':'.join(have) or '(empty)'}"))
+            checks.append(
+                _check(f"{var} has {w}", w in have, f"{var} = {':'.join(have) or '(empty)'}")
+            )
     return checks
 
 
@@ -232,12 +262,16 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
     if lz and not has_device:
         if null_driver is None:
             return _level([], skipped="no Intel GPU here and no Level Zero null driver was built")
-        denv = envfile.apply({"LD_LIBRARY_PATH": str(null_driver), "ZE_ENABLE_NULL_DRIVER": "1"}, env)
+        denv = envfile.apply(
+            {"LD_LIBRARY_PATH": str(null_driver), "ZE_ENABLE_NULL_DRIVER": "1"}, env
+        )
         note = f"Level Zero null driver from {null_driver}"
     want_transports = list(spec["ucx"]["transports"])
     want_domains = list(spec["ucx"]["memory_domains"])
     if platform == "cuda" and not has_device:
-        return _level([], skipped="no NVIDIA GPU on this host: ucx_info -d cannot show cuda transports")
+        return _level(
+            [], skipped="no NVIDIA GPU on this host: ucx_info -d cannot show cuda transports"
+        )
     res = _run([str(build_dir / "ucx" / "bin" / "ucx_info"), "-d"], denv)
     dev = parse_devices(res.stdout)
     if res.returncode:
@@ -254,20 +288,42 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
             checks.append(_not_here(f"transport {t}", no_cma))
             continue
         if t in gated and not os.path.exists(gated[t]):
-            checks.append(_not_here(f"transport {t}", f"{gated[t]} is absent: its kernel module is not loaded "
-                                                      f"on this host, so UCX cannot offer {t}"))
+            checks.append(
+                _not_here(
+                    f"transport {t}",
+                    f"{gated[t]} is absent: its kernel module is not loaded "
+                    f"on this host, so UCX cannot offer {t}",
+                )
+            )
             continue
-        checks.append(_check(f"transport {t}", t in dev["transports"], f"listed: {', '.join(sorted(set(dev['transports'])))}"))
+        checks.append(
+            _check(
+                f"transport {t}",
+                t in dev["transports"],
+                f"listed: {', '.join(sorted(set(dev['transports'])))}",
+            )
+        )
     for m in want_domains:
         if m == "cma" and no_cma and m not in dev["memory_domains"]:
             checks.append(_not_here(f"memory domain {m}", no_cma))
             continue
-        checks.append(_check(f"memory domain {m}", m in dev["memory_domains"], f"listed: {', '.join(dev['memory_domains'])}"))
+        checks.append(
+            _check(
+                f"memory domain {m}",
+                m in dev["memory_domains"],
+                f"listed: {', '.join(dev['memory_domains'])}",
+            )
+        )
     if lz:
         text = dev["sections"].get("ze_cpy", "")
-        marked = [l.strip("# ").strip() for l in text.splitlines() if lz["mark"] in l]
-        checks.append(_check(f"ze_cpy shows {lz['mark']!r}", bool(marked),
-                             (note + "; " if note else "") + (marked[0] if marked else "no such line in ze_cpy")))
+        marked = [line.strip("# ").strip() for line in text.splitlines() if lz["mark"] in line]
+        checks.append(
+            _check(
+                f"ze_cpy shows {lz['mark']!r}",
+                bool(marked),
+                (note + "; " if note else "") + (marked[0] if marked else "no such line in ze_cpy"),
+            )
+        )
     if "policy" in spec and res.returncode == 0:
         checks.append(_policy(spec["policy"], dev["transports"], env, python))
     has_nixl = "nixl" in components and "nixl" in spec
@@ -283,10 +339,16 @@ def loaded(spec: dict, build_dir: Path, env: dict[str, str], python: str, platfo
         except (ValueError, IndexError):
             probe = None
         if probe is None:
-            checks.append(_check(f"{module} creates a UCX agent", False, (r.stderr or r.stdout)[-400:]))
+            checks.append(
+                _check(f"{module} creates a UCX agent", False, (r.stderr or r.stdout)[-400:])
+            )
         else:
             for p in spec["nixl"]["plugins"]:
-                checks.append(_check(f"NIXL plugin {p}", p in probe["plugins"], f"plugins: {probe['plugins']}"))
+                checks.append(
+                    _check(
+                        f"NIXL plugin {p}", p in probe["plugins"], f"plugins: {probe['plugins']}"
+                    )
+                )
             checks.append(_check("NIXL UCX memory types", bool(probe["ucx_mem_types"]),
                                  f"{probe['ucx_mem_types']} ({probe['file']})"))
             engine = probe.get("engine", {})
@@ -315,15 +377,21 @@ def _policy(want: dict, offered: list[str], env: dict[str, str], python: str) ->
     name = f"kvruntime's UCX_TLS for {want['device']} memory on one node"
     renv = _kvruntime_env(env, python)
     if renv is None:
-        return _not_here(name, f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by {python}")
+        return _not_here(
+            name, f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by {python}"
+        )
     r = _run([python, "-c", POLICY_PROBE, want["device"], ",".join(offered)], renv, timeout=60)
     try:
         got = json.loads(r.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return _check(name, False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-300:]}")
     tls = got["added"].get("UCX_TLS", "")
-    return _check(name, tls == want["ucx_tls"], f"{'UCX_TLS=' + tls if tls else 'UCX_TLS left to UCX'}, "
-                  f"expected {want['ucx_tls'] or 'left to UCX'}; " + "; ".join(got["why"]))
+    return _check(
+        name,
+        tls == want["ucx_tls"],
+        f"{'UCX_TLS=' + tls if tls else 'UCX_TLS left to UCX'}, "
+        f"expected {want['ucx_tls'] or 'left to UCX'}; " + "; ".join(got["why"]),
+    )
 
 
 DEMO = "a prompt prefilled in one process, continued in another (kvruntime demo)"
@@ -407,12 +475,24 @@ def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, comp
         return _level([], skipped=NO_NIXL)
     renv = _kvruntime_env(env, python)
     if renv is None:
-        return _level([], skipped=f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by {python}")
+        return _level(
+            [],
+            skipped=f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by "
+            f"{python}",
+        )
     r = (selftest or Selftest(renv, python, timeout)).result()
     try:
         result = json.loads(r.stdout)
     except ValueError:
-        return _level([_check("kvruntime selftest", False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-400:]}")])
+        return _level(
+            [
+                _check(
+                    "kvruntime selftest",
+                    False,
+                    f"exit {r.returncode}: {(r.stderr or r.stdout)[-400:]}",
+                )
+            ]
+        )
     checks = []
     used = result.get("nixl_module_file") or ""
     fresh = os.path.realpath(used).startswith(os.path.realpath(build_dir) + os.sep)
@@ -424,22 +504,37 @@ def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, comp
         if status == "skipped":
             # the platform's device modes on a host without that device: shown, never counted
             if name.startswith(f"{platform}/"):
-                checks.append(_not_here(f"moved {name}", mode.get("reason") or "no such device here"))
+                checks.append(
+                    _not_here(f"moved {name}", mode.get("reason") or "no such device here")
+                )
             continue
-        checks.append(_check(f"moved {name}", status == "passed" and mode.get("digest_ok") is True,
-                             f"{mode.get('bytes', '?')} bytes in {mode.get('descriptors', '?')} descriptors, "
-                             f"{mode.get('gbps')} GB/s, {mode.get('digests_checked', 0)} block digests checked"
-                             + (f"; {mode['error']}" if mode.get("error") else "")))
+        checks.append(
+            _check(
+                f"moved {name}",
+                status == "passed" and mode.get("digest_ok") is True,
+                f"{mode.get('bytes', '?')} bytes in {mode.get('descriptors', '?')} descriptors, "
+                f"{mode.get('gbps')} GB/s, {mode.get('digests_checked', 0)} block digests checked"
+                + (f"; {mode['error']}" if mode.get("error") else ""),
+            )
+        )
     if not any(c["ok"] is not None for c in checks[1:]):
-        return _level(checks, skipped=f"selftest ran no mode on this host: {result.get('reason', 'no mode available')}")
+        return _level(
+            checks,
+            skipped="selftest ran no mode on this host: "
+            f"{result.get('reason', 'no mode available')}",
+        )
     checks.append(_demo(renv, python, platform, result, timeout))
     if rdma is not None:
         module = envfile.nixl_module(build_dir, nixl_module) if nixl_module else None
         checks += _rdma_moved(rdma, env, python, module, ibmock_dir)
         if platform in ("cuda", "xpu"):  # device memory registered by the NIC: no mock can show it
-            checks.append(_not_here(f"GPUDirect RDMA ({platform} memory registered by the IB domain)",
-                                    "it needs a real RDMA device beside the GPU (and nvidia-peermem or "
-                                    "DMA-BUF; for xpu the xe driver): not proven on this host"))
+            checks.append(
+                _not_here(
+                    f"GPUDirect RDMA ({platform} memory registered by the IB domain)",
+                    "it needs a real RDMA device beside the GPU (and nvidia-peermem or "
+                    "DMA-BUF; for xpu the xe driver): not proven on this host",
+                )
+            )
     level = _level(checks)
     level["selftest"] = result
     return level
@@ -459,12 +554,32 @@ def verify_build(plan: "Plan", renv: dict[str, str], fetched: "dict[str, Fetched
     ibmock_dir = None
     if "rdma" in plan.verify and "ucx" in [c.name for c in plan.components]:
         ibmock_dir = _ibmock(plan, fetched, build_env, log_dir)
-    return report_levels(plan.verify, plan.platform, plan.install_dir, env, plan.target.python, with_table,
-                         null_driver, has_device, [c.name for c in plan.components], ibmock_dir)
+    return report_levels(
+        plan.verify,
+        plan.platform,
+        plan.install_dir,
+        env,
+        plan.target.python,
+        with_table,
+        null_driver,
+        has_device,
+        [c.name for c in plan.components],
+        ibmock_dir,
+    )
 
 
-def report_levels(spec, platform, build_dir, env, python, with_table, null_driver, has_device, components,
-                  ibmock_dir=None):
+def report_levels(
+    spec,
+    platform,
+    build_dir,
+    env,
+    python,
+    with_table,
+    null_driver,
+    has_device,
+    components,
+    ibmock_dir=None,
+):
     renv = _kvruntime_env(env, python) if "nixl" in components else None
     selftest = Selftest(renv, python) if renv is not None else None
     try:
@@ -505,10 +620,27 @@ def _null_driver(plan: "Plan", fetched, build_env, log_dir: Path) -> Path | None
     build = plan.work_dir / "build" / "level-zero"
     extract(fetched[lz["null_driver_source"]], src)
     shutil.rmtree(build, ignore_errors=True)
-    steps = [Step("configure", "ze-null-configure", ("cmake", "-S", str(src), "-B", str(build), "-G", "Ninja",
-                                                      "-DCMAKE_BUILD_TYPE=Release")),
-             Step("build", "ze-null-build", ("cmake", "--build", str(build), "--target", lz["cmake_target"],
-                                             "-j", str(plan.jobs)))]
+    steps = [
+        Step(
+            "configure",
+            "ze-null-configure",
+            (
+                "cmake",
+                "-S",
+                str(src),
+                "-B",
+                str(build),
+                "-G",
+                "Ninja",
+                "-DCMAKE_BUILD_TYPE=Release",
+            ),
+        ),
+        Step(
+            "build",
+            "ze-null-build",
+            ("cmake", "--build", str(build), "--target", lz["cmake_target"], "-j", str(plan.jobs)),
+        ),
+    ]
     for s in steps:
         run_step(s, component="level-zero", env=build_env, log_dir=log_dir, actions={})
     dest.mkdir(parents=True, exist_ok=True)
@@ -549,7 +681,11 @@ def _rdma_loaded(rdma: dict, build_dir: Path, env: dict[str, str], python: str, 
                        f"memory domains: {', '.join(dev['memory_domains'])}") for d in real]
     name = "RDMA under UCX's fake device (contrib/ibmock)"
     if ibmock_dir is None:
-        return [_not_here(name, "ibmock was not built (no UCX source at hand; it is built during an install)")]
+        return [
+            _not_here(
+                name, "ibmock was not built (no UCX source at hand; it is built during an install)"
+            )
+        ]
     menv = ibmock.environment(ibmock_dir, env)
     checks = []
     try:
@@ -557,21 +693,35 @@ def _rdma_loaded(rdma: dict, build_dir: Path, env: dict[str, str], python: str, 
             res = _run([ucx_info, "-d"], menv)
             dev = parse_devices(res.stdout)
             if res.returncode:
-                checks.append(_check("ucx_info -d under ibmock", False, (res.stderr or res.stdout)[-300:]))
+                checks.append(
+                    _check("ucx_info -d under ibmock", False, (res.stderr or res.stdout)[-300:])
+                )
             for m in rdma["memory_domains"]:
                 checks.append(_check(f"ibmock memory domain {m}", m in dev["memory_domains"],
                                      f"listed: {', '.join(dev['memory_domains'])}"))
             section = "".join(dev["sections"].get(m, "") for m in rdma["memory_domains"])
             listed = re.findall(r"Transport:\s*(\S+)", section)
             for t in rdma["transports"]:
-                checks.append(_check(f"ibmock transport {t}", t in listed,
-                                     f"on {', '.join(rdma['memory_domains'])}: {', '.join(listed) or 'none'}"))
+                checks.append(
+                    _check(
+                        f"ibmock transport {t}",
+                        t in listed,
+                        f"on {', '.join(rdma['memory_domains'])}: {', '.join(listed) or 'none'}",
+                    )
+                )
             if module:
                 r = _run([python, "-c", NIXL_PROBE, module], _rdma_env(rdma, menv), timeout=120)
                 ok = r.returncode == 0 and '"UCX"' in r.stdout
-                checks.append(_check(f"NIXL's UCX backend on {rdma['net_device']} alone "
-                                     f"(UCX_TLS={rdma['moved_tls']})", ok,
-                                     "created" if ok else f"exit {r.returncode}: {(r.stderr or r.stdout)[-300:]}"))
+                checks.append(
+                    _check(
+                        f"NIXL's UCX backend on {rdma['net_device']} alone "
+                        f"(UCX_TLS={rdma['moved_tls']})",
+                        ok,
+                        "created"
+                        if ok
+                        else f"exit {r.returncode}: {(r.stderr or r.stdout)[-300:]}",
+                    )
+                )
     except ibmock.Unavailable as e:
         return [_not_here(name, str(e))]
     return checks
@@ -580,8 +730,13 @@ def _rdma_loaded(rdma: dict, build_dir: Path, env: dict[str, str], python: str, 
 def _rdma_env(rdma: dict, env: dict[str, str]) -> dict[str, str]:
     """UCX held to the RDMA device's transports: with any other transport left, a READ that
     UCX could not place on the device would quietly take tcp or shared memory instead."""
-    return {**env, "UCX_TLS": rdma["moved_tls"], "UCX_NET_DEVICES": rdma["net_device"], "UCX_PROTO_INFO": "y",
-            "UCX_LOG_FILE": ""}
+    return {
+        **env,
+        "UCX_TLS": rdma["moved_tls"],
+        "UCX_NET_DEVICES": rdma["net_device"],
+        "UCX_PROTO_INFO": "y",
+        "UCX_LOG_FILE": "",
+    }
 
 
 def proto_lanes(text: str, between_peers: bool = False) -> list[str]:
@@ -611,8 +766,14 @@ def _rdma_moved(rdma: dict, env: dict[str, str], python: str, module: str | None
     real = ibmock.real_devices()
     if real:
         device = f"{real[0]}:1"
-        menv, name = {**env, "UCX_TLS": "ib", "UCX_NET_DEVICES": device, "UCX_PROTO_INFO": "y"}, device
-        rest = _not_here("RDMA between hosts", f"one process here, through {real[0]}; a second host proves the wire")
+        menv, name = (
+            {**env, "UCX_TLS": "ib", "UCX_NET_DEVICES": device, "UCX_PROTO_INFO": "y"},
+            device,
+        )
+        rest = _not_here(
+            "RDMA between hosts",
+            f"one process here, through {real[0]}; a second host proves the wire",
+        )
     elif ibmock_dir is None:
         return [_not_here("RDMA data path", NO_HCA)]
     else:
@@ -623,7 +784,9 @@ def _rdma_moved(rdma: dict, env: dict[str, str], python: str, module: str | None
     title = f"moved {RDMA_MOVE_BYTES >> 20} MiB READ over {name} (one process, two NIXL agents)"
     try:
         with contextlib.nullcontext() if real else ibmock.device_nodes():
-            r = _run([python, "-c", RDMA_MOVE_PROBE, module, str(RDMA_MOVE_BYTES)], menv, timeout=180)
+            r = _run(
+                [python, "-c", RDMA_MOVE_PROBE, module, str(RDMA_MOVE_BYTES)], menv, timeout=180
+            )
     except ibmock.Unavailable as e:
         return [_not_here(title, str(e)), rest]
     found = _RESULT.search(r.stdout)
@@ -634,18 +797,29 @@ def _rdma_moved(rdma: dict, env: dict[str, str], python: str, module: str | None
     device = name.split(":")[0]
     off = [lane for lane in lanes if lane.split("/")[1].split(":")[0] != device]
     on = [lane for lane in lanes if lane not in off]
-    return [_check(title, result["state"] == "DONE" and result["bit_exact"],
-                   f"state {result['state']}, {'bit-exact' if result['bit_exact'] else 'BYTES DIFFER'}"),
-            _check(f"the lanes UCX read back are {device}'s", bool(on) and not off,
-                   f"on {device}: {', '.join(on) or 'none'}" + (f"; elsewhere: {', '.join(off)}" if off else "")),
-            rest]
+    return [
+        _check(
+            title,
+            result["state"] == "DONE" and result["bit_exact"],
+            f"state {result['state']}, {'bit-exact' if result['bit_exact'] else 'BYTES DIFFER'}",
+        ),
+        _check(
+            f"the lanes UCX read back are {device}'s",
+            bool(on) and not off,
+            f"on {device}: {', '.join(on) or 'none'}"
+            + (f"; elsewhere: {', '.join(off)}" if off else ""),
+        ),
+        rest,
+    ]
 
 
 def verify_prefix(prefix: Path) -> dict[str, Any]:
     """`installer verify`: re-run the levels on an installed build, from its manifest."""
     build_dir = prefixmod.current(prefix)
     if build_dir is None or not prefixmod.is_complete(build_dir):
-        raise PrefixError(f"{prefix} holds no finished kvstack build", fix="install first: python -m installer")
+        raise PrefixError(
+            f"{prefix} holds no finished kvstack build", fix="install first: python -m installer"
+        )
     manifest = json.loads((build_dir / prefixmod.COMPLETE).read_text())
     recipe = manifest["recipe"]
     platform = manifest["platform"]
@@ -677,7 +851,11 @@ def verdict(report: dict[str, Any]) -> str:
     if not report["ok"]:
         return "verification FAILED"
     levels = report["levels"]
-    not_run = [f"{name} ({v.get('reason', 'not run')})" for name, v in levels.items() if v["status"] != "passed"]
+    not_run = [
+        f"{name} ({v.get('reason', 'not run')})"
+        for name, v in levels.items()
+        if v["status"] != "passed"
+    ]
     unchecked = [c for v in levels.values() for c in v["checks"] if c["ok"] is None]
     # checks a level could not make here (the platform's device memory, cma in a container)
     tail = (f"; {len(unchecked)} checks not made here, e.g. {unchecked[0]['check']} "
@@ -685,4 +863,7 @@ def verdict(report: dict[str, Any]) -> str:
     if not not_run:
         return "verification passed" + tail
     passed = [name for name, v in levels.items() if v["status"] == "passed"]
-    return f"verification passed for {', '.join(passed)} only; not run here: {'; '.join(not_run)}" + tail
+    return (
+        f"verification passed for {', '.join(passed)} only; not run here: {'; '.join(not_run)}"
+        + tail
+    )

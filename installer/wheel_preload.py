@@ -28,7 +28,9 @@ import ctypes
 import os
 import sys
 
-CONFIG = {}  # filled in by `python -m installer wheel`: {"libs": ..., "ucp_soname": ..., "env": {...}, "from_pip": [...]}
+# filled in by `python -m installer wheel`:
+# {"libs": ..., "ucp_soname": ..., "env": {...}, "from_pip": [...]}
+CONFIG = {}
 _HERE = os.path.dirname(os.path.abspath(__file__))
 SITE = os.path.dirname(_HERE)
 LIBS = os.path.join(SITE, CONFIG.get("libs", os.path.basename(_HERE) + ".libs"))
@@ -47,7 +49,11 @@ def global_ucx(libs_dir=LIBS):
         return None
     info = _DlInfo()
     libc = ctypes.CDLL(None)
-    if not found or not libc.dladdr(ctypes.c_void_p(found), ctypes.byref(info)) or not info.dli_fname:
+    if (
+        not found
+        or not libc.dladdr(ctypes.c_void_p(found), ctypes.byref(info))
+        or not info.dli_fname
+    ):
         return "an unknown library"
     path = os.path.realpath(info.dli_fname.decode(errors="replace"))
     return None if path.startswith(os.path.realpath(libs_dir) + os.sep) else path
@@ -56,9 +62,11 @@ def global_ucx(libs_dir=LIBS):
 def setup(config=None, libs_dir=LIBS, site=SITE):
     foreign = global_ucx(libs_dir)
     if foreign:
-        raise ImportError(f"{os.path.basename(_HERE)}: another UCX is loaded with RTLD_GLOBAL in this process "
-                          f"({foreign}) and would take the place of this wheel's own; load that one RTLD_LOCAL "
-                          f"(not by LD_PRELOAD), or not at all, before importing {os.path.basename(_HERE)}")
+        raise ImportError(
+            f"{os.path.basename(_HERE)}: another UCX is loaded with RTLD_GLOBAL in this process "
+            f"({foreign}) and would take the place of this wheel's own; load that one RTLD_LOCAL "
+            f"(not by LD_PRELOAD), or not at all, before importing {os.path.basename(_HERE)}"
+        )
     config = CONFIG if config is None else config
     for key, value in config.get("env", {}).items():
         os.environ.setdefault(key, value)
@@ -66,7 +74,9 @@ def setup(config=None, libs_dir=LIBS, site=SITE):
     for path in config.get("from_pip", []):
         # beside this package, else in any directory on sys.path (a venv seeing another's
         # site-packages through a .pth); found nowhere, the loader names it when a library needs it
-        found = next((f for d in [site, *sys.path] if d and os.path.exists(f := os.path.join(d, path))), None)
+        found = next(
+            (f for d in [site, *sys.path] if d and os.path.exists(f := os.path.join(d, path))), None
+        )
         if found:
             ctypes.CDLL(found)
     if config.get("ucp_soname"):

@@ -4,9 +4,10 @@ build's libcudart from nvidia-cuda-runtime). auditwheel is told to graft none of
 requires the last."""
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import tomllib
 
 TABLE = Path(__file__).with_name("wheeldeps.toml")
 
@@ -40,6 +41,11 @@ class Outside:
 
 def load(path: Path = TABLE) -> Outside:
     table = tomllib.loads(path.read_text())
-    return Outside(list(table.get("drivers", [])),
-                   pip={lib: FromPip(lib, row["requirement"], row["directory"]) for lib, row in table.get("pip", {}).items()},
-                   rdma_core=list(table.get("rdma_core", [])))
+    return Outside(
+        list(table.get("drivers", [])),
+        pip={
+            lib: FromPip(lib, row["requirement"], row["directory"])
+            for lib, row in table.get("pip", {}).items()
+        },
+        rdma_core=list(table.get("rdma_core", [])),
+    )

@@ -16,7 +16,9 @@ from .errors import PrefixError
 
 # `_bindings.cpython-311-x86_64-linux-gnu.so`: CPython's EXT_SUFFIX names the interpreter, its ABI
 # flags (d: debug, t: free-threaded) and the platform triplet the module was compiled for.
-_EXT = re.compile(r"\.cpython-(?P<ver>3\d+)(?P<flags>[dt]*)-(?P<arch>[A-Za-z0-9_]+)-linux-(?:gnu|musl)\w*\.so$")
+_EXT = re.compile(
+    r"\.cpython-(?P<ver>3\d+)(?P<flags>[dt]*)-(?P<arch>[A-Za-z0-9_]+)-linux-(?:gnu|musl)\w*\.so$"
+)
 _ABI3 = re.compile(r"\.abi3\.so$")
 EPOCH = (1980, 1, 1, 0, 0, 0)  # zip's earliest date: the same files give the same wheel bytes
 
@@ -41,18 +43,28 @@ def tag_for_extensions(names: list[str], python_version: str) -> Tag:
         if m:
             interp = "cp" + m["ver"]
             if interp != want:
-                raise PrefixError(f"extension module {name} is for {interp}, the build's Python is {python_version}",
-                                  fix="rebuild with --python naming the interpreter the wheel is for")
+                raise PrefixError(
+                    f"extension module {name} is for {interp}, the build's Python is "
+                    f"{python_version}",
+                    fix="rebuild with --python naming the interpreter the wheel is for",
+                )
             tags.add(Tag(interp, interp + m["flags"], "linux_" + m["arch"]))
         elif _ABI3.search(name):
-            raise PrefixError(f"extension module {name} has no platform in its name (abi3)",
-                              fix="kvstack wheels NIXL's meson build, whose modules carry CPython's full suffix")
+            raise PrefixError(
+                f"extension module {name} has no platform in its name (abi3)",
+                fix="kvstack wheels NIXL's meson build, whose modules carry CPython's full suffix",
+            )
     if not tags:
-        raise PrefixError("no CPython extension module (name.cpython-3XY-ARCH-linux-gnu.so) to take the wheel's tag from",
-                          fix="point --prefix at a build with NIXL's Python module")
+        raise PrefixError(
+            "no CPython extension module (name.cpython-3XY-ARCH-linux-gnu.so) to take the wheel's "
+            "tag from",
+            fix="point --prefix at a build with NIXL's Python module",
+        )
     if len(tags) > 1:
-        raise PrefixError(f"extension modules disagree on their tag: {', '.join(sorted(map(str, tags)))}",
-                          fix="rebuild the prefix")
+        raise PrefixError(
+            f"extension modules disagree on their tag: {', '.join(sorted(map(str, tags)))}",
+            fix="rebuild the prefix",
+        )
     return tags.pop()
 
 
@@ -80,10 +92,14 @@ def record(entries: list[tuple[str, bytes]], record_path: str) -> bytes:
 
 
 def wheel_text(tag: Tag, generator: str) -> bytes:
-    return (f"Wheel-Version: 1.0\nGenerator: {generator}\nRoot-Is-Purelib: false\nTag: {tag}\n").encode()
+    return (
+        f"Wheel-Version: 1.0\nGenerator: {generator}\nRoot-Is-Purelib: false\nTag: {tag}\n"
+    ).encode()
 
 
-def metadata_text(name: str, version: str, summary: str, requires: list[str], python_version: str) -> bytes:
+def metadata_text(
+    name: str, version: str, summary: str, requires: list[str], python_version: str
+) -> bytes:
     lines = ["Metadata-Version: 2.1", f"Name: {name}", f"Version: {version}", f"Summary: {summary}",
              f"Requires-Python: =={python_version}.*", *(f"Requires-Dist: {r}" for r in requires)]
     return ("\n".join(lines) + "\n").encode()

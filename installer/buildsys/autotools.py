@@ -16,19 +16,38 @@ def steps(comp) -> list[Step]:
     configure = [str(src / "configure"), f"--prefix={comp.install_dir}",
                  *flags("with", spec.get("with", {})), *flags("enable", spec.get("enable", {})),
                  *spec.get("configure_args", [])]
-    out = [Step("configure", "autogen-cache", action="autogen-cache-restore", args={"src_dir": src}),
-           Step("configure", "autogen", ("./autogen.sh",), cwd=src, unless_exists=src / "configure"),
-           Step("configure", "autogen-cache-keep", action="autogen-cache-keep", args={"src_dir": src}),
-           Step("configure", "autoconf-cache", action="autoconf-cache-restore", args={"build_dir": build}),
-           Step("configure", "configure", tuple(configure), cwd=build, env=_configure_env(comp)),
-           Step("configure", "autoconf-cache-keep", action="autoconf-cache-keep", args={"build_dir": build})]
+    out = [
+        Step("configure", "autogen-cache", action="autogen-cache-restore", args={"src_dir": src}),
+        Step("configure", "autogen", ("./autogen.sh",), cwd=src, unless_exists=src / "configure"),
+        Step("configure", "autogen-cache-keep", action="autogen-cache-keep", args={"src_dir": src}),
+        Step(
+            "configure",
+            "autoconf-cache",
+            action="autoconf-cache-restore",
+            args={"build_dir": build},
+        ),
+        Step("configure", "configure", tuple(configure), cwd=build, env=_configure_env(comp)),
+        Step(
+            "configure",
+            "autoconf-cache-keep",
+            action="autoconf-cache-keep",
+            args={"build_dir": build},
+        ),
+    ]
     make_dirs = spec.get("make_dirs", [])
-    out += [Step("build", _name("make", d), ("make", f"-j{comp.jobs}", "-C", d), cwd=build) for d in make_dirs] or \
-           [Step("build", "make", ("make", f"-j{comp.jobs}"), cwd=build)]
+    out += [
+        Step("build", _name("make", d), ("make", f"-j{comp.jobs}", "-C", d), cwd=build)
+        for d in make_dirs
+    ] or [Step("build", "make", ("make", f"-j{comp.jobs}"), cwd=build)]
     install_dirs = spec.get("install_dirs", [])
-    out += [Step("install", _name("install", d), ("make", "-C", d, "install"), cwd=build) for d in install_dirs] or \
-           [Step("install", "make-install", ("make", "install"), cwd=build)]
-    out += [Step("install", _name("install", t), ("make", t), cwd=build) for t in spec.get("install_targets", [])]
+    out += [
+        Step("install", _name("install", d), ("make", "-C", d, "install"), cwd=build)
+        for d in install_dirs
+    ] or [Step("install", "make-install", ("make", "install"), cwd=build)]
+    out += [
+        Step("install", _name("install", t), ("make", t), cwd=build)
+        for t in spec.get("install_targets", [])
+    ]
     return out
 
 

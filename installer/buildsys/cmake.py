@@ -26,13 +26,35 @@ def steps(comp) -> list[Step]:
         args = {"build_dir": build, "modules": ",".join(modules)}
         return out + [
             Step("configure", "pkgconfig-closure", action="pkgconfig-closure", args=args),
-            Step("build", "cmake-build", ("sh", "-c", f'exec cmake --build "$0" -j "$1" --target $(cat "$0/{TARGETS_FILE}")',
-                                          str(build), str(comp.jobs))),
+            Step(
+                "build",
+                "cmake-build",
+                (
+                    "sh",
+                    "-c",
+                    f'exec cmake --build "$0" -j "$1" --target $(cat "$0/{TARGETS_FILE}")',
+                    str(build),
+                    str(comp.jobs),
+                ),
+            ),
             # the top directory's rules only (headers and the like); the libraries come next
-            Step("install", "cmake-install-top", ("cmake", "-DCMAKE_INSTALL_LOCAL_ONLY=ON", "-P",
-                                                  str(build / "cmake_install.cmake"))),
-            Step("install", "install-closure", action="pkgconfig-install",
-                 args={**args, "install_dir": comp.install_dir})]
+            Step(
+                "install",
+                "cmake-install-top",
+                (
+                    "cmake",
+                    "-DCMAKE_INSTALL_LOCAL_ONLY=ON",
+                    "-P",
+                    str(build / "cmake_install.cmake"),
+                ),
+            ),
+            Step(
+                "install",
+                "install-closure",
+                action="pkgconfig-install",
+                args={**args, "install_dir": comp.install_dir},
+            ),
+        ]
     targets = comp.spec.get("cmake_targets", [])
     build_cmd = ["cmake", "--build", str(build), "-j", str(comp.jobs)]
     for t in targets:

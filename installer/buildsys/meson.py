@@ -25,7 +25,9 @@ def steps(comp) -> list[Step]:
                               "files": ", ".join(comp.subprojects)}))
     out += [
         Step("configure", "meson-setup", tuple(setup), cwd=src),
-        Step("build", "meson-compile", ("meson", "compile", "-C", str(build), "-j", str(comp.jobs))),
+        Step(
+            "build", "meson-compile", ("meson", "compile", "-C", str(build), "-j", str(comp.jobs))
+        ),
         Step("install", "meson-install", ("meson", "install", "-C", str(build), "--quiet")),
     ]
     return out

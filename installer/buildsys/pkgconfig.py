@@ -12,15 +12,17 @@ from pathlib import Path
 
 from ..errors import BuildError
 
-TARGETS_FILE = "kvstack-targets"      # archive paths, relative to the build directory, for the build step
+TARGETS_FILE = (
+    "kvstack-targets"  # archive paths, relative to the build directory, for the build step
+)
 _REQUIRES = re.compile(r"^Requires(?:\.private)?:(.*)$", re.MULTILINE)
 _LIBS = re.compile(r"^Libs(?:\.private)?:(.*)$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
 class Closure:
-    modules: dict[str, Path]     # module -> its .pc file in the build tree
-    archives: dict[str, Path]    # library name (as in -lNAME) -> the archive that builds it, relative
+    modules: dict[str, Path]  # module -> its .pc file in the build tree
+    archives: dict[str, Path]  # library name (as in -lNAME) -> the archive that builds it, relative
 
 
 def pc_files(build_dir: Path) -> dict[str, Path]:
@@ -39,9 +41,11 @@ def closure(build_dir: Path, roots: list[str], archive_outputs: list[str]) -> Cl
         if name in modules:
             continue
         if name not in pcs:
-            raise BuildError(f"pkg-config module {name!r} is not among the {len(pcs)} .pc files the configure step "
-                             f"wrote under {build_dir}",
-                             fix="check pkgconfig_modules in the recipe against this release of the project")
+            raise BuildError(
+                f"pkg-config module {name!r} is not among the {len(pcs)} .pc files the configure "
+                f"step wrote under {build_dir}",
+                fix="check pkgconfig_modules in the recipe against this release of the project",
+            )
         modules[name] = pcs[name]
         text = pcs[name].read_text()
         for line in _REQUIRES.findall(text):
@@ -49,7 +53,9 @@ def closure(build_dir: Path, roots: list[str], archive_outputs: list[str]) -> Cl
         for line in _LIBS.findall(text):
             libs += [f[2:] for f in line.split() if f.startswith("-l")]
     by_file = {Path(out).name: out for out in archive_outputs}
-    archives = {lib: Path(by_file[f"lib{lib}.a"]) for lib in dict.fromkeys(libs) if f"lib{lib}.a" in by_file}
+    archives = {
+        lib: Path(by_file[f"lib{lib}.a"]) for lib in dict.fromkeys(libs) if f"lib{lib}.a" in by_file
+    }
     return Closure(modules, archives)
 
 
@@ -85,4 +91,6 @@ def install(build_dir: Path, install_dir: Path, roots: list[str], env: dict[str,
         shutil.copy2(path, pc / f"{name}.pc")
     removed = lib / "cmake"
     shutil.rmtree(removed, ignore_errors=True)
-    return f"installed {len(c.archives)} libraries and {len(c.modules)} .pc files; removed {removed}"
+    return (
+        f"installed {len(c.archives)} libraries and {len(c.modules)} .pc files; removed {removed}"
+    )

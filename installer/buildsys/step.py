@@ -15,14 +15,18 @@ class Step:
     cwd: Path | None = None
     action: str | None = None       # internal action name (see installer/steps.py)
     args: dict[str, Any] = field(default_factory=dict)
-    unless_exists: Path | None = None   # skip when this path exists (autogen when configure is there)
+    unless_exists: Path | None = (
+        None  # skip when this path exists (autogen when configure is there)
+    )
     env: dict[str, str] = field(default_factory=dict)  # on top of the component's environment
 
     def describe(self) -> str:
         if self.action:
             detail = ", ".join(f"{k}={v}" for k, v in self.args.items())
             return f"[{self.action}] {detail}"
-        cmd = " ".join([*(f"{k}={_quote(v)}" for k, v in self.env.items()), *(_quote(a) for a in self.argv)])
+        cmd = " ".join(
+            [*(f"{k}={_quote(v)}" for k, v in self.env.items()), *(_quote(a) for a in self.argv)]
+        )
         where = f"(cd {self.cwd} && {cmd})" if self.cwd else cmd
         if self.unless_exists:
             where += f"   # only when {self.unless_exists} is missing"

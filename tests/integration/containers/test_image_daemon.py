@@ -32,16 +32,31 @@ ROOT = Path(image.__file__).resolve().parent.parent
 BASE = "kvstack-base:bookworm"
 # BASE with the stages' Debian packages (ci/offline-base.sh): the build stage's, the runtime's
 OFFLINE_BASE, OFFLINE_RUNTIME = "kvstack-offline-base:bookworm", "kvstack-offline-runtime:bookworm"
-TAG = "kvstack:cpu-ci"  # the tags CI's container step builds: the same requests here reuse their layers
+# the tags CI's container step builds: the same requests here reuse their layers
+TAG = "kvstack:cpu-ci"
 XPU_TAG = "kvstack:xpu-ci"
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 
 
 def _own_daemon(d: Path):
     sock = f"unix://{d}/sock"
-    proc = subprocess.Popen(["dockerd", "--data-root", str(d / "root"), "--exec-root", str(d / "exec"),
-                             "--pidfile", str(d / "pid"), "-H", sock, "--iptables=false", "--bridge=none"],
-                            stdout=open(d / "log", "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            "dockerd",
+            "--data-root",
+            str(d / "root"),
+            "--exec-root",
+            str(d / "exec"),
+            "--pidfile",
+            str(d / "pid"),
+            "-H",
+            sock,
+            "--iptables=false",
+            "--bridge=none",
+        ],
+        stdout=open(d / "log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     for _ in range(60):
         try:
             return proc, sock, image.connect({"DOCKER_HOST": sock})
@@ -74,7 +89,9 @@ def daemon(tmp_path_factory):
 def test_missing_base_without_registry_is_one_line_and_leaves_no_containers(daemon, tmp_path):
     client, _ = daemon
     checkout = tmp_path / "ctx"
-    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(".git", ".venv", "_work", "__pycache__"))
+    shutil.copytree(
+        ROOT, checkout, ignore=shutil.ignore_patterns(".git", ".venv", "_work", "__pycache__")
+    )
     req = image.request("cpu", "kvstack-test:absent-base", "kvstack-absent-base:none")
     assert not image.base_is_local(client, req.base_image)
     before = {c.id for c in client.containers.list(all=True)}
@@ -98,11 +115,21 @@ def _ci_image(daemon, tmp_path_factory, platform: str, tag: str):
         if not image.base_is_local(client, BASE):
             subprocess.run(["bash", "ci/base-image.sh", BASE], cwd=ROOT, env=env, check=True,
                            timeout=1200)
-        subprocess.run(["bash", "ci/offline-base.sh", BASE, OFFLINE_BASE, OFFLINE_RUNTIME], cwd=ROOT,
-                       env=env, check=True, timeout=1200)
+        subprocess.run(
+            ["bash", "ci/offline-base.sh", BASE, OFFLINE_BASE, OFFLINE_RUNTIME],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            timeout=1200,
+        )
     inputs = tmp_path_factory.mktemp(f"image-inputs-{platform}")
-    for args in (["ci/image-inputs.sh", str(inputs), prefix], ["ci/image-wheels.sh", str(inputs / "wheels")]):
-        r = subprocess.run(["bash", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    for args in (
+        ["ci/image-inputs.sh", str(inputs), prefix],
+        ["ci/image-wheels.sh", str(inputs / "wheels")],
+    ):
+        r = subprocess.run(
+            ["bash", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900
+        )
         assert r.returncode == 0, r.stderr[-2000:]
     req = image.request(platform, tag, OFFLINE_BASE, str(inputs / "mirror"),
                         str(HOST_CA) if HOST_CA.is_file() else None,
@@ -128,9 +155,15 @@ def xpu_image(daemon, tmp_path_factory):
 
 def _run(client, tag: str, script: str, caps=("SYS_PTRACE",)) -> tuple[int, str]:
     """bash -c SCRIPT in a fresh container of TAG (env.sh sourced, loopback only; CAP_SYS_PTRACE,
-    which docker's default seccomp profile asks for process_vm_readv, UCX's cma); exit code and stdout."""
-    c = client.containers.run(tag, ["bash", "-c", "source /opt/kvstack/env.sh && " + script], detach=True,
-                              network_mode="none", cap_add=list(caps))
+    which docker's default seccomp profile asks for process_vm_readv, UCX's cma); exit code and
+    stdout."""
+    c = client.containers.run(
+        tag,
+        ["bash", "-c", "source /opt/kvstack/env.sh && " + script],
+        detach=True,
+        network_mode="none",
+        cap_add=list(caps),
+    )
     try:
         rc = c.wait(timeout=600)["StatusCode"]
         return rc, c.logs(stdout=True, stderr=False).decode()
@@ -143,16 +176,27 @@ def test_cpu_image_says_where_its_parts_came_from(cpu_image):
     ucx, nixl = res["parts"]
     assert ucx["from"] == "source" and ucx["source"] == "ucx" and ucx["version"] == "1.22.0"
     assert nixl["from"] == "source" and nixl["source"] == "nixl" and nixl["version"] == "1.4.0"
-    assert ucx["binary_cache"] == nixl["binary_cache"] == built["install_dir"]  # not compiled in the image
-    # the build stage took it from the binary cache (its log may be all "Using cache": CI built it just before)
-    assert res["manifest"]["build_id"] == built["build_id"] and list(res["manifest"]["phases"]) == ["binary-cache"]
+    assert (
+        ucx["binary_cache"] == nixl["binary_cache"] == built["install_dir"]
+    )  # not compiled in the image
+    # the build stage took it from the binary cache (its log may be all "Using cache": CI built it
+    # just before)
+    assert res["manifest"]["build_id"] == built["build_id"] and list(res["manifest"]["phases"]) == [
+        "binary-cache"
+    ]
     rendered = image.render_parts(res)
     assert rendered[0].startswith("ucx: 1.22.0 built from source ucx (ucx-1.22.0.tar.gz")
     assert rendered[0].endswith(f", taken from a binary cache (built in {built['install_dir']})")
     # the runtime stage carries the prefix, the venv and env.sh: no compiler, no checkout
     assert res["size"] < res["build_stage"]["size"]
     rc, out = _run(client, TAG, "command -v gcc make; ls /src 2>&1; ls /opt/kvstack/")
-    assert "gcc" not in out and "No such file" in out and "env.sh" in out and "ucx" in out and "nixl" in out
+    assert (
+        "gcc" not in out
+        and "No such file" in out
+        and "env.sh" in out
+        and "ucx" in out
+        and "nixl" in out
+    )
 
 
 def test_installer_verify_passes_inside_the_image(cpu_image):
@@ -161,9 +205,17 @@ def test_installer_verify_passes_inside_the_image(cpu_image):
     report = json.loads(out)
     levels = report["levels"]
     assert rc == 0 and report["ok"], out[-3000:]
-    assert {name: lvl["status"] for name, lvl in levels.items()} == {"built": "passed", "loaded": "passed", "moved": "passed"}
-    assert {c["check"] for c in levels["loaded"]["checks"]} >= {"transport cma", "transport tcp", "memory domain posix",
-                                                               "NIXL plugin UCX"}
+    assert {name: lvl["status"] for name, lvl in levels.items()} == {
+        "built": "passed",
+        "loaded": "passed",
+        "moved": "passed",
+    }
+    assert {c["check"] for c in levels["loaded"]["checks"]} >= {
+        "transport cma",
+        "transport tcp",
+        "memory domain posix",
+        "NIXL plugin UCX",
+    }
     assert all(c["ok"] is True for c in levels["loaded"]["checks"])
     # RDMA between hosts is never proven without an HCA: reported as not checked, never passed
     moved = levels["moved"]["checks"]
@@ -174,7 +226,9 @@ def test_installer_verify_passes_inside_the_image(cpu_image):
 
 def test_without_cap_sys_ptrace_cma_is_not_checked_rather_than_passed(cpu_image):
     client, res, _, _ = cpu_image
-    rc, out = _run(client, res["tag"], "python -m installer verify --prefix /opt/kvstack --json", caps=())
+    rc, out = _run(
+        client, res["tag"], "python -m installer verify --prefix /opt/kvstack --json", caps=()
+    )
     loaded = json.loads(out)["levels"]["loaded"]
     assert loaded["status"] == "passed", out[-3000:]
     cma = {c["check"]: c for c in loaded["checks"] if "cma" in c["check"]}
@@ -187,7 +241,9 @@ def test_kvruntime_selftest_moves_bytes_between_two_processes_inside_the_image(c
     rc, out = _run(client, res["tag"], "python -m kvruntime selftest --json")
     report = json.loads(out)
     assert rc == 0 and report["ok"], (report.get("error"), out[-3000:])
-    assert report["nixl_module"] == "nixl_cpu" and report["nixl_module_file"].startswith("/opt/kvstack.builds/")
+    assert report["nixl_module"] == "nixl_cpu" and report["nixl_module_file"].startswith(
+        "/opt/kvstack.builds/"
+    )
     # the runtime stage has no compiler: the block-id reader is the one the build stage cached
     assert report["id_reader"].startswith("loaded /opt/kvruntime-cache/"), report["id_reader"]
     passed = [m for m in report["modes"] if m["status"] == "passed"]
@@ -199,29 +255,46 @@ def test_kvruntime_selftest_moves_bytes_between_two_processes_inside_the_image(c
 
 def test_xpu_image_verifies_under_the_null_driver_and_moves_bytes_inside(xpu_image):
     client, res, _, built = xpu_image
-    assert res["manifest"]["build_id"] == built["build_id"] and list(res["manifest"]["phases"]) == ["binary-cache"]
+    assert res["manifest"]["build_id"] == built["build_id"] and list(res["manifest"]["phases"]) == [
+        "binary-cache"
+    ]
     rc, out = _run(client, XPU_TAG, "python -m installer verify --prefix /opt/kvstack --json")
     report = json.loads(out)
     assert rc == 0 and report["ok"], out[-3000:]
     levels = report["levels"]
-    assert {name: lvl["status"] for name, lvl in levels.items()} == {"built": "passed", "loaded": "passed", "moved": "passed"}
+    assert {name: lvl["status"] for name, lvl in levels.items()} == {
+        "built": "passed",
+        "loaded": "passed",
+        "moved": "passed",
+    }
     loaded = {c["check"]: c for c in levels["loaded"]["checks"]}
     # ze through Level Zero's null driver (no Intel GPU here): the transport and the memory domain
-    assert loaded["transport ze_copy"]["ok"] is True and loaded["memory domain ze_cpy"]["ok"] is True, loaded
-    # host memory moved through the build's NIXL; the xpu modes are not checked (torch sees no xpu), never passed
+    assert (
+        loaded["transport ze_copy"]["ok"] is True and loaded["memory domain ze_cpy"]["ok"] is True
+    ), loaded
+    # host memory moved through the build's NIXL; the xpu modes are not checked (torch sees no
+    # xpu), never passed
     # and RDMA between hosts and GPUDirect are reported not proven (no HCA), never passed
     moved = levels["moved"]["checks"]
     rdma = [c for c in moved if c["check"].startswith(("RDMA data path", "GPUDirect RDMA"))]
-    assert len(rdma) == 2 and all(c["ok"] is None and "not proven" in c["detail"] for c in rdma), rdma
+    assert len(rdma) == 2 and all(c["ok"] is None and "not proven" in c["detail"] for c in rdma), (
+        rdma
+    )
     assert all(c["ok"] is True for c in moved if "xpu/" not in c["check"] and c not in rdma)
     assert any("host/" in c["check"] for c in moved)
-    assert all(c["ok"] is None and "no xpu device" in c["detail"] for c in moved if "xpu/" in c["check"])
+    assert all(
+        c["ok"] is None and "no xpu device" in c["detail"] for c in moved if "xpu/" in c["check"]
+    )
     rc, out = _run(client, XPU_TAG, "python -m kvruntime selftest --json")
     report = json.loads(out)
     assert rc == 0 and report["ok"], (report.get("error"), out[-3000:])
-    assert report["nixl_module"] == "nixl_xpu" and report["nixl_module_file"].startswith("/opt/kvstack.builds/")
+    assert report["nixl_module"] == "nixl_xpu" and report["nixl_module_file"].startswith(
+        "/opt/kvstack.builds/"
+    )
     passed = [m for m in report["modes"] if m["status"] == "passed"]
-    assert any(m.get("engine", "").startswith("nixl") for m in passed) and all(m["digest_ok"] for m in passed)
+    assert any(m.get("engine", "").startswith("nixl") for m in passed) and all(
+        m["digest_ok"] for m in passed
+    )
 
 
 def _shell_only_base(client, tmp_path) -> str:

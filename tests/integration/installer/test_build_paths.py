@@ -6,8 +6,8 @@ names the build's own directory only where something looks it up: a RUNPATH of t
 compiled-in module and configuration directories (the wheel and the binary cache repoint those:
 installer/ucxdirs.py), and ucx_info's record of UCX's configure line (its --prefix). Before the
 maps, libucs alone named the build's trees 140 times (debug information's directories, UCX's
-__FILE__s), and NIXL's libraries named Abseil's sources. What verification builds for itself (verify/: UCX's
-ibmock, the Level Zero null driver) is no part of the stack and is left out."""
+__FILE__s), and NIXL's libraries named Abseil's sources. What verification builds for itself
+(verify/: UCX's ibmock, the Level Zero null driver) is no part of the stack and is left out."""
 from __future__ import annotations
 
 import subprocess

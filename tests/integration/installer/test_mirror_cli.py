@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from installer import mirror, recipe
+from installer import recipe
 from installer.cache import Cache
 from installer.sources import Fetcher
 from tests.integration.installer.localserver import make_tarball, sha256
@@ -37,8 +37,14 @@ def overlay(server, tmp_path):
 
 def _cli(*args, env_extra=None):
     env = dict(os.environ, KVSTACK_CACHE_DIR="/nonexistent-use-flag", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "installer", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "installer", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
 
 
 def test_mirror_filled_then_used_offline(server, overlay, tmp_path):
@@ -61,21 +67,44 @@ def test_mirror_filled_then_used_offline(server, overlay, tmp_path):
 
 def test_tampered_mirror_file_fails_the_install_with_both_hashes(server, overlay, tmp_path):
     m = tmp_path / "mirror"
-    assert _cli("mirror", str(m), "--platform", "cpu", "--recipe-overlay", str(overlay), "--no-wheels",
-                "--cache-dir", str(tmp_path / "c1")).returncode == 0
+    assert (
+        _cli(
+            "mirror",
+            str(m),
+            "--platform",
+            "cpu",
+            "--recipe-overlay",
+            str(overlay),
+            "--no-wheels",
+            "--cache-dir",
+            str(tmp_path / "c1"),
+        ).returncode
+        == 0
+    )
     ucx = recipe.load("cpu", [overlay]).sources["ucx"]
     (m / ucx["filename"]).write_bytes(b"not the file")
     r = _cli("--platform", "cpu", "--recipe-overlay", str(overlay), "--mirror", str(m),
              "--cache-dir", str(tmp_path / "c2"), "--prefix", str(tmp_path / "p"))
     assert r.returncode == 6, r.stderr
-    assert f"expected sha256 {ucx['sha256']}" in r.stderr and f"got sha256 {sha256(b'not the file')}" in r.stderr
+    assert (
+        f"expected sha256 {ucx['sha256']}" in r.stderr
+        and f"got sha256 {sha256(b'not the file')}" in r.stderr
+    )
     assert not (tmp_path / "p").exists()
 
 
 def test_offline_without_mirror_says_what_to_do(server, overlay, tmp_path):
     server.stop()
-    r = _cli("--platform", "cpu", "--recipe-overlay", str(overlay), "--cache-dir", str(tmp_path / "c"),
-             "--prefix", str(tmp_path / "p"))
+    r = _cli(
+        "--platform",
+        "cpu",
+        "--recipe-overlay",
+        str(overlay),
+        "--cache-dir",
+        str(tmp_path / "c"),
+        "--prefix",
+        str(tmp_path / "p"),
+    )
     assert r.returncode == 5, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("offline: ") and "--mirror DIR" in last
@@ -89,13 +118,24 @@ def test_dry_run_json_parses_and_fetches_nothing(server, overlay, tmp_path):
     assert not (tmp_path / "c").exists() and sum(server.hits.values()) == 0
 
 
-@pytest.mark.parametrize("args,code,needle", [
-    (["--platform", "arm"], 2, "invalid choice: 'arm'"),
-    (["--jobs", "-3", "--dry-run"], 2, "--jobs must be at least 1"),
-    (["--platform", "cpu", "--recipe-overlay", "/nonexistent.toml", "--dry-run"], 3, "does not exist"),
-    (["--python", "/nonexistent/python", "--dry-run"], 2, "does not run"),
-])
+@pytest.mark.parametrize(
+    "args,code,needle",
+    [
+        (["--platform", "arm"], 2, "invalid choice: 'arm'"),
+        (["--jobs", "-3", "--dry-run"], 2, "--jobs must be at least 1"),
+        (
+            ["--platform", "cpu", "--recipe-overlay", "/nonexistent.toml", "--dry-run"],
+            3,
+            "does not exist",
+        ),
+        (["--python", "/nonexistent/python", "--dry-run"], 2, "does not run"),
+    ],
+)
 def test_bad_arguments_get_one_line_and_their_exit_code(args, code, needle, tmp_path):
     r = _cli(*args, "--cache-dir", str(tmp_path / "c"))
     assert r.returncode == code, r.stderr
-    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert (
+        needle in r.stderr
+        and len(r.stderr.strip().splitlines()) == 1
+        and "Traceback" not in r.stderr
+    )

@@ -28,11 +28,18 @@ def _build(name):
     var = f"KVSTACK_PINNED_PREFIX_{name}"
     prefix = os.environ.get(var)
     if not prefix or not (Path(prefix) / "manifest.json").is_file():
-        pytest.skip(f"{var} names no pinned build (CI's ci/pinned-builds.sh makes them; then . _work/pinned/env.sh)")
+        pytest.skip(
+            f"{var} names no pinned build (CI's ci/pinned-builds.sh makes them; then . "
+            "_work/pinned/env.sh)"
+        )
     build_dir = Path(prefix).resolve()
     manifest = json.loads((build_dir / "manifest.json").read_text())
-    return {"dir": build_dir, "manifest": manifest, "env": envfile.apply(manifest["env"], dict(os.environ)),
-            "null_driver": build_dir / "verify" / "ze_null"}
+    return {
+        "dir": build_dir,
+        "manifest": manifest,
+        "env": envfile.apply(manifest["env"], dict(os.environ)),
+        "null_driver": build_dir / "verify" / "ze_null",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +59,23 @@ def ipc():
 
 def _loaded(spec, build):
     """The loaded level of `spec` on `build`'s own UCX, as a host without an Intel GPU runs it."""
-    return verify.loaded(spec, build["dir"], build["env"], sys.executable, "xpu", build["null_driver"], False,
-                         ["ucx", "nixl"])
+    return verify.loaded(
+        spec,
+        build["dir"],
+        build["env"],
+        sys.executable,
+        "xpu",
+        build["null_driver"],
+        False,
+        ["ucx", "nixl"],
+    )
 
 
 def _offered(build, monkeypatch):
     """What kvruntime reads at run time: `ucx_info -d` on PATH, here under the null driver."""
-    env = envfile.apply({"LD_LIBRARY_PATH": str(build["null_driver"]), "ZE_ENABLE_NULL_DRIVER": "1"}, build["env"])
+    env = envfile.apply(
+        {"LD_LIBRARY_PATH": str(build["null_driver"]), "ZE_ENABLE_NULL_DRIVER": "1"}, build["env"]
+    )
     for k in ("PATH", "LD_LIBRARY_PATH", "ZE_ENABLE_NULL_DRIVER"):
         monkeypatch.setenv(k, env[k])
     return transports.offered_transports()
@@ -75,7 +92,11 @@ def test_the_ze_ipc_build_says_its_ucx_is_an_unreleased_pull_request(ipc):
     ucx = m["kvstack_plan"]["sources"]["ucx"]
     assert ucx["commit"] == PR_HEAD and "tag" not in ucx
     assert m["sources"]["ucx"]["commit"] == PR_HEAD and "commit" in m["sources"]["ucx"]["checked"]
-    configure = next(s for s in m["phases"]["configure"]["components"]["ucx"]["steps"] if s["step"] == "configure")
+    configure = next(
+        s
+        for s in m["phases"]["configure"]["components"]["ucx"]["steps"]
+        if s["step"] == "configure"
+    )
     assert "--with-ze=yes" in configure["argv"]
 
 
@@ -85,8 +106,12 @@ def test_every_pinned_build_passed_all_three_levels(name):
     fresh NIXL (no device here), the xpu modes shown as not checked here, never as passed."""
     build = _build(name)
     report = build["manifest"]["verification"]
-    assert all(v["status"] == "passed" for v in report["levels"].values()), verify.render_verification(report)
-    assert verify.verdict(report).startswith("verification passed") and " only;" not in verify.verdict(report)
+    assert all(v["status"] == "passed" for v in report["levels"].values()), (
+        verify.render_verification(report)
+    )
+    assert verify.verdict(report).startswith(
+        "verification passed"
+    ) and " only;" not in verify.verdict(report)
     moved = report["levels"]["moved"]["checks"]
     assert moved[0]["check"] == "the self-test used this build's NIXL" and moved[0]["ok"]
     assert any(c["check"].startswith("moved host/") and c["ok"] for c in moved)
@@ -96,7 +121,9 @@ def test_every_pinned_build_passed_all_three_levels(name):
     # builds' Python sees .venv's torch and transformers, the test extra's)
     demo = next(c for c in moved if c["check"] == verify.DEMO)
     if importlib.util.find_spec("transformers"):
-        assert demo["ok"] is True and demo["detail"].startswith("14 of 14 cases on cpu memory"), demo
+        assert demo["ok"] is True and demo["detail"].startswith("14 of 14 cases on cpu memory"), (
+            demo
+        )
     else:
         assert demo["ok"] is None and "transformers are not importable" in demo["detail"], demo
 
@@ -111,7 +138,9 @@ def test_both_xpu_pins_prove_their_transports_under_the_null_driver(xpu, ipc):
     pr = _loaded(recipe.load("xpu", variant="ze-ipc").data["verify"], ipc)
     assert pr["status"] == "passed", _failed(pr)
     checks = {c["check"]: c["detail"] for c in pr["checks"]}
-    assert checks["transport ze_ipc"] == "listed: " + ", ".join(sorted(RELEASE_TRANSPORTS + ["ze_ipc"]))
+    assert checks["transport ze_ipc"] == "listed: " + ", ".join(
+        sorted(RELEASE_TRANSPORTS + ["ze_ipc"])
+    )
     assert "ze_ipc" in checks["memory domain ze_ipc"]
     policy = checks["kvruntime's UCX_TLS for xpu memory on one node"]
     assert policy.startswith("UCX_TLS=ze_ipc,ze_copy,tcp, expected ze_ipc,ze_copy,tcp; ")
@@ -155,8 +184,11 @@ def test_xpu_verification_refuses_a_ucx_without_level_zero(cpu, xpu):
     built = verify.built(spec, cpu["dir"], cpu["env"], {"ze": "yes"}, ["ucx", "nixl"])
     assert {"define HAVE_ZE", "uct_MODULES has ze"} <= set(_failed(built))
     loaded = _loaded(spec, {**cpu, "null_driver": xpu["null_driver"]})
-    assert set(_failed(loaded)) >= {"transport ze_copy", "memory domain ze_cpy", "ze_cpy shows 'host (access'"}
-
+    assert set(_failed(loaded)) >= {
+        "transport ze_copy",
+        "memory domain ze_cpy",
+        "ze_cpy shows 'host (access'",
+    }
 
 
 def test_selftest_reports_the_xpu_choice_with_its_reason_on_each_build(xpu, ipc):
@@ -164,17 +196,28 @@ def test_selftest_reports_the_xpu_choice_with_its_reason_on_each_build(xpu, ipc)
     from it) in a process run with each build's env.sh and the null driver, as on that host."""
     import subprocess
 
-    code = "import json; from kvruntime.tools.selftest import ucx_policy; print(json.dumps(ucx_policy()))"
+    code = (
+        "import json; from kvruntime.tools.selftest import ucx_policy; "
+        "print(json.dumps(ucx_policy()))"
+    )
     said = {}
     for name, build in (("release", xpu), ("ze-ipc", ipc)):
-        env = envfile.apply({"LD_LIBRARY_PATH": str(build["null_driver"]), "ZE_ENABLE_NULL_DRIVER": "1",
-                             "PYTHONPATH": str(Path(__file__).resolve().parents[3])}, build["env"])
+        env = envfile.apply(
+            {
+                "LD_LIBRARY_PATH": str(build["null_driver"]),
+                "ZE_ENABLE_NULL_DRIVER": "1",
+                "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
+            },
+            build["env"],
+        )
         env.pop("UCX_TLS", None)
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                              timeout=120, check=True)
         said[name] = json.loads(out.stdout)["xpu"]
-    assert "UCX_TLS=ze_ipc,ze_copy,tcp: single-node Intel GPUs without InfiniBand: ze_ipc between processes, " \
-           "ze_copy, and tcp for NIXL's active messages (seed 001)" in said["ze-ipc"]
+    assert (
+        "UCX_TLS=ze_ipc,ze_copy,tcp: single-node Intel GPUs without InfiniBand: ze_ipc between "
+        "processes, ze_copy, and tcp for NIXL's active messages (seed 001)" in said["ze-ipc"]
+    )
     assert any(line.startswith("UCX_TLS unset: ze_copy fallback: this UCX offers no ze_ipc")
                for line in said["release"]), said["release"]
 
@@ -193,17 +236,27 @@ def test_every_pinned_build_carries_rdma_proven_under_ibmock_and_says_what_it_ca
                    "uct_ib_MODULES has efa", "define HAVE_IB"):
         assert checks["built"][module]["ok"] is True, module
     loaded = checks["loaded"]
-    for check in ("ibmock memory domain rdmap0", "ibmock transport ud_verbs", "ibmock transport srd",
-                  "NIXL's UCX backend on rdmap0:1 alone (UCX_TLS=ud_verbs)"):
+    for check in (
+        "ibmock memory domain rdmap0",
+        "ibmock transport ud_verbs",
+        "ibmock transport srd",
+        "NIXL's UCX backend on rdmap0:1 alone (UCX_TLS=ud_verbs)",
+    ):
         assert loaded[check]["ok"] is True, (check, loaded.get(check))
     moved = checks["moved"]
     assert moved["moved 4 MiB READ over rdmap0:1 (one process, two NIXL agents)"]["ok"] is True
     lanes = moved["the lanes UCX read back are rdmap0's"]
-    assert lanes["ok"] is True and "ud_verbs/rdmap0:1" in lanes["detail"] and "elsewhere" not in lanes["detail"]
+    assert (
+        lanes["ok"] is True
+        and "ud_verbs/rdmap0:1" in lanes["detail"]
+        and "elsewhere" not in lanes["detail"]
+    )
     between = moved["RDMA data path between processes and hosts"]
     assert between["ok"] is None and "not proven on this host" in between["detail"]
     assert (build["dir"] / "verify" / "ibmock" / "libibverbs.so.1").exists()
-    assert "ibmock" not in (build["dir"] / "env.sh").read_text() and "ibmock" not in json.dumps(build["manifest"]["env"])
+    assert "ibmock" not in (build["dir"] / "env.sh").read_text() and "ibmock" not in json.dumps(
+        build["manifest"]["env"]
+    )
 
 
 def test_a_read_that_leaves_the_rdma_device_fails_the_lane_check(cpu):
@@ -211,7 +264,9 @@ def test_a_read_that_leaves_the_rdma_device_fails_the_lane_check(cpu):
     READ on cma/memory and the level names it, although the bytes arrive."""
     spec = dict(recipe.load("cpu").data["verify"]["rdma"], moved_tls="ud_verbs,posix,cma")
     module = envfile.nixl_module(cpu["dir"], "nixl_cpu")
-    checks = verify._rdma_moved(spec, cpu["env"], sys.executable, module, cpu["dir"] / "verify" / "ibmock")
+    checks = verify._rdma_moved(
+        spec, cpu["env"], sys.executable, module, cpu["dir"] / "verify" / "ibmock"
+    )
     by_name = {c["check"]: c for c in checks}
     assert by_name["moved 4 MiB READ over rdmap0:1 (one process, two NIXL agents)"]["ok"] is True
     lanes = by_name["the lanes UCX read back are rdmap0's"]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from installer import plan as planmod, recipe
+from installer import plan as planmod
+from installer import recipe
 from installer.cache import Cache
 from installer.sources import upstream
 
@@ -44,9 +45,15 @@ def clone(tmp_path):
 def _plans(overlay: Path):
     for platform, variant in BUILDS:
         rec = recipe.load(platform, [overlay], variant=variant)
-        yield planmod.make_plan(rec, prefix=Path("/nonexistent/kv"), cache_dir=Path("/nonexistent/c"),
-                                jobs=1, component_jobs=None,
-                                target=planmod.Target.probe(sys.executable), platform_reason="test")
+        yield planmod.make_plan(
+            rec,
+            prefix=Path("/nonexistent/kv"),
+            cache_dir=Path("/nonexistent/c"),
+            jobs=1,
+            component_jobs=None,
+            target=planmod.Target.probe(sys.executable),
+            platform_reason="test",
+        )
 
 
 def _serve_pins(server, overlay: Path) -> dict[str, dict]:

@@ -12,15 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.installer.test_build_phases import ROOT, _cmd, _install, world  # noqa: F401 (fixture)
+from tests.integration.installer.test_build_phases import ROOT, _cmd, _install
 
 pytestmark = pytest.mark.integration
 
 
 def _mount_tmpfs(at: Path, *options: str) -> None:
     at.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join(["size=1m", *options]), "tmpfs", str(at)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", ",".join(["size=1m", *options]), "tmpfs", str(at)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
 
@@ -39,10 +42,19 @@ def mounts(tmp_path):
 
 
 def _nothing_built(world, prefix: Path) -> None:
-    plan = json.loads(subprocess.run(_cmd(world, prefix, "--dry-run", "--json"), cwd=ROOT, capture_output=True,
-                                     text=True, check=True).stdout)
+    plan = json.loads(
+        subprocess.run(
+            _cmd(world, prefix, "--dry-run", "--json"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     logs = Path(plan["work_dir"]) / "logs"
-    assert not (logs.exists() and [p for p in logs.iterdir() if p.name.startswith("hello-")]), list(logs.iterdir())
+    assert not (logs.exists() and [p for p in logs.iterdir() if p.name.startswith("hello-")]), list(
+        logs.iterdir()
+    )
 
 
 def _one_line(r) -> str:
@@ -55,7 +67,10 @@ def test_a_prefix_on_a_read_only_file_system(world, mounts, tmp_path):
     r = _install(world, ro / "kv")
     assert r.returncode == 11, r.stderr
     last = _one_line(r)
-    assert last.startswith(f"host error: --prefix {ro / 'kv'}: cannot make its link or builds in {ro}: Read-only file system")
+    assert last.startswith(
+        f"host error: --prefix {ro / 'kv'}: cannot make its link or builds in {ro}: Read-only file "
+        "system"
+    )
     assert "choose a writable --prefix" in last
     _nothing_built(world, ro / "kv")
 
@@ -65,8 +80,10 @@ def test_a_prefix_under_a_file(world, tmp_path):
     prefix = tmp_path / "file" / "sub" / "kv"
     r = _install(world, prefix)
     assert r.returncode == 10, r.stderr
-    assert _one_line(r) == (f"prefix: --prefix {prefix}: {tmp_path / 'file'} is a file, not a directory; "
-                            "choose a --prefix whose parent directories are directories")
+    assert _one_line(r) == (
+        f"prefix: --prefix {prefix}: {tmp_path / 'file'} is a file, not a directory; "
+        "choose a --prefix whose parent directories are directories"
+    )
     _nothing_built(world, prefix)
 
 
@@ -75,7 +92,10 @@ def test_a_prefix_that_is_an_empty_read_only_mount_point(world, mounts, tmp_path
     r = _install(world, prefix)
     assert r.returncode == 10, r.stderr
     last = _one_line(r)
-    assert last.startswith(f"prefix: --prefix {prefix} is a mount point: ") and f"--prefix {prefix / 'kvstack'}" in last
+    assert (
+        last.startswith(f"prefix: --prefix {prefix} is a mount point: ")
+        and f"--prefix {prefix / 'kvstack'}" in last
+    )
     _nothing_built(world, prefix)
 
 

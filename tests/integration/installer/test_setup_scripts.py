@@ -15,9 +15,14 @@ STOCK = pathlib.Path("/usr/bin/python3")
 
 
 def _externally_managed() -> bool:
-    out = subprocess.run([str(STOCK), "-c", "import sysconfig; print(sysconfig.get_path('stdlib'))"],
-                         capture_output=True, text=True)
-    return out.returncode == 0 and (pathlib.Path(out.stdout.strip()) / "EXTERNALLY-MANAGED").exists()
+    out = subprocess.run(
+        [str(STOCK), "-c", "import sysconfig; print(sysconfig.get_path('stdlib'))"],
+        capture_output=True,
+        text=True,
+    )
+    return (
+        out.returncode == 0 and (pathlib.Path(out.stdout.strip()) / "EXTERNALLY-MANAGED").exists()
+    )
 
 
 @pytest.mark.skipif(not STOCK.exists(), reason="no distribution python3 at /usr/bin/python3")

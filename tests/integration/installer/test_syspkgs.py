@@ -8,12 +8,16 @@ import pytest
 from installer import syspkgs
 from installer.errors import SystemPackagesError
 
-pytestmark = [pytest.mark.integration,
-              pytest.mark.skipif(syspkgs.distro_family() != "debian", reason="needs a Debian/Ubuntu host")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(syspkgs.distro_family() != "debian", reason="needs a Debian/Ubuntu host"),
+]
 
 
 def test_installed_packages_are_not_missing(tmp_path):
-    rec = syspkgs.ensure({"debian": {"dpkg": "always there"}}, mode="install", log_path=tmp_path / "l")
+    rec = syspkgs.ensure(
+        {"debian": {"dpkg": "always there"}}, mode="install", log_path=tmp_path / "l"
+    )
     assert rec["missing"] == [] and rec["installed"] == []
 
 
@@ -23,20 +27,31 @@ def test_missing_package_as_non_root_prints_the_exact_command(tmp_path):
         syspkgs.ensure(table, mode="install", log_path=tmp_path / "l", is_root=False)
     line = e.value.line()
     assert "missing system packages: kvstack-no-such-package (not running as root)" in line
-    assert "sudo apt-get update && apt-get install -y --no-install-recommends kvstack-no-such-package" in line
+    assert (
+        "sudo apt-get update && apt-get install -y --no-install-recommends kvstack-no-such-package"
+        in line
+    )
     assert e.value.exit_code == 7
 
 
 def test_ignore_only_warns(tmp_path):
-    rec = syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="ignore", log_path=tmp_path / "l",
-                         is_root=True)
+    rec = syspkgs.ensure(
+        {"debian": {"kvstack-no-such-package": "y"}},
+        mode="ignore",
+        log_path=tmp_path / "l",
+        is_root=True,
+    )
     assert rec["missing"] == ["kvstack-no-such-package"] and rec["ignored"] is True
 
 
 def test_check_never_runs_apt(tmp_path):
     with pytest.raises(SystemPackagesError, match="--system-packages check was given"):
-        syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="check", log_path=tmp_path / "l",
-                       is_root=True)
+        syspkgs.ensure(
+            {"debian": {"kvstack-no-such-package": "y"}},
+            mode="check",
+            log_path=tmp_path / "l",
+            is_root=True,
+        )
     assert not (tmp_path / "l").exists()
 
 
@@ -60,17 +75,32 @@ def _tool_dir(tmp_path, name):
 def test_a_tool_on_path_counts_though_dpkg_lacks_its_package(tmp_path):
     provides = {"kvstack-no-such-package": ("kvstack-tool",)}
     path = _tool_dir(tmp_path, "kvstack-tool")
-    rec = syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="check", log_path=tmp_path / "l",
-                         path=path, provides=provides)
-    assert rec["missing"] == [] and rec["provided_by_path"] == {"kvstack-no-such-package": f"{path}/kvstack-tool"}
+    rec = syspkgs.ensure(
+        {"debian": {"kvstack-no-such-package": "y"}},
+        mode="check",
+        log_path=tmp_path / "l",
+        path=path,
+        provides=provides,
+    )
+    assert rec["missing"] == [] and rec["provided_by_path"] == {
+        "kvstack-no-such-package": f"{path}/kvstack-tool"
+    }
 
 
 def test_missing_tool_message_lists_what_was_looked_for(tmp_path):
     provides = {"kvstack-no-such-package": ("kvstack-tool", "kvstack-tool2")}
     with pytest.raises(SystemPackagesError) as e:
-        syspkgs.ensure({"debian": {"kvstack-no-such-package": "y"}}, mode="check", log_path=tmp_path / "l",
-                       path=str(tmp_path), provides=provides)
-    assert "looked for: kvstack-no-such-package (dpkg or kvstack-tool/kvstack-tool2 on PATH)" in e.value.line()
+        syspkgs.ensure(
+            {"debian": {"kvstack-no-such-package": "y"}},
+            mode="check",
+            log_path=tmp_path / "l",
+            path=str(tmp_path),
+            provides=provides,
+        )
+    assert (
+        "looked for: kvstack-no-such-package (dpkg or kvstack-tool/kvstack-tool2 on PATH)"
+        in e.value.line()
+    )
 
 
 def _tools(tmp_path, *names):
@@ -94,7 +124,9 @@ def test_libtoolize_without_its_macros_for_aclocal_is_missing_libtool(tmp_path):
     try:
         table = {"debian": {"kvstack-no-libtool": "y"}}
         with pytest.raises(SystemPackagesError) as e:
-            syspkgs.ensure(table, mode="check", log_path=tmp_path / "l", path=path, provides=provides)
+            syspkgs.ensure(
+                table, mode="check", log_path=tmp_path / "l", path=path, provides=provides
+            )
         assert ("looked for: kvstack-no-libtool (dpkg or libtoolize on PATH with libtool.m4 for "
                 "aclocal)") in e.value.line()
         (empty / "libtool.m4").write_text("dnl\n")  # the macros where aclocal looks: present

@@ -6,7 +6,6 @@ import multiprocessing as mp
 import pytest
 
 
-
 def pytest_configure(config):
     # pyproject registers these for the whole suite; repeated here so this directory runs alone
     config.addinivalue_line("markers", "integration: real NIXL agents, processes and sockets")
@@ -14,8 +13,8 @@ def pytest_configure(config):
 
 
 def _have_nixl() -> bool:
-    from kvruntime.nixl.binding import load_nixl
     from kvruntime.errors import NixlNotFoundError
+    from kvruntime.nixl.binding import load_nixl
 
     try:
         load_nixl()
@@ -66,8 +65,11 @@ def spawn_pushing_prefill(layouts, seed=1, **options):
     ready_q, control = ctx.Queue(), ctx.Queue()
     from kvruntime.tools.roles import prefill_main, push_command, reap
 
-    proc = ctx.Process(target=prefill_main, daemon=True,
-                       args=(ready_q, control, [l.to_dict() for l in layouts], seed, options))
+    proc = ctx.Process(
+        target=prefill_main,
+        daemon=True,
+        args=(ready_q, control, [layout.to_dict() for layout in layouts], seed, options),
+    )
     proc.start()
 
     def push(index, request, src, peer, timeout=30.0):

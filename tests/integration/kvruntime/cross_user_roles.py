@@ -15,9 +15,9 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".."))
 
 from kvruntime import native  # noqa: E402
-from kvruntime.nixl.binding import load_nixl  # noqa: E402
 from kvruntime.layout import CROSS_LAYER, KVLayout  # noqa: E402
 from kvruntime.memory import KVCache  # noqa: E402
+from kvruntime.nixl.binding import load_nixl  # noqa: E402
 from kvruntime.nixl.transports import apply_ucx_settings  # noqa: E402
 
 LAYOUT = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
@@ -27,7 +27,6 @@ PR_SET_DUMPABLE = 4
 
 def prefill(uid: int) -> None:
     import sysconfig
-
 
     from kvruntime.prefill.server import PrefillServer
 

@@ -119,16 +119,23 @@ def test_a_push_sent_as_runs_is_checked_by_the_prefill(prefill, monkeypatch):
         cache.fill_value(0)
         with DecodeClient(cache, engine="nixl") as client:
             peer = client.connect("127.0.0.1", ports[0])
-            monkeypatch.setattr(decode_mod.frames, "pack_runs",
-                                lambda s, d, c: sent.append((s.tolist(), d.tolist(), c.tolist())) or real(s, d, c))
+            monkeypatch.setattr(
+                decode_mod.frames,
+                "pack_runs",
+                lambda s, d, c: sent.append((s.tolist(), d.tolist(), c.tolist())) or real(s, d, c),
+            )
             res = peer.push([4, 5, 6, 9], [20, 21, 22, 30], timeout=20)
             assert sent == [([4, 9], [20, 30], [3, 1])]
             assert res.nbytes == 4 * layout.block_bytes
             assert peer.digests([4, 5, 6, 9]) == [cache.block_digest(b) for b in (20, 21, 22, 30)]
             peer.push([1, 7, 3], [60, 90, 70], timeout=20)  # three runs: the ids are shorter
             assert len(sent) == 1
-            monkeypatch.setattr(decode_mod.frames, "pack_runs", lambda s, d, c: real([4, 5], [40, 50], [2, 2]))
-            with pytest.raises(TransferError, match="source block id 5 appears twice in one request"):
+            monkeypatch.setattr(
+                decode_mod.frames, "pack_runs", lambda s, d, c: real([4, 5], [40, 50], [2, 2])
+            )
+            with pytest.raises(
+                TransferError, match="source block id 5 appears twice in one request"
+            ):
                 peer.push([4, 5, 6, 9], [40, 41, 42, 50], timeout=20)
             assert [cache.block_digest(b) for b in range(40, 52)] == [zero] * 12
             assert peer.push([8], [99], timeout=20).nbytes == layout.block_bytes  # still usable

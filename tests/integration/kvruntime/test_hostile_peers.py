@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from kvruntime.wire import frames
 from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import AuthError, KVRuntimeError
 from kvruntime.layout import CROSS_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill.server import PrefillServer
+from kvruntime.wire import frames
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +73,9 @@ def test_listener_survives_a_connection_flood_past_its_fd_limit():
             assert peer.digests([1, 2]) == cache.block_digests([1, 2])
         cache.close()
         out, _ = proc.communicate("", timeout=30)
-        assert int(out.split("accept_errors")[1].split()[0]) > 0, out  # it did hit the limit, and survived it
+        assert int(out.split("accept_errors")[1].split()[0]) > 0, (
+            out
+        )  # it did hit the limit, and survived it
     finally:
         for s in flood:
             s.close()

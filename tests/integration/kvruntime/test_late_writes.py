@@ -3,8 +3,8 @@ agents in two processes, deadlines shorter than the transfer, a prefill stopped 
 the middle of its WRITE and resumed, a prefill killed, and churn of many short-deadline
 requests in flight.
 
-The rule under test (docs/kvruntime.md, "Failed requests"): a failed request's destination blocks are
-untouched unless the failure says its copy may still be in flight (``settled`` False); such
+The rule under test (docs/kvruntime.md, "Failed requests"): a failed request's destination blocks
+are untouched unless the failure says its copy may still be in flight (``settled`` False); such
 blocks are reused only once ``settled`` is True, and from then on nothing writes into them. The
 tests reuse every failed request's blocks exactly when the rule allows it — painting a canary
 into them — and then keep both processes progressing: a canary that changes is a late write.

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from kvruntime.wire import frames
 from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import KVRuntimeError, TransferError, TransferTimeout
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill.server import PrefillServer
+from kvruntime.wire import frames
 
 pytestmark = pytest.mark.integration
 
@@ -471,7 +471,9 @@ def test_a_ready_whose_frame_comes_before_the_ring_is_read_is_copied_once(sameno
     assert box.post(frames.encode_payload(message))
     with caplog.at_level(logging.WARNING, logger="kvruntime"):
         with peer.channel._recv_lock:  # as pump holds it
-            peer.channel.dispatch(frames.decode_frame(frames.encode_frame({**message, "ring": True})))
+            peer.channel.dispatch(
+                frames.decode_frame(frames.encode_frame({**message, "ring": True}))
+            )
         handle.wait(10)
     assert dst.block_digests([80, 81]) == src.block_digests([6, 7])
     assert not peer.channel.from_ring and not caplog.records

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from kvruntime.wire import frames, messages
 from kvruntime.decode.client import DecodeClient, PrefillPeer
+from kvruntime.engines.samenode import NodeToken, SameNodeUnavailable, prove_same_node
 from kvruntime.errors import KVRuntimeError, PlanError
+from kvruntime.host.procmem import read_remote
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill.server import PrefillServer
-from kvruntime.host.procmem import read_remote
-from kvruntime.engines.samenode import NodeToken, SameNodeUnavailable, prove_same_node
+from kvruntime.wire import frames, messages
 
 pytestmark = pytest.mark.integration
 

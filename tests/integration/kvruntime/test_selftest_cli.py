@@ -14,15 +14,31 @@ pytestmark = pytest.mark.integration
 def test_selftest_reports_tp_pairs_and_transports_and_no_ucx_errors():
     """Its four process pairs (host, host staged, TP direct, TP staged) two at a time, as a
     many-core host runs them by default; the modes come back in the same order."""
-    r = subprocess.run([sys.executable, "-m", "kvruntime", "selftest", "--json", "--compact",
-                        "--tp-pairs", "2x1,1x2", "--pairs-at-once", "2"], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvruntime",
+            "selftest",
+            "--json",
+            "--compact",
+            "--tp-pairs",
+            "2x1,1x2",
+            "--pairs-at-once",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
     assert report["pairs_at_once"] == 2
     groups = [2 if "tp" in m else int(m.get("engine") == "host_staged") for m in report["modes"]
               if m["status"] != "skipped"]
-    assert groups == sorted(groups) and set(groups) == {0, 1, 2}, groups  # host, host staged, then TP
+    assert groups == sorted(groups) and set(groups) == {0, 1, 2}, (
+        groups
+    )  # host, host staged, then TP
     ran = [m for m in report["modes"] if m["status"] != "skipped"]
     assert ran and all(m["status"] == "passed" for m in ran)
     tp = [m for m in ran if "tp" in m]

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from kvruntime.wire import frames
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill.server import PrefillServer
 from kvruntime.tools.roles import reap
 from kvruntime.tools.selftest import SELFTEST_SHAPE, decode_main
+from kvruntime.wire import frames
 
 pytestmark = pytest.mark.integration
 

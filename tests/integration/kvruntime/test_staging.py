@@ -10,9 +10,9 @@ from kvruntime.decode.client import DecodeClient
 from kvruntime.errors import IncompatiblePeerError, KVRuntimeError
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
+from kvruntime.pools.staging import StagingExhausted, StagingPool
 from kvruntime.prefill.server import PrefillServer
 from kvruntime.tools.selftest import request_blocks
-from kvruntime.pools.staging import StagingExhausted, StagingPool
 
 pytestmark = pytest.mark.integration
 

@@ -14,14 +14,20 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "installer", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "installer", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_top_level_help_lists_every_verb_with_its_summary():
     r = _cli("--help")
     assert r.returncode == 0, r.stderr
     for name, verb in cli.VERBS.items():
-        line = next((l for l in r.stdout.splitlines() if l.strip().startswith(name + " ")), None)
+        line = next((ln for ln in r.stdout.splitlines() if ln.strip().startswith(name + " ")), None)
         assert line is not None, f"{name} missing from --help:\n{r.stdout}"
         assert verb.summary in line
     assert "--prefix" in r.stdout  # install's options still shown: no verb means install
@@ -50,15 +56,26 @@ def test_mistyped_verb_gets_one_line_naming_the_verbs():
     r = _cli("instal", "--prefix", "/tmp/x")
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "unknown verb 'instal'" in lines[0] and "mirror" in lines[0], r.stderr
+    assert len(lines) == 1 and "unknown verb 'instal'" in lines[0] and "mirror" in lines[0], (
+        r.stderr
+    )
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--platform", "cpu", "--dry-run", "--python", "/bin/true"], "--python /bin/true is not a Python 3 interpreter"),
-    (["--platform", "cpu", "--dry-run", "--binary-cache", "gopher://x"], "'gopher://x' is no binary cache"),
-    (["image", "--platform", "bogus"], "invalid choice: 'bogus'"),
-    (["--platform", "cpu", "--jobs", "many"], "argument --jobs/-j: invalid int value"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["--platform", "cpu", "--dry-run", "--python", "/bin/true"],
+            "--python /bin/true is not a Python 3 interpreter",
+        ),
+        (
+            ["--platform", "cpu", "--dry-run", "--binary-cache", "gopher://x"],
+            "'gopher://x' is no binary cache",
+        ),
+        (["image", "--platform", "bogus"], "invalid choice: 'bogus'"),
+        (["--platform", "cpu", "--jobs", "many"], "argument --jobs/-j: invalid int value"),
+    ],
+)
 def test_a_bad_value_is_one_line_and_the_usage_code(args, says):
     """Even a dry run checks its interpreter and its cache's scheme; every verb's parser is the
     one Parser class, so argparse's usage dump never reaches the user."""

@@ -36,10 +36,18 @@ def python(request, monkeypatch):
 
 
 def test_good_archive_extracts_with_its_top_directory_stripped(tmp_path, python):
-    f = _tar(tmp_path / "a.tar.gz", [("p-1/", "dir", None), ("p-1/configure", "file", b"#!/bin/sh\n"),
-                                     ("p-1/link", "sym", "configure")])
+    f = _tar(
+        tmp_path / "a.tar.gz",
+        [
+            ("p-1/", "dir", None),
+            ("p-1/configure", "file", b"#!/bin/sh\n"),
+            ("p-1/link", "sym", "configure"),
+        ],
+    )
     dest = extractmod.extract(f, tmp_path / "src")
-    assert (dest / "configure").read_bytes() == b"#!/bin/sh\n" and (dest / "link").resolve() == (dest / "configure")
+    assert (dest / "configure").read_bytes() == b"#!/bin/sh\n" and (dest / "link").resolve() == (
+        dest / "configure"
+    )
 
 
 @pytest.mark.parametrize("members", [

@@ -28,7 +28,9 @@ def _normalized(plan) -> dict:
     return json.loads(text.replace(str(recipe.RECIPES_DIR), "<recipes>"))
 
 
-CHOICES = [(p, None) for p in recipe.PLATFORMS] + [(p, v) for p in recipe.PLATFORMS for v in recipe.variants(p)]
+CHOICES = [(p, None) for p in recipe.PLATFORMS] + [
+    (p, v) for p in recipe.PLATFORMS for v in recipe.variants(p)
+]
 
 
 @pytest.mark.parametrize("platform,variant", CHOICES)
@@ -49,9 +51,18 @@ def _step(plan, comp, name):
 def test_xpu_plan_shows_what_the_issue_asks():
     plan = _plan("xpu")
     text = plan.render()
-    for needle in ["8a6b06fb880accbb933a79cda893883872c68d9d", "--with-ze=yes", "--without-java", "--without-go",
-                   "UCX_MEMTYPE_CACHE=n", "c0a1102b94d173049a5478c23e765ba37681e2ca", "-Dwheel_variant=xpu",
-                   "--wrap-mode=nodownload", "libze-dev", "host (access"]:
+    for needle in [
+        "8a6b06fb880accbb933a79cda893883872c68d9d",
+        "--with-ze=yes",
+        "--without-java",
+        "--without-go",
+        "UCX_MEMTYPE_CACHE=n",
+        "c0a1102b94d173049a5478c23e765ba37681e2ca",
+        "-Dwheel_variant=xpu",
+        "--wrap-mode=nodownload",
+        "libze-dev",
+        "host (access",
+    ]:
         assert needle in text, needle
     for sub in ("taskflow", "tomlplusplus", "abseil", "asio"):
         assert plan.sources[sub]["sha256"] in text
@@ -63,11 +74,14 @@ def test_xpu_ze_ipc_plan_marks_its_ucx_as_an_unreleased_pull_request():
     assert text.startswith("kvstack install plan: platform xpu, variant ze-ipc (")
     ucx = [line.strip() for line in text.splitlines()[text.splitlines().index("sources:") + 1:][:4]]
     assert ucx == [
-        "ucx           https://github.com/openucx/ucx/archive/b8d6012325b5fe026a94be537009f486ed2b9d40.tar.gz",
+        "ucx           "
+        "https://github.com/openucx/ucx/archive/b8d6012325b5fe026a94be537009f486ed2b9d40.tar.gz",
         "sha256 6f74a01a1eafba230592a5d99dedfe550eedf4a5a9479534e210c098359f8b14",
         "commit b8d6012325b5fe026a94be537009f486ed2b9d40 (no tag: pinned by commit alone)",
-        'UNRELEASED: upstream pull request 11218 "UCT/ZE/ZE_IPC: enable level zero ipc support for Intel GPUs" '
-        "(https://github.com/openucx/ucx/pull/11218)"]
+        'UNRELEASED: upstream pull request 11218 "UCT/ZE/ZE_IPC: enable level zero ipc support for '
+        'Intel GPUs" '
+        "(https://github.com/openucx/ucx/pull/11218)",
+    ]
     assert "v1.22.0" not in text
     assert "transports ['tcp', 'posix', 'sysv', 'cma', 'ze_copy', 'ze_ipc']" in text
     assert "--with-ze=yes" in _step(plan, "ucx", "configure").argv
@@ -111,10 +125,18 @@ def test_build_id_is_stable_and_changes_with_the_recipe(tmp_path):
     assert a.build_id == b.build_id  # jobs do not change what is built
     o = tmp_path / "o.toml"
     o.write_text("[components.ucx.enable]\ndebug = true\n")
-    c = make_plan(recipe.load("cpu", [o]), prefix=Path("/opt/kvstack"), cache_dir=Path("/cache"), jobs=2,
-                  target=TARGET, platform_reason="x")
+    c = make_plan(
+        recipe.load("cpu", [o]),
+        prefix=Path("/opt/kvstack"),
+        cache_dir=Path("/cache"),
+        jobs=2,
+        target=TARGET,
+        platform_reason="x",
+    )
     assert c.build_id != a.build_id
-    assert _plan("cpu", target=Target("/usr/bin/python3.12", "3.12", "cp312")).build_id != a.build_id
+    assert (
+        _plan("cpu", target=Target("/usr/bin/python3.12", "3.12", "cp312")).build_id != a.build_id
+    )
 
 
 def test_prefix_is_a_link_to_a_build_directory():

@@ -16,8 +16,11 @@ def _headers(root, *, dmabuf=True, skip=()):
             continue
         path = root / header
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text("struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd);\n" if dmabuf and key == "verbs"
-                        else "/* older */\n")
+        path.write_text(
+            "struct ibv_mr *ibv_reg_dmabuf_mr(struct ibv_pd *pd);\n"
+            if dmabuf and key == "verbs"
+            else "/* older */\n"
+        )
     return root
 
 
@@ -37,7 +40,9 @@ def test_a_missing_header_names_its_package_and_the_fix(tmp_path):
 
 def test_an_rdma_core_without_dmabuf_registration_is_below_the_floor(tmp_path):
     problems = rdma.host_problems(ALL, _headers(tmp_path, dmabuf=False))
-    assert len(problems) == 1 and "ibv_reg_dmabuf_mr" in problems[0] and "rdma-core 34" in problems[0]
+    assert (
+        len(problems) == 1 and "ibv_reg_dmabuf_mr" in problems[0] and "rdma-core 34" in problems[0]
+    )
 
 
 def test_parts_turned_off_are_not_asked_for(tmp_path):

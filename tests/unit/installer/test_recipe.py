@@ -62,13 +62,19 @@ def test_malformed_toml_names_file_and_position(tmp_path):
 
 
 def test_source_without_pin_is_refused(tmp_path):
-    o = _overlay(tmp_path, '[sources.extra]\nurl = "https://example.invalid/x.tar.gz"\nfilename = "x.tar.gz"\n')
+    o = _overlay(
+        tmp_path,
+        '[sources.extra]\nurl = "https://example.invalid/x.tar.gz"\nfilename = "x.tar.gz"\n',
+    )
     with pytest.raises(RecipeError, match="source 'extra' has no pin"):
         recipe.load("cpu", [o])
 
 
 def test_git_source_without_commit_is_refused(tmp_path):
-    o = _overlay(tmp_path, '[sources.extra]\nkind = "git"\nurl = "https://example.invalid/x.git"\ntag = "v1"\n')
+    o = _overlay(
+        tmp_path,
+        '[sources.extra]\nkind = "git"\nurl = "https://example.invalid/x.git"\ntag = "v1"\n',
+    )
     with pytest.raises(RecipeError, match="git source 'extra' has no pin"):
         recipe.load("cpu", [o])
 
@@ -132,8 +138,11 @@ def test_xpu_ze_ipc_variant_pins_the_pull_request_head_by_commit_alone():
     assert r.platform == "xpu" and r.variant == "ze-ipc"
     ucx = r.sources["ucx"]
     assert ucx["commit"] == "b8d6012325b5fe026a94be537009f486ed2b9d40" and "tag" not in ucx
-    assert ucx["pull_request"] == {"number": 11218, "url": "https://github.com/openucx/ucx/pull/11218",
-                                   "title": "UCT/ZE/ZE_IPC: enable level zero ipc support for Intel GPUs"}
+    assert ucx["pull_request"] == {
+        "number": 11218,
+        "url": "https://github.com/openucx/ucx/pull/11218",
+        "title": "UCT/ZE/ZE_IPC: enable level zero ipc support for Intel GPUs",
+    }
     assert r.components["ucx"]["with"]["ze"] == "yes"
     assert {"ze_ipc", "ze_copy"} <= set(r.data["verify"]["ucx"]["transports"])
     assert "ze_ipc" in r.data["verify"]["ucx"]["memory_domains"]
@@ -145,15 +154,19 @@ def test_xpu_ze_ipc_variant_pins_the_pull_request_head_by_commit_alone():
 def test_unknown_variant_names_the_known_ones():
     with pytest.raises(RecipeError) as e:
         recipe.load("xpu", variant="zeipc")
-    assert e.value.line().startswith("recipe error: platform xpu has no variant 'zeipc'; choose one of ze-ipc "
-                                     "(did you mean 'ze-ipc'?)")
+    assert e.value.line().startswith(
+        "recipe error: platform xpu has no variant 'zeipc'; choose one of ze-ipc "
+        "(did you mean 'ze-ipc'?)"
+    )
     with pytest.raises(RecipeError, match="cpu has no variants: leave --variant out"):
         recipe.load("cpu", variant="ze-ipc")
 
 
 def test_overlay_may_not_change_the_variant(tmp_path):
     o = _overlay(tmp_path, 'variant = "ze-ipc"\n')
-    with pytest.raises(RecipeError, match="overlay.toml: says variant = 'ze-ipc'.*may not change the variant"):
+    with pytest.raises(
+        RecipeError, match="overlay.toml: says variant = 'ze-ipc'.*may not change the variant"
+    ):
         recipe.load("xpu", [o])
 
 
@@ -165,12 +178,16 @@ def test_a_layer_that_pins_another_commit_drops_the_tag_it_would_inherit(tmp_pat
     ucx = recipe.load("xpu", [o]).sources["ucx"]
     assert ucx["commit"] == "b" * 40 and "tag" not in ucx
     # the same commit keeps its tag; a layer that names its own tag keeps that one
-    same = _overlay(tmp_path, '[sources.ucx]\ncommit = "8a6b06fb880accbb933a79cda893883872c68d9d"\n')
+    same = _overlay(
+        tmp_path, '[sources.ucx]\ncommit = "8a6b06fb880accbb933a79cda893883872c68d9d"\n'
+    )
     assert recipe.load("xpu", [same]).sources["ucx"]["tag"] == "v1.22.0"
     own = _overlay(tmp_path, f'[sources.ucx]\ncommit = "{"c" * 40}"\ntag = "v9"\n')
     assert recipe.load("xpu", [own]).sources["ucx"]["tag"] == "v9"
     # and the variant's pull request mark goes with its commit, back to the release pin
-    back = _overlay(tmp_path, '[sources.ucx]\ncommit = "8a6b06fb880accbb933a79cda893883872c68d9d"\n')
+    back = _overlay(
+        tmp_path, '[sources.ucx]\ncommit = "8a6b06fb880accbb933a79cda893883872c68d9d"\n'
+    )
     assert "pull_request" not in recipe.load("xpu", [back], variant="ze-ipc").sources["ucx"]
 
 

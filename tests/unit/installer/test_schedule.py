@@ -15,9 +15,15 @@ from installer.schedule import JobBudget, build_all
 
 
 def _components(component_jobs=None):
-    plan = make_plan(recipe.load("cpu"), prefix=Path("/opt/kvstack"), cache_dir=Path("/cache"), jobs=2,
-                     target=Target("/usr/bin/python3", "3.11", "cp311"), platform_reason="test",
-                     component_jobs=component_jobs)
+    plan = make_plan(
+        recipe.load("cpu"),
+        prefix=Path("/opt/kvstack"),
+        cache_dir=Path("/cache"),
+        jobs=2,
+        target=Target("/usr/bin/python3", "3.11", "cp311"),
+        platform_reason="test",
+        component_jobs=component_jobs,
+    )
     return plan.components, plan.component_jobs
 
 

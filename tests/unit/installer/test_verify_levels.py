@@ -14,7 +14,12 @@ DEVICES = """# Memory domain: posix
 # Memory domain: tcp
 #     Transport: tcp
 """
-SPEC = {"ucx": {"transports": ["tcp", "posix", "sysv", "cma"], "memory_domains": ["posix", "sysv", "cma"]}}
+SPEC = {
+    "ucx": {
+        "transports": ["tcp", "posix", "sysv", "cma"],
+        "memory_domains": ["posix", "sysv", "cma"],
+    }
+}
 
 
 def _fake_ucx_info(tmp_path):
@@ -36,9 +41,13 @@ def test_levels_count_only_checks_that_ran():
     assert "   skip c: not checked here: no CAP_SYS_PTRACE" in text
 
 
-def test_cma_missing_where_the_kernel_refuses_it_is_not_checked_rather_than_failed(tmp_path, monkeypatch):
+def test_cma_missing_where_the_kernel_refuses_it_is_not_checked_rather_than_failed(
+    tmp_path, monkeypatch
+):
     build = _fake_ucx_info(tmp_path)
-    monkeypatch.setattr(hostcaps, "cross_memory_denied", lambda: "process_vm_writev is refused here")
+    monkeypatch.setattr(
+        hostcaps, "cross_memory_denied", lambda: "process_vm_writev is refused here"
+    )
     level = verify.loaded(SPEC, build, dict(os.environ), "python3", "cpu", None, False, ["ucx"])
     assert level["status"] == "passed"
     cma = [c for c in level["checks"] if "cma" in c["check"]]
@@ -46,8 +55,9 @@ def test_cma_missing_where_the_kernel_refuses_it_is_not_checked_rather_than_fail
     # where the kernel allows it, a UCX that does not list cma fails as before
     monkeypatch.setattr(hostcaps, "cross_memory_denied", lambda: None)
     level = verify.loaded(SPEC, build, dict(os.environ), "python3", "cpu", None, False, ["ucx"])
-    assert level["status"] == "failed" and {c["check"] for c in level["checks"] if c["ok"] is False} == \
-        {"transport cma", "memory domain cma"}
+    assert level["status"] == "failed" and {
+        c["check"] for c in level["checks"] if c["ok"] is False
+    } == {"transport cma", "memory domain cma"}
 
 
 def test_this_host_allows_process_vm_writev_or_says_why():
@@ -65,9 +75,9 @@ def _report(built, loaded, moved):
 
 
 def test_a_level_that_could_not_run_is_never_read_as_passed():
-    """Issue 30: xpu with no Intel GPU and the null driver hidden said "verification passed" after the
-    built level alone. The verdict names what did not run, and a build with NIXL passes only once
-    bytes moved (host memory needs no device)."""
+    """Issue 30: xpu with no Intel GPU and the null driver hidden said "verification passed" after
+    the built level alone. The verdict names what did not run, and a build with NIXL passes only
+    once bytes moved (host memory needs no device)."""
     assert verify.verdict(_report("passed", "passed", "passed")) == "verification passed"
     partial = _report("passed", "skipped", "passed")
     assert partial["ok"]
@@ -76,12 +86,16 @@ def test_a_level_that_could_not_run_is_never_read_as_passed():
     assert not _report("passed", "skipped", "skipped")["ok"]
     assert verify.verdict(_report("passed", "skipped", "skipped")) == "verification FAILED"
     unchecked = _report("passed", "passed", "passed")
-    unchecked["levels"]["moved"]["checks"].append(verify._not_here("moved xpu/cross_layer/pull/nixl", "no xpu device"))
+    unchecked["levels"]["moved"]["checks"].append(
+        verify._not_here("moved xpu/cross_layer/pull/nixl", "no xpu device")
+    )
     assert verify.verdict(unchecked) == ("verification passed; 1 checks not made here, e.g. "
                                          "moved xpu/cross_layer/pull/nixl (no xpu device)")
     # a UCX-only recipe (no NIXL to move bytes with) is the one build that may finish unmoved
     ucx_only = _report("passed", "passed", "no nixl")
-    assert ucx_only["ok"] and verify.verdict(ucx_only).endswith("not run here: moved (this recipe builds no NIXL)")
+    assert ucx_only["ok"] and verify.verdict(ucx_only).endswith(
+        "not run here: moved (this recipe builds no NIXL)"
+    )
 
 
 def test_env_sh_notes_the_transport_choice_the_loaded_level_saw():
@@ -89,13 +103,28 @@ def test_env_sh_notes_the_transport_choice_the_loaded_level_saw():
     only when the loaded level made that check and it passed."""
     from installer import envfile
 
-    detail = ("UCX_TLS=ze_ipc,ze_copy,tcp, expected ze_ipc,ze_copy,tcp; UCX_TLS=ze_ipc,ze_copy,tcp: "
-              "single-node Intel GPUs without InfiniBand")
-    report = {"levels": {"loaded": {"checks": [
-        {"check": "transport ze_ipc", "ok": True, "detail": "listed"},
-        {"check": "kvruntime's UCX_TLS for xpu memory on one node", "ok": True, "detail": detail}]}}}
+    detail = (
+        "UCX_TLS=ze_ipc,ze_copy,tcp, expected ze_ipc,ze_copy,tcp; UCX_TLS=ze_ipc,ze_copy,tcp: "
+        "single-node Intel GPUs without InfiniBand"
+    )
+    report = {
+        "levels": {
+            "loaded": {
+                "checks": [
+                    {"check": "transport ze_ipc", "ok": True, "detail": "listed"},
+                    {
+                        "check": "kvruntime's UCX_TLS for xpu memory on one node",
+                        "ok": True,
+                        "detail": detail,
+                    },
+                ]
+            }
+        }
+    }
     note = envfile.policy_comment(report)
-    assert note.startswith("# kvruntime's UCX_TLS for xpu memory on one node, from this build's ucx_info -d")
+    assert note.startswith(
+        "# kvruntime's UCX_TLS for xpu memory on one node, from this build's ucx_info -d"
+    )
     assert detail in note and all(line.startswith("#") for line in note.splitlines())
     report["levels"]["loaded"]["checks"][1]["ok"] = None  # not checked here
     assert envfile.policy_comment(report) == ""
@@ -105,13 +134,26 @@ def test_env_sh_notes_the_transport_choice_the_loaded_level_saw():
 def test_env_sh_notes_what_verification_proved_of_rdma_and_what_it_did_not():
     from installer import envfile
 
-    report = {"levels": {"moved": {"checks": [
-        verify._check("moved host/cross_layer/pull/nixl", True, "..."),
-        verify._check("moved 4 MiB READ over rdmap0:1 (one process, two NIXL agents)", True, "bit-exact"),
-        verify._not_here("RDMA data path between processes and hosts", verify.NO_HCA)]}}}
+    report = {
+        "levels": {
+            "moved": {
+                "checks": [
+                    verify._check("moved host/cross_layer/pull/nixl", True, "..."),
+                    verify._check(
+                        "moved 4 MiB READ over rdmap0:1 (one process, two NIXL agents)",
+                        True,
+                        "bit-exact",
+                    ),
+                    verify._not_here("RDMA data path between processes and hosts", verify.NO_HCA),
+                ]
+            }
+        }
+    }
     note = envfile.policy_comment(report).splitlines()
-    assert note[0] == ("# RDMA when this build was verified: moved 4 MiB READ over rdmap0:1 (one process, "
-                       "two NIXL agents): passed; RDMA data path between processes and hosts: not proven here")
+    assert note[0] == (
+        "# RDMA when this build was verified: moved 4 MiB READ over rdmap0:1 (one process, "
+        "two NIXL agents): passed; RDMA data path between processes and hosts: not proven here"
+    )
     assert "python -m kvruntime policy" in note[1] and len(note) == 2
 
 
@@ -151,7 +193,12 @@ def test_lanes_are_read_from_the_config_column_only_with_or_without_a_port():
 
 def test_lanes_between_peers_leave_out_self_endpoints_and_device_memory():
     every = PROTO_INFO + SELF_TABLE + DEVICE_TABLE
-    assert verify.proto_lanes(every) == ["cma/memory", "cuda_copy/cuda", "cuda_ipc/cuda", "ud_verbs/rdmap0:1"]
+    assert verify.proto_lanes(every) == [
+        "cma/memory",
+        "cuda_copy/cuda",
+        "cuda_ipc/cuda",
+        "ud_verbs/rdmap0:1",
+    ]
     assert verify.proto_lanes(every, between_peers=True) == ["cma/memory", "ud_verbs/rdmap0:1"]
 
 

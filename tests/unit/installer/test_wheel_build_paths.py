@@ -93,17 +93,23 @@ def test_preload_never_deep_binds(monkeypatch):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     monkeypatch.setenv("NIXL_UCX_DEEPBIND", "1")
-    spec = importlib.util.spec_from_file_location("kvstack_preload_under_test", wheel.PRELOAD_SOURCE)
+    spec = importlib.util.spec_from_file_location(
+        "kvstack_preload_under_test", wheel.PRELOAD_SOURCE
+    )
     preload = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(preload)  # as the wheel's import does, with CONFIG = {}
     assert os.environ["NIXL_UCX_DEEPBIND"] == "0"
     monkeypatch.setenv("NIXL_UCX_DEEPBIND", "1")
-    preload.setup({"ucp_soname": "libucp-kvstack-01234567.so.0", "env": {"KVRUNTIME_KV_BUFFER": "device"}})
+    preload.setup(
+        {"ucp_soname": "libucp-kvstack-01234567.so.0", "env": {"KVRUNTIME_KV_BUFFER": "device"}}
+    )
     assert os.environ["NIXL_UCX_DEEPBIND"] == "0"
     assert os.environ["NIXL_UCX_EXPECTED_SONAME"] == "libucp-kvstack-01234567.so.0"
     assert os.environ["KVRUNTIME_KV_BUFFER"] == "device"
     code = wheel.PRELOAD_SOURCE.read_text().split('"""')[2]
-    assert "RTLD_DEEPBIND" not in code and "mode=" not in code  # what it loads (from_pip), it loads plainly
+    assert (
+        "RTLD_DEEPBIND" not in code and "mode=" not in code
+    )  # what it loads (from_pip), it loads plainly
 
 
 def test_what_a_runpath_rewrite_left_in_dynstr_is_blanked_and_the_library_still_loads(tmp_path):

@@ -1,7 +1,9 @@
 """`python -m installer wheel` refuses bad input with one line and its exit code, and writes
 nothing: a prefix that does not exist, one that is no finished install (no manifest, a manifest
 not marked complete, a build that failed verification), and an -o that cannot be a directory.
-Real CLI processes; the wheel made from a real build is tests/integration/installer/test_wheel.py."""
+Real CLI processes; the wheel made from a real build is
+tests/integration/installer/test_wheel.py."""
+
 from __future__ import annotations
 
 import json
@@ -33,14 +35,24 @@ def test_missing_prefix(tmp_path):
 
 def test_prefix_without_manifest(tmp_path):
     (tmp_path / "p" / "ucx").mkdir(parents=True)
-    _one_line(_wheel("--prefix", tmp_path / "p", "-o", tmp_path / "out"), 10, "holds no manifest.json: not a finished kvstack install")
+    _one_line(
+        _wheel("--prefix", tmp_path / "p", "-o", tmp_path / "out"),
+        10,
+        "holds no manifest.json: not a finished kvstack install",
+    )
 
 
-@pytest.mark.parametrize("manifest, text", [
-    ({"complete": False}, "is not a finished install"),
-    ({"complete": True, "verification": {"ok": False}}, "did not pass verification"),
-    ({"complete": True, "verification": {"ok": True}}, "has no NIXL Python module (a UCX-only build)"),
-])
+@pytest.mark.parametrize(
+    "manifest, text",
+    [
+        ({"complete": False}, "is not a finished install"),
+        ({"complete": True, "verification": {"ok": False}}, "did not pass verification"),
+        (
+            {"complete": True, "verification": {"ok": True}},
+            "has no NIXL Python module (a UCX-only build)",
+        ),
+    ],
+)
 def test_prefix_that_is_no_verified_nixl_build(tmp_path, manifest, text):
     build = tmp_path / "p.builds" / "cpu-1"
     build.mkdir(parents=True)
@@ -58,7 +70,11 @@ def test_unreadable_manifest(tmp_path):
 
 def test_output_that_cannot_be_a_directory(tmp_path):
     (tmp_path / "file").write_text("x")
-    _one_line(_wheel("--prefix", tmp_path / "nope", "-o", tmp_path / "file" / "out"), 11, "is not a directory")
+    _one_line(
+        _wheel("--prefix", tmp_path / "nope", "-o", tmp_path / "file" / "out"),
+        11,
+        "is not a directory",
+    )
 
 
 def test_bad_option_is_a_usage_error(tmp_path):

@@ -21,12 +21,22 @@ from installer import wheel, wheeldeps
 def test_the_table_names_the_cuda_runtime_and_what_auditwheel_leaves_out():
     outside = wheeldeps.load()
     found = outside.from_pip({"libc.so.6", "libcudart.so.13", "libucp.so.0"})
-    assert found == [wheeldeps.FromPip("libcudart.so.13", "nvidia-cuda-runtime==13.*", "nvidia/cu13/lib")]
+    assert found == [
+        wheeldeps.FromPip("libcudart.so.13", "nvidia-cuda-runtime==13.*", "nvidia/cu13/lib")
+    ]
     assert found[0].path == "nvidia/cu13/lib/libcudart.so.13"
     # the drivers and the host's rdma-core stay the host's (wheeldeps.toml says why)
-    assert outside.excluded(found) == ["libcuda.so.1", "libnvidia-ml.so.1", "libze_loader.so.1",
-                                       "libgdrapi.so.2", "libibverbs.so.1", "librdmacm.so.1", "libmlx5.so.1", "libefa.so.1",
-                                       "libcudart.so.13"]
+    assert outside.excluded(found) == [
+        "libcuda.so.1",
+        "libnvidia-ml.so.1",
+        "libze_loader.so.1",
+        "libgdrapi.so.2",
+        "libibverbs.so.1",
+        "librdmacm.so.1",
+        "libmlx5.so.1",
+        "libefa.so.1",
+        "libcudart.so.13",
+    ]
     assert outside.from_pip({"libc.so.6", "libucp.so.0"}) == []  # the cpu build's files
 
 
@@ -38,17 +48,40 @@ def site(tmp_path):
     site = tmp_path / "site-packages"
     cudart = site / "nvidia/cu13/lib/libcudart.so.13"   # as pip installs nvidia-cuda-runtime 13.x
     cudart.parent.mkdir(parents=True)
-    (tmp_path / "cudart.c").write_text("int cudaRuntimeGetVersion(int *v) { *v = 13050; return 0; }\n")
-    subprocess.run([cc, "-shared", "-fPIC", "-Wl,-soname,libcudart.so.13", "-o", str(cudart), str(tmp_path / "cudart.c")],
-                   check=True)
+    (tmp_path / "cudart.c").write_text(
+        "int cudaRuntimeGetVersion(int *v) { *v = 13050; return 0; }\n"
+    )
+    subprocess.run(
+        [
+            cc,
+            "-shared",
+            "-fPIC",
+            "-Wl,-soname,libcudart.so.13",
+            "-o",
+            str(cudart),
+            str(tmp_path / "cudart.c"),
+        ],
+        check=True,
+    )
     (tmp_path / "user.c").write_text(textwrap.dedent("""
         int cudaRuntimeGetVersion(int *v);
         int runtime_version(void) { int v = 0; cudaRuntimeGetVersion(&v); return v; }
     """))
     libs = site / "kvstack_nixl_cu13.libs"
     libs.mkdir()
-    subprocess.run([cc, "-shared", "-fPIC", "-o", str(libs / "libnixl-00000000.so"), str(tmp_path / "user.c"),
-                    f"-L{cudart.parent}", "-l:libcudart.so.13"], check=True)
+    subprocess.run(
+        [
+            cc,
+            "-shared",
+            "-fPIC",
+            "-o",
+            str(libs / "libnixl-00000000.so"),
+            str(tmp_path / "user.c"),
+            f"-L{cudart.parent}",
+            "-l:libcudart.so.13",
+        ],
+        check=True,
+    )
     return site
 
 
@@ -56,15 +89,19 @@ def _run(site, config, path=()) -> subprocess.CompletedProcess:
     code = textwrap.dedent(f"""
         import ctypes, importlib.util, sys
         sys.path += {[str(p) for p in path]!r}
-        spec = importlib.util.spec_from_file_location("preload_under_test", {str(wheel.PRELOAD_SOURCE)!r})
+        spec = importlib.util.spec_from_file_location(
+            "preload_under_test", {str(wheel.PRELOAD_SOURCE)!r})
         preload = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(preload)
-        preload.setup({config!r}, libs_dir={str(site / "kvstack_nixl_cu13.libs")!r}, site={str(site)!r})
+        preload.setup({config!r}, libs_dir={str(site / "kvstack_nixl_cu13.libs")!r},
+                      site={str(site)!r})
         lib = ctypes.CDLL({str(site / "kvstack_nixl_cu13.libs/libnixl-00000000.so")!r})
         print(lib.runtime_version())
         print([l.split()[-1] for l in open("/proc/self/maps") if "libcudart" in l][0])
     """)
-    env = {"PATH": "/usr/bin:/bin"}  # no LD_LIBRARY_PATH: the stand-in is reached only through the preload
+    env = {
+        "PATH": "/usr/bin:/bin"
+    }  # no LD_LIBRARY_PATH: the stand-in is reached only through the preload
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
 
 
@@ -90,5 +127,9 @@ def test_without_the_preload_the_file_does_not_reach_the_wheels_runtime(site):
     """What the first test shows is the preload's doing: without it the loader fails, or takes a
     CUDA toolkit's libcudart the host lists in ld.so.cache (this one has /usr/local/cuda-13.0)."""
     r = _run(site, {"from_pip": []})
-    assert r.returncode != 0 and "libcudart.so.13: cannot open shared object file" in r.stderr or \
-        r.returncode == 0 and r.stdout.split()[1] != str(site / "nvidia/cu13/lib/libcudart.so.13"), (r.stdout, r.stderr)
+    assert (
+        r.returncode != 0
+        and "libcudart.so.13: cannot open shared object file" in r.stderr
+        or r.returncode == 0
+        and r.stdout.split()[1] != str(site / "nvidia/cu13/lib/libcudart.so.13")
+    ), (r.stdout, r.stderr)

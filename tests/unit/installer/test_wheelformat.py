@@ -15,13 +15,24 @@ from installer.errors import PrefixError
 from installer.wheelformat import Entry, Tag
 
 
-@pytest.mark.parametrize("names, py, tag", [
-    (["_bindings.cpython-311-x86_64-linux-gnu.so", "_utils.cpython-311-x86_64-linux-gnu.so"], "3.11", "cp311-cp311-linux_x86_64"),
-    (["_bindings.cpython-312-aarch64-linux-gnu.so"], "3.12", "cp312-cp312-linux_aarch64"),
-    (["_bindings.cpython-313t-x86_64-linux-gnu.so"], "3.13", "cp313-cp313t-linux_x86_64"),
-    (["_bindings.cpython-311d-x86_64-linux-gnu.so"], "3.11", "cp311-cp311d-linux_x86_64"),
-    (["_bindings.cpython-311-x86_64-linux-musl.so", "libnixl.so"], "3.11", "cp311-cp311-linux_x86_64"),
-])
+@pytest.mark.parametrize(
+    "names, py, tag",
+    [
+        (
+            ["_bindings.cpython-311-x86_64-linux-gnu.so", "_utils.cpython-311-x86_64-linux-gnu.so"],
+            "3.11",
+            "cp311-cp311-linux_x86_64",
+        ),
+        (["_bindings.cpython-312-aarch64-linux-gnu.so"], "3.12", "cp312-cp312-linux_aarch64"),
+        (["_bindings.cpython-313t-x86_64-linux-gnu.so"], "3.13", "cp313-cp313t-linux_x86_64"),
+        (["_bindings.cpython-311d-x86_64-linux-gnu.so"], "3.11", "cp311-cp311d-linux_x86_64"),
+        (
+            ["_bindings.cpython-311-x86_64-linux-musl.so", "libnixl.so"],
+            "3.11",
+            "cp311-cp311-linux_x86_64",
+        ),
+    ],
+)
 def test_tag_comes_from_the_extension_suffix(names, py, tag):
     assert str(wheelformat.tag_for_extensions(names, py)) == tag
 
@@ -38,7 +49,9 @@ def test_no_extension_module_is_refused():
 
 def test_modules_that_disagree_are_refused():
     with pytest.raises(PrefixError, match="disagree"):
-        wheelformat.tag_for_extensions(["a.cpython-311-x86_64-linux-gnu.so", "b.cpython-311d-x86_64-linux-gnu.so"], "3.11")
+        wheelformat.tag_for_extensions(
+            ["a.cpython-311-x86_64-linux-gnu.so", "b.cpython-311d-x86_64-linux-gnu.so"], "3.11"
+        )
 
 
 def test_abi3_is_refused_with_a_reason():
@@ -61,7 +74,9 @@ def test_record_hash_is_urlsafe_base64_sha256_without_padding():
 
 
 def test_record_lists_every_entry_and_itself_without_hash():
-    text = wheelformat.record([("a/b.py", b"x = 1\n"), ("a,b.txt", b"")], "d-1.dist-info/RECORD").decode()
+    text = wheelformat.record(
+        [("a/b.py", b"x = 1\n"), ("a,b.txt", b"")], "d-1.dist-info/RECORD"
+    ).decode()
     rows = list(csv.reader(io.StringIO(text)))
     assert rows[0] == ["a/b.py", wheelformat.record_hash(b"x = 1\n"), "6"]
     assert rows[1] == ["a,b.txt", wheelformat.record_hash(b""), "0"]  # a comma in a name is quoted
@@ -69,8 +84,14 @@ def test_record_lists_every_entry_and_itself_without_hash():
 
 
 def test_written_wheel_matches_its_record(tmp_path):
-    entries = [Entry("pkg/__init__.py", b"print('hi')\n"), Entry("pkg.libs/libx.so", b"\x7fELF...", executable=True),
-               Entry("d-1.dist-info/WHEEL", wheelformat.wheel_text(Tag("cp311", "cp311", "linux_x86_64"), "t"))]
+    entries = [
+        Entry("pkg/__init__.py", b"print('hi')\n"),
+        Entry("pkg.libs/libx.so", b"\x7fELF...", executable=True),
+        Entry(
+            "d-1.dist-info/WHEEL",
+            wheelformat.wheel_text(Tag("cp311", "cp311", "linux_x86_64"), "t"),
+        ),
+    ]
     dest = tmp_path / "d-1-cp311-cp311-linux_x86_64.whl"
     wheelformat.write(dest, entries, "d-1.dist-info")
     with zipfile.ZipFile(dest) as zf:

@@ -2,10 +2,16 @@
 
 import pytest
 
-from kvruntime.nixl.binding import CANDIDATES, as_str, load_nixl
 from kvruntime.errors import NixlNotFoundError, TransportError
-from kvruntime.nixl.transports import (admitted_am, apply_ucx_settings, shm_error_handling,
-                                  ucx_environment, ucx_settings, usable_am)
+from kvruntime.nixl.binding import CANDIDATES, as_str, load_nixl
+from kvruntime.nixl.transports import (
+    admitted_am,
+    apply_ucx_settings,
+    shm_error_handling,
+    ucx_environment,
+    ucx_settings,
+    usable_am,
+)
 
 
 def test_missing_module_names_what_was_tried(monkeypatch):
@@ -189,10 +195,15 @@ def test_xpu_says_why_it_falls_back_to_ze_copy():
     assert xpu_tls({}, None)[1].startswith("ze_copy fallback: this UCX's transports are unknown")
     assert xpu_tls({"UCX_TLS": "ze_copy,tcp"}, release)[1] == "UCX_TLS=ze_copy,tcp: yours, kept"
     lines = describe(ucx_settings("xpu", {}, release), {}, "xpu", release)
-    assert lines == ["UCX_MEMTYPE_CACHE=n: Intel GPU memory is not seen through UCX's memory-type cache",
-                     f"UCX_TLS unset: {why}"]
+    assert lines == [
+        "UCX_MEMTYPE_CACHE=n: Intel GPU memory is not seen through UCX's memory-type cache",
+        f"UCX_TLS unset: {why}",
+    ]
     chosen = ucx_settings("xpu", {}, release | {"ze_ipc"})
-    assert not any(line.startswith("UCX_TLS unset") for line in describe(chosen, {}, "xpu", release | {"ze_ipc"}))
+    assert not any(
+        line.startswith("UCX_TLS unset")
+        for line in describe(chosen, {}, "xpu", release | {"ze_ipc"})
+    )
 
 
 def test_offered_transports_from_this_hosts_ucx_info_or_none():
@@ -206,10 +217,20 @@ def test_policy_says_the_xpu_choice_and_why_in_every_case():
     from kvruntime.nixl.transports import REASONS, policy
 
     release = {"cma", "posix", "self", "sysv", "tcp", "ze_copy"}
-    assert "UCX_TLS=ze_ipc,ze_copy,tcp: " + REASONS["UCX_TLS"] in policy("xpu", {}, release | {"ze_ipc"})
-    assert policy("xpu", {}, release)[-1].startswith("UCX_TLS unset: ze_copy fallback: this UCX offers no ze_ipc")
-    assert policy("xpu", {}, None)[-1].startswith("UCX_TLS unset: ze_copy fallback: this UCX's transports are unknown")
-    assert policy("xpu", {"UCX_TLS": "ze_copy,tcp"}, release)[-1] == "UCX_TLS=ze_copy,tcp: yours, kept"
+    assert "UCX_TLS=ze_ipc,ze_copy,tcp: " + REASONS["UCX_TLS"] in policy(
+        "xpu", {}, release | {"ze_ipc"}
+    )
+    assert policy("xpu", {}, release)[-1].startswith(
+        "UCX_TLS unset: ze_copy fallback: this UCX offers no ze_ipc"
+    )
+    assert policy("xpu", {}, None)[-1].startswith(
+        "UCX_TLS unset: ze_copy fallback: this UCX's transports are unknown"
+    )
+    assert (
+        policy("xpu", {"UCX_TLS": "ze_copy,tcp"}, release)[-1] == "UCX_TLS=ze_copy,tcp: yours, kept"
+    )
     refused = policy("cpu", {"UCX_TLS": "cma"}, None)
-    assert len(refused) == 1 and refused[0].startswith("refused: UCX_TLS=cma has no active-message transport")
+    assert len(refused) == 1 and refused[0].startswith(
+        "refused: UCX_TLS=cma has no active-message transport"
+    )
     assert not any(line.startswith("UCX_TLS") for line in policy("cuda", {}, None))

@@ -58,11 +58,18 @@ def test_gather_then_scatter_round_trips(heads, slot_rows):
     before = target.clone()
     dst = [v[:, :, h0:h1, :] for v in tviews]
     back = list(reversed(blocks))
-    ring.scatter(fills[len(fills) // 2:], run.view(-1), dst, np.array(back, dtype=np.int64), run.shape[2:]).synchronize()
+    ring.scatter(
+        fills[len(fills) // 2 :], run.view(-1), dst, np.array(back, dtype=np.int64), run.shape[2:]
+    ).synchronize()
     done = {p.region for fill in fills[len(fills) // 2:] for p in fill}
     for r in range(4):
         for i, b in enumerate(back):
-            p_regions = [p for fill in fills[len(fills) // 2:] for p in fill if p.region == r and p.b0 <= i < p.b1]
+            p_regions = [
+                p
+                for fill in fills[len(fills) // 2 :]
+                for p in fill
+                if p.region == r and p.b0 <= i < p.b1
+            ]
             want = run[r, i] if p_regions else before[b, r][:, h0:h1]
             assert torch.equal(target[b, r][:, h0:h1], want)
         assert torch.equal(target[:, r][:, :, :h0], before[:, r][:, :, :h0])  # other heads kept

@@ -1,7 +1,7 @@
 """`python -m kvruntime selftest|bench` refuses every bad value with one line and the usage exit
 code (2), before any process starts: values that raised a traceback (a TP size that does not
-split the model's heads, a negative size, a zero block), failed later (as the stack unusable), or were
-accepted silently (nan seconds, split 0, -1 UCX threads, a TP pair the heads do not split)."""
+split the model's heads, a negative size, a zero block), failed later (as the stack unusable), or
+were accepted silently (nan seconds, split 0, -1 UCX threads, a TP pair the heads do not split)."""
 
 import subprocess
 import sys

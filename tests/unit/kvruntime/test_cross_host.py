@@ -9,8 +9,7 @@ import pytest
 
 from kvruntime.errors import TransportError
 from kvruntime.nixl.nics import Nic, Port, RdmaHost
-from kvruntime.nixl.transports import (cross_host, describe, parse_ucx_info, policy,
-                                  ucx_settings)
+from kvruntime.nixl.transports import cross_host, describe, parse_ucx_info, policy, ucx_settings
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CPU_BUILD = parse_ucx_info((FIXTURES / "ucx_info_cpu_rdma_build.txt").read_text())

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from kvruntime.wire import frames
 from kvruntime.errors import FrameError, PeerError, ProtocolVersionError
+from kvruntime.wire import frames
 
 
 def test_roundtrip():
@@ -88,7 +88,9 @@ def test_runs_travel_packed_and_come_back_exact():
     import numpy as np
 
     src, dst, count = np.array([0, 9, 2**40]), np.array([5, 1, 3]), np.array([4, 1, 2])
-    out = frames.decode_frame(frames.encode_frame({"type": "push", "runs": frames.pack_runs(src, dst, count)}))
+    out = frames.decode_frame(
+        frames.encode_frame({"type": "push", "runs": frames.pack_runs(src, dst, count)})
+    )
     got = frames.runs_field(out, "runs")
     assert [a.tolist() for a in got] == [src.tolist(), dst.tolist(), count.tolist()]
     assert all(a.dtype == np.int64 for a in got)

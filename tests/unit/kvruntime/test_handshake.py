@@ -7,8 +7,8 @@ from dataclasses import replace
 import pytest
 
 from kvruntime.errors import AuthError, FrameError, IncompatiblePeerError, PeerError
-from kvruntime.wire.handshake import PeerInfo, client_handshake, serve_handshake
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
+from kvruntime.wire.handshake import PeerInfo, client_handshake, serve_handshake
 
 BASE = dict(kind=CROSS_LAYER, num_layers=2, num_blocks=8, tokens_per_block=16, num_kv_heads=2,
             head_dim=8, dtype="float16", tp_size=1)
@@ -208,8 +208,8 @@ def test_connect_to_an_ip_literal_skips_the_resolver(monkeypatch):
 
 
 def test_connect_refused_literal_times_out_with_reason():
-    from kvruntime.wire import handshake
     from kvruntime.errors import HandshakeTimeout
+    from kvruntime.wire import handshake
 
     srv, port = _listener()
     srv.close()  # nothing listens there now

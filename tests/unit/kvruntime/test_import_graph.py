@@ -108,7 +108,9 @@ def test_the_circle_finder_finds_a_circle():
 
 def test_kvruntime_has_no_import_circle():
     graph = _graph("kvruntime")
-    assert "kvruntime.decode.client" in graph and graph["kvruntime.decode.client"], "the graph was not read"
+    assert "kvruntime.decode.client" in graph and graph["kvruntime.decode.client"], (
+        "the graph was not read"
+    )
     assert _circles(graph) == []
 
 

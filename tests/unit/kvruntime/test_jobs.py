@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 
-from kvruntime.jobs import Blocking, Job
 from kvruntime.engines.samenode import SharedJob, _CudaJob, _HostJob
 from kvruntime.engines.staged import StagedPull
+from kvruntime.jobs import Blocking, Job
 from kvruntime.nixl.transfer import PostedTransfer
 
 # the concrete ones: CopyJob is the same-node jobs' (and StagedPull's) base, each says how its

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from kvruntime.wire import frames
 from kvruntime.errors import FrameError
+from kvruntime.wire import frames
 from kvruntime.wire.mailbox import Mailbox, MailboxReader
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from kvruntime.wire import frames, messages
 from kvruntime.errors import KVRuntimeError
+from kvruntime.wire import frames, messages
 
 ROOT = Path(__file__).resolve().parents[3]
 

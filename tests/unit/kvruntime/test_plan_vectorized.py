@@ -177,7 +177,9 @@ def test_consecutive_lists_are_one_run_and_keep_their_ids():
 
 def test_torch_tensors_are_ids():
     torch = pytest.importorskip("torch")
-    plan = make_plan(LAYOUT, torch.tensor([7, 8, 9]), LAYOUT, torch.tensor([0, 1, 2], dtype=torch.int32))
+    plan = make_plan(
+        LAYOUT, torch.tensor([7, 8, 9]), LAYOUT, torch.tensor([0, 1, 2], dtype=torch.int32)
+    )
     assert plan.runs == ((7, 0, 3),)
     with pytest.raises(PlanError, match="must be integers"):
         make_plan(LAYOUT, torch.tensor([1.0]))
@@ -257,7 +259,9 @@ def test_a_batch_mixing_integer_arrays_keeps_its_ids_exact():
     assert merged.block_ids()[0].dtype == np.int64
     assert [a.tolist() for a in merged.block_ids()] == [[1, 2, 7], [3, 4, 9]]
     with pytest.raises(PlanError, match=f"source block id {big} is outside"):
-        Planner(LAYOUT).plan_many([(np.array([big], np.uint64), [1]), (np.array([2], np.int64), [3])])
+        Planner(LAYOUT).plan_many(
+            [(np.array([big], np.uint64), [1]), (np.array([2], np.int64), [3])]
+        )
 
 
 def test_a_batch_whose_later_list_is_not_all_ints_is_refused_as_plan_refuses_it():
@@ -317,18 +321,24 @@ def test_runs_split_where_both_sides_go_on_are_one_run():
     assert got.runs == ((2, 5, 3),)
 
 
-@pytest.mark.parametrize("runs,line", [
-    (([], [], []), "a request must name at least one block"),
-    (([1], [1, 2], [1]), "1 run counts but 1 source and 2 destination starts"),
-    (([1], [1], [0]), "run 0 names 0 blocks; a run names at least one"),
-    (([1, 2], [3, 4], [1, -5]), "run 1 names -5 blocks; a run names at least one"),
-    (([8], [0], [3]), "source run of 3 blocks at 8 reaches outside 0..9"),
-    (([-1], [0], [1]), "source run of 1 blocks at -1 reaches outside 0..9"),
-    (([0], [2 ** 62], [1]), "destination run of 1 blocks at 4611686018427387904 reaches outside 0..9"),
-    (([0], [0], [2 ** 62]), "source run of 4611686018427387904 blocks at 0 reaches outside 0..9"),
-    (([0, 3], [0, 5], [4, 1]), "source block id 3 appears twice in one request"),
-    (([0, 6], [2, 0], [3, 3]), "destination block id 2 appears twice in one request"),
-])
+@pytest.mark.parametrize(
+    "runs,line",
+    [
+        (([], [], []), "a request must name at least one block"),
+        (([1], [1, 2], [1]), "1 run counts but 1 source and 2 destination starts"),
+        (([1], [1], [0]), "run 0 names 0 blocks; a run names at least one"),
+        (([1, 2], [3, 4], [1, -5]), "run 1 names -5 blocks; a run names at least one"),
+        (([8], [0], [3]), "source run of 3 blocks at 8 reaches outside 0..9"),
+        (([-1], [0], [1]), "source run of 1 blocks at -1 reaches outside 0..9"),
+        (
+            ([0], [2**62], [1]),
+            "destination run of 1 blocks at 4611686018427387904 reaches outside 0..9",
+        ),
+        (([0], [0], [2**62]), "source run of 4611686018427387904 blocks at 0 reaches outside 0..9"),
+        (([0, 3], [0, 5], [4, 1]), "source block id 3 appears twice in one request"),
+        (([0, 6], [2, 0], [3, 3]), "destination block id 2 appears twice in one request"),
+    ],
+)
 def test_bad_runs_refused_with_one_line_before_any_ids_are_made(runs, line):
     with pytest.raises(PlanError) as info:
         Planner(LAYOUT).plan_runs(*(np.array(a, dtype=np.int64) for a in runs))

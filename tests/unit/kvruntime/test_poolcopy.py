@@ -10,9 +10,9 @@ import random
 import numpy as np
 import pytest
 
-from kvruntime.pools.bounce import _TorchStreams
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
+from kvruntime.pools.bounce import _TorchStreams
 from kvruntime.pools.poolcopy import copy_rows, pieces, spans
 from kvruntime.pools.staging import StagingPool
 

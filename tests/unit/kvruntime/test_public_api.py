@@ -37,11 +37,13 @@ def test_an_unknown_name_is_an_attribute_error():
 
 
 def test_a_bare_import_loads_no_runtime_module():
-    code = ("import sys, kvruntime\n"
-            "heavy = [m for m in ('torch', 'kvruntime.decode.client', 'kvruntime.prefill.server', 'kvruntime.nixl.agent')"
-            " if m in sys.modules]\n"
-            "print(heavy)\n"
-            "from kvruntime import DecodeClient\n"
-            "print('kvruntime.decode.client' in sys.modules)\n")
+    code = (
+        "import sys, kvruntime\n"
+        "heavy = [m for m in ('torch', 'kvruntime.decode.client', 'kvruntime.prefill.server', "
+        "'kvruntime.nixl.agent') if m in sys.modules]\n"
+        "print(heavy)\n"
+        "from kvruntime import DecodeClient\n"
+        "print('kvruntime.decode.client' in sys.modules)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[:2] == ["[]", "True"]

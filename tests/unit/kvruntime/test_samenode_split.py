@@ -5,8 +5,8 @@ no second process)."""
 import numpy as np
 import pytest
 
-from kvruntime.errors import KVRuntimeError
 from kvruntime.engines.samenode import host_copy_streams, split_ranges
+from kvruntime.errors import KVRuntimeError
 
 
 def _pieces(out):

@@ -4,9 +4,9 @@ mixed-TP transfer, checked against byte offsets computed from the layout by hand
 import pytest
 
 from kvruntime.errors import IncompatiblePeerError
-from kvruntime.wire.handshake import check_compat
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.tp import HeadSlice, head_rows, head_slices, rows_per_chunk
+from kvruntime.wire.handshake import check_compat
 
 
 def lay(kind, heads, tp, layers=2, tokens=4, dim=8, blocks=10):

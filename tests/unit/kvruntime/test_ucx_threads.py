@@ -4,8 +4,8 @@ their workers; a prefill, device memory, a one-core host and a small /dev/shm (a
 64 MiB) take none; the caller's number wins and a bad one is refused."""
 import pytest
 
-from kvruntime.nixl.agent import UCX_READ_THREADS, UCX_THREADS_MIN_SHM, shm_free, ucx_threads
 from kvruntime.errors import KVRuntimeError
+from kvruntime.nixl.agent import UCX_READ_THREADS, UCX_THREADS_MIN_SHM, shm_free, ucx_threads
 
 ROOM = 8 << 30  # a host's /dev/shm: half its memory
 

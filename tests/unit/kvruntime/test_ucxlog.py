@@ -198,8 +198,8 @@ INTER_NODE_TCP_TABLE = HOST_TABLE.replace("intra-node cfg#1", "inter-node cfg#3"
 
 
 def test_data_to_another_host_over_tcp_is_named_while_rdma_is_active(tmp_path, monkeypatch):
-    from kvruntime.nixl.agent import Agent, lane_faults
     from kvruntime.errors import TransportError
+    from kvruntime.nixl.agent import Agent, lane_faults
 
     lanes = read(tmp_path, HOST_TABLE + INTER_NODE_TCP_TABLE).read()
     assert [(lane.scope, lane.transports) for lane in lanes] == [
