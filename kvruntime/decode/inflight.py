@@ -39,7 +39,7 @@ class TransferHandle:
     ``peer`` is the ``decode.PrefillPeer`` that started it (not imported here: decode imports
     this module, and a handle needs no name of its peer's class)."""
 
-    def __init__(self, peer, op: str, request_id: str, plan: TransferPlan,
+    def __init__(self, peer, op: str, request_id: str, *, plan: TransferPlan,
                  timeout: float, started: float | None = None):
         self.peer = peer
         self.op = op

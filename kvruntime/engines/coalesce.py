@@ -171,7 +171,7 @@ def _read(peer, local_rows, remote_rows, remote_mem: str) -> float:
     local_mem = client.pool.cache.mem_type
     rows = Rows(local_rows, remote_rows, peer.agent, local_mem, remote_mem)
     t = time.perf_counter()
-    xfer = PostedTransfer(client.agent, "READ", None, None, None, True, b"", 1, rows)
+    xfer = PostedTransfer(client.agent, "READ", rows=rows)
     until = time.monotonic() + client.timeout
     while xfer.poll() == "PROC":
         if time.monotonic() > until:

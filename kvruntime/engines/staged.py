@@ -47,7 +47,7 @@ class StagedPull(CopyJob):
     # failed) frees the prefill's pool blocks and releases the request
     tells_prefill = False
 
-    def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float,
+    def __init__(self, peer, plan: TransferPlan, request_id: str, *, deadline_wall: float,
                  route: PoolRoute):
         super().__init__("READ", plan)
         self.peer = peer
@@ -297,8 +297,7 @@ class StagedPull(CopyJob):
         rows_ = Rows(np.array([[local_at, length, local.device_id]], dtype=np.uint64),
                      np.array([[remote_at, length, self.route.remote[2]]], dtype=np.uint64),
                      self.peer.agent, local.mem_type, self.route.remote_mem)
-        return PostedTransfer(self.peer.client.agent, "READ", self.plan, None, None, True, b"",
-                              1, rows_)
+        return PostedTransfer(self.peer.client.agent, "READ", plan=self.plan, rows=rows_)
 
     def _fail(self, why: str) -> None:
         self.error = why

@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 from collections import deque
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 
 from .. import native
@@ -163,46 +164,59 @@ class PrefillServer:
             shm_free())
         # the GPU whose nearest NIC carries its memory to other hosts (transports.cross_host)
         device_id = cache.regions[0].device_id if nixl_memory != "cpu" else None
-        self.agent = Agent(o.name or unique_name("prefill"), o.binding, nixl_memory, threads,
-                           device_id=device_id)
-        try:
+        # Each part's end is pushed as it is made; close() ends them in the reverse order (a
+        # constructor that fails half way ends those it made): stop and stop accepting, drop
+        # each peer, our pushes and WRITEs, then the memory and the agent under them.
+        with ExitStack() as stack:
+            self.agent = Agent(o.name or unique_name("prefill"), o.binding,
+                               device_kind=nixl_memory, ucx_threads=threads, device_id=device_id)
+            stack.callback(self.agent.close)
             if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
                 self.staging = StagingPool(cache.layout,
                                            o.staging_blocks or cache.layout.num_blocks, cache)
                 self.pool = self.staging
+                stack.callback(self.pool.close)
             elif o.coalesce != "never":  # registered before our metadata goes out
                 self.pool = coalescing.make_pool(cache, o.staging_blocks)
+                stack.callback(self.pool.close)
                 self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
+                stack.callback(self._pool_reg.close)
             self.registration = Registration(self.agent, self.staging.cache if self.staging
                                              else cache)
-            # accepting within limits, a thread a connection (listener.py)
-            self.listener = Listener(host, port, self.stats, self._serve_connection, self._stop,
-                                     max_connections, max_handshaking_per_address)
+            stack.callback(self.registration.close)
             # our WRITEs and the pushes they serve (prefill/pushes.py)
-            self.writes = Writes(self.agent, self.registration, cache, o.timeout, self._release,
-                                 self._work.set, self._peers_lock)
-            self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None,
-                                 self.pool is not None and self.staging is None)
+            self.writes = Writes(self.agent, self.registration, cache, timeout=o.timeout,
+                                 release=self._release, wake=self._work.set,
+                                 peers_lock=self._peers_lock)
+            stack.callback(self.writes.close)
+            self.pushes = Pushes(self.writes, self.stats, self._peers,
+                                 staged=self.staging is not None,
+                                 pooled=self.pool is not None and self.staging is None)
+            stack.callback(self.pushes.close)
             # requests through our pool: gathered, answered chunk by chunk, held (stages.py)
-            self.stages = Stages(self.pool, cache, o.timeout, self._release, self._work.set,
-                                 max_stage_seconds)
-        except Exception:
-            if self._pool_reg is not None:
-                self._pool_reg.close()
-            if self.pool is not None:
-                self.pool.close()
-            self.agent.close()
-            raise
-        if o.secret is None and not _loopback(host):
-            # NIXL metadata grants access to the registered memory: without a secret, anyone
-            # who can reach this port can read (and write) this cache.
-            log.warning("PrefillServer on %s:%s has NO shared secret: any host that reaches this "
-                        "port gets read/write access to the KV cache; pass secret=... (or bind "
-                        "to 127.0.0.1)", host, self.address[1])
-        registered = self.staging.cache if self.staging else cache
-        self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
-                             self.registration.region_triples(), registered.mem_type, o.kv_buffer,
-                             cache.layout if self.staging else None, o.tp_rank, o.app)
+            self.stages = Stages(self.pool, cache, timeout=o.timeout, release=self._release,
+                                 wake=self._work.set, max_seconds=max_stage_seconds)
+            stack.callback(self._drop_peers)
+            # accepting within limits, a thread a connection (listener.py); bound last, so
+            # that everything a connection is served by is there first
+            self.listener = Listener(
+                host, port, self.stats, serve=self._serve_connection, stop=self._stop,
+                max_connections=max_connections,
+                max_handshaking_per_address=max_handshaking_per_address)
+            stack.callback(self.listener.close)
+            stack.callback(self._stop.set)
+            if o.secret is None and not _loopback(host):
+                # NIXL metadata grants access to the registered memory: without a secret,
+                # anyone who can reach this port can read (and write) this cache.
+                log.warning("PrefillServer on %s:%s has NO shared secret: any host that "
+                            "reaches this port gets read/write access to the KV cache; pass "
+                            "secret=... (or bind to 127.0.0.1)", host, self.address[1])
+            registered = self.staging.cache if self.staging else cache
+            self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
+                                 self.registration.region_triples(), registered.mem_type,
+                                 o.kv_buffer, cache.layout if self.staging else None,
+                                 o.tp_rank, o.app)
+            self._teardown = stack.pop_all()
         self.listener.spawn(self.listener.accept_loop, "kvr-accept")
         self.listener.spawn(self._progress_loop, "kvr-progress")
 
@@ -433,18 +447,11 @@ class PrefillServer:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self.listener.close()
+        self._teardown.close()  # in the order the constructor gave (there)
+
+    def _drop_peers(self) -> None:
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
-        self.pushes.close()
-        self.writes.close()
-        self.registration.close()
-        if self._pool_reg is not None:
-            self._pool_reg.close()
-        if self.pool is not None:
-            self.pool.close()
-        self.agent.close()
 
     def __enter__(self):
         return self
