@@ -41,7 +41,6 @@ from ..host.peercred import peer_uid
 from ..jobs import TransferResult
 from ..memory import KVCache
 from ..nixl.agent import Agent, shm_free, ucx_threads, unique_name
-from ..nixl.registration import Registration
 from ..nixl.transfer import Draining, PostedTransfer, Rows, split_runs
 from ..nixl.transports import offered_transports, shm_am_across_users
 from ..options import Options
@@ -501,7 +500,6 @@ class DecodeClient:
         # the pool requests go through: the host-staged one, or a direct side's for coalesced
         # NIXL transfers (coalesce.py), registered beside the cache
         self.pool: StagingPool | None = None
-        self._pool_reg = None
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
         nixl_memory = "cpu" if o.kv_buffer == "host_staged" else o.device_kind
         # the same-node engine's reader threads for host memory (None: by this host's cores)
@@ -522,19 +520,9 @@ class DecodeClient:
             stack.callback(self.agent.close)
             self._probe = engines.LaneProbe(self.agent, cache, draining=self.draining,
                                             timeout=o.timeout)
-            if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
-                self.staging = StagingPool(cache.layout,
-                                           o.staging_blocks or cache.layout.num_blocks, cache)
-                self.pool = self.staging
-                stack.callback(self.pool.close)
-            elif self.coalesce != "never":
-                self.pool = coalescing.make_pool(cache, o.staging_blocks)
-                stack.callback(self.pool.close)
-                self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
-                stack.callback(self._pool_reg.close)
+            self.staging, self.pool, self.registration = coalescing.open_pools(
+                stack, self.agent, cache, o.kv_buffer, self.coalesce, o.staging_blocks)
             registered = self.staging.cache if self.staging else cache
-            self.registration = Registration(self.agent, registered)
-            stack.callback(self.registration.close)
             stack.callback(self._probe.close)
             stack.callback(self.releaser.close)
             stack.callback(self._drain)

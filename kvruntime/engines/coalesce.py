@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import KVRuntimeError
+from ..nixl.registration import Registration
 from ..pools.staging import StagingExhausted, StagingPool
 from ..tp import rows_per_chunk
 from ..wire import messages
@@ -105,6 +106,26 @@ class PoolRegistration:
             except KVRuntimeError as exc:
                 log.warning("%s", exc)
             self._reg = None
+
+
+def open_pools(stack, agent, cache, kv_buffer: str, coalesce: str, staging_blocks):
+    """The memory a side's NIXL ``agent`` sees, registered, each end pushed onto ``stack``
+    (an ExitStack: decode/client.py, prefill/server.py): host-staged, a staging pool, never
+    the cache; else the cache, and unless ``coalesce`` is "never" a pool beside it for
+    coalesced requests (registered before the agent's metadata goes out). Returns (the
+    host-staging pool or None, the pool requests go through or None, the Registration)."""
+    staging = pool = None
+    if kv_buffer == "host_staged":
+        staging = pool = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,
+                                     cache)
+        stack.callback(pool.close)
+    elif coalesce != "never":
+        pool = make_pool(cache, staging_blocks)
+        stack.callback(pool.close)
+        stack.callback(PoolRegistration(agent, pool).close)
+    registration = Registration(agent, staging.cache if staging else cache)
+    stack.callback(registration.close)
+    return staging, pool, registration
 
 
 def offer(pool: StagingPool | None, why_not: str = "") -> dict:

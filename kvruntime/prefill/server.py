@@ -29,7 +29,6 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections import deque
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
@@ -38,12 +37,10 @@ from .. import native
 from ..engines import coalesce as coalescing
 from ..engines.samenode import NodeToken, serve_offer
 from ..errors import KVRuntimeError, PeerError
-from ..host.naps import tighten_timer_slack
 from ..host.peercred import peer_uid
 from ..layout import KVLayout
 from ..memory import KVCache
 from ..nixl.agent import Agent, shm_free, ucx_threads, unique_name
-from ..nixl.registration import Registration
 from ..nixl.transports import offered_transports, shm_am_across_users
 from ..options import Options
 from ..plan import Planner, make_plan
@@ -55,6 +52,7 @@ from ..wire.handshake import PeerInfo, serve_handshake
 from ..wire.listener import Listener
 from ..wire.mailbox import Mailbox
 from ..wire.releases import Released
+from .progress import Progress
 from .pushes import Pushes, Writes
 from .stages import MAX_STAGE_SECONDS, Stages
 
@@ -144,7 +142,6 @@ class PrefillServer:
         # the pool staged requests are gathered into: the host-staged one, or a direct
         # server's for its decodes' coalesced requests (coalesce.py; none for "never")
         self.pool: StagingPool | None = None
-        self._pool_reg: coalescing.PoolRegistration | None = None
         self.secret = o.secret
         self.timeout = o.timeout
         self.stats = ServerStats()
@@ -171,19 +168,8 @@ class PrefillServer:
             self.agent = Agent(o.name or unique_name("prefill"), o.binding,
                                device_kind=nixl_memory, ucx_threads=threads, device_id=device_id)
             stack.callback(self.agent.close)
-            if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
-                self.staging = StagingPool(cache.layout,
-                                           o.staging_blocks or cache.layout.num_blocks, cache)
-                self.pool = self.staging
-                stack.callback(self.pool.close)
-            elif o.coalesce != "never":  # registered before our metadata goes out
-                self.pool = coalescing.make_pool(cache, o.staging_blocks)
-                stack.callback(self.pool.close)
-                self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
-                stack.callback(self._pool_reg.close)
-            self.registration = Registration(self.agent, self.staging.cache if self.staging
-                                             else cache)
-            stack.callback(self.registration.close)
+            self.staging, self.pool, self.registration = coalescing.open_pools(
+                stack, self.agent, cache, o.kv_buffer, o.coalesce, o.staging_blocks)
             # our WRITEs and the pushes they serve (prefill/pushes.py)
             self.writes = Writes(self.agent, self.registration, cache, timeout=o.timeout,
                                  release=self._release, wake=self._work.set,
@@ -218,7 +204,9 @@ class PrefillServer:
                                  o.tp_rank, o.app)
             self._teardown = stack.pop_all()
         self.listener.spawn(self.listener.accept_loop, "kvr-accept")
-        self.listener.spawn(self._progress_loop, "kvr-progress")
+        progress = Progress(self.agent, self.writes, self.pushes, self.stages, stop=self._stop,
+                            work=self._work)
+        self.listener.spawn(progress.run, "kvr-progress")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -378,46 +366,6 @@ class PrefillServer:
         """Whether a decode (agent ``peer``, or any) has named the blocks for ``request``: a
         ``start_push`` of it now is posted at once."""
         return self.pushes.expects(request, peer)
-
-    # -- completion --------------------------------------------------------------------------
-    def _progress_loop(self) -> None:
-        """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls without
-        sleeping while a WRITE should end soon (``Writes.spinning``), tightly while WRITEs are
-        in flight, every millisecond otherwise (a new push wakes it); its naps end on time
-        (this thread's timer slack is 1 µs, not 50: naps.py)."""
-        tighten_timer_slack()
-        busy = False
-        while not self._stop.is_set():
-            if busy and self.writes.spinning:  # a WRITE that should end soon: no sleep's delay
-                os.sched_yield()
-            elif busy or self.stages.queued:
-                time.sleep(0.00005)
-            else:
-                self._work.wait(0.001)
-                self._work.clear()
-            try:
-                if self.stages.held:
-                    self.stages.expire()
-                if self.pushes.waiting:
-                    self.pushes.expire()
-                if self.stages.queued:
-                    self.stages.serve()
-                # our UCX worker's progress (WRITEs in flight, peers' requests); nothing of
-                # ours sends notifications (protocol 6), so any that come are only logged
-                notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
-            except Exception as exc:
-                if not self._stop.is_set():
-                    log.warning("polling notifications: %s", exc)
-                notifs = {}
-            for agent, notes in notifs.items():
-                log.warning("ignoring %d NIXL notification(s) from %s: kvruntime peers release "
-                            "blocks by frame", len(notes), agent)
-            try:
-                busy = self.writes.progress()
-            except Exception:
-                if not self._stop.is_set():
-                    log.exception("progressing WRITEs")
-                busy = False
 
     def _release(self, agent: str, request: str) -> None:
         peer = self._peers.get(agent)
