@@ -64,6 +64,10 @@ class TransferError(KVRuntimeError):
     """A block transfer failed (the peer died or NIXL reported an error)."""
 
 
+class StagingExhausted(TransferError):
+    """No run of free staging blocks large enough came free before the deadline."""
+
+
 class TransferTimeout(TransferError, TimeoutError):
     """A block transfer missed its deadline; it was aborted."""
 

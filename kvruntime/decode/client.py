@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 
 from .. import native
@@ -40,7 +41,6 @@ from ..host.peercred import peer_uid
 from ..jobs import TransferResult
 from ..memory import KVCache
 from ..nixl.agent import Agent, shm_free, ucx_threads, unique_name
-from ..nixl.registration import Registration
 from ..nixl.transfer import Draining, PostedTransfer, Rows, split_runs
 from ..nixl.transports import offered_transports, shm_am_across_users
 from ..options import Options
@@ -62,7 +62,7 @@ _request_ids = itertools.count()
 class PrefillPeer:
     """One handshaked prefill server."""
 
-    def __init__(self, client: "DecodeClient", address, sock, info: PeerInfo, agent: str,
+    def __init__(self, client: "DecodeClient", address, sock, *, info: PeerInfo, agent: str,
                  handshake_seconds: float):
         self.client = client
         self.address = address
@@ -70,8 +70,9 @@ class PrefillPeer:
         self.agent = agent
         self.handshake_seconds = handshake_seconds
         # frames to and from the prefill (channel.py): requests awaiting frames, control calls
-        self.channel = PeerChannel(sock, info.session, self.name, client.timeout,
-                                   client.progress_worker, self.copy_ready, self.close)
+        self.channel = PeerChannel(sock, info.session, self.name, timeout=client.timeout,
+                                   progress=client.progress_worker, on_ready=self.copy_ready,
+                                   on_lost=self.close)
         # requests done here whose blocks the prefill may free (releases.py)
         self.releases = Pending(self, client.releaser)
         # what moves its requests (engines/choice.py): a same-node engine when one serves this peer;
@@ -152,7 +153,8 @@ class PrefillPeer:
             self.channel.check_new(handle.request_id)
         # larger than the pools: in pieces; not even a block fits: refused now (StagedPull)
         job = StagedPull(self, handle.plan, handle.request_id,
-                         time.time() + handle.deadline - time.monotonic(), self.route)
+                         deadline_wall=time.time() + handle.deadline - time.monotonic(),
+                         route=self.route)
         handle.attach(job)
         handle.uses_peer = True  # the prefill's "staged" answer comes over the side channel
         if new:
@@ -192,8 +194,9 @@ class PrefillPeer:
         # connection) from completing until the prefill's UCX worker progresses, which its
         # idle loop does every millisecond (H100 VM: a 16 MiB READ 1043 µs with one, 80
         # without). The release goes over the side channel once the READ is done.
-        handle.attach(PostedTransfer(self.client.agent, "READ", handle.plan, reg.local_dlist,
-                                     reg.peer_dlist(self.agent), True, b"", split, rows))
+        handle.attach(PostedTransfer(
+            self.client.agent, "READ", plan=handle.plan, local_dlist=reg.local_dlist,
+            remote_dlist=reg.peer_dlist(self.agent), rows=rows, split=split))
         self.client.track(handle)
         return handle
 
@@ -314,7 +317,7 @@ class PrefillPeer:
             log.info("%s: rehearsing the request path failed: %s", self.name, exc)
 
     def make_handle(self, op, request_id, plan, timeout, t0) -> TransferHandle:
-        handle = TransferHandle(self, op, request_id, plan, timeout, t0)
+        handle = TransferHandle(self, op, request_id, plan=plan, timeout=timeout, started=t0)
         if self.head_slice is not None:  # mixed TP: what lands is this peer's share of our heads
             handle.nbytes = (plan.nbytes * self.head_slice.count
                              // self.client.cache.layout.num_kv_heads)
@@ -497,7 +500,6 @@ class DecodeClient:
         # the pool requests go through: the host-staged one, or a direct side's for coalesced
         # NIXL transfers (coalesce.py), registered beside the cache
         self.pool: StagingPool | None = None
-        self._pool_reg = None
         # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
         nixl_memory = "cpu" if o.kv_buffer == "host_staged" else o.device_kind
         # the same-node engine's reader threads for host memory (None: by this host's cores)
@@ -509,19 +511,22 @@ class DecodeClient:
             shm_free())
         # the GPU whose nearest NIC carries its memory to other hosts (transports.cross_host)
         device_id = cache.regions[0].device_id if nixl_memory != "cpu" else None
-        self.agent = Agent(o.name or unique_name("decode"), o.binding, nixl_memory, threads,
-                           device_id=device_id)
-        self._probe = engines.LaneProbe(self.agent, cache, self.draining, o.timeout)
-        try:
-            if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
-                self.staging = StagingPool(cache.layout,
-                                           o.staging_blocks or cache.layout.num_blocks, cache)
-                self.pool = self.staging
-            elif self.coalesce != "never":
-                self.pool = coalescing.make_pool(cache, o.staging_blocks)
-                self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
+        # Each part's end is pushed as it is made; close() ends them in the reverse order (a
+        # constructor that fails half way ends those it made): each peer, our failed READs
+        # still in flight, the release sender and the probe, then the memory and the agent.
+        with ExitStack() as stack:
+            self.agent = Agent(o.name or unique_name("decode"), o.binding,
+                               device_kind=nixl_memory, ucx_threads=threads, device_id=device_id)
+            stack.callback(self.agent.close)
+            self._probe = engines.LaneProbe(self.agent, cache, draining=self.draining,
+                                            timeout=o.timeout)
+            self.staging, self.pool, self.registration = coalescing.open_pools(
+                stack, self.agent, cache, o.kv_buffer, self.coalesce, o.staging_blocks)
             registered = self.staging.cache if self.staging else cache
-            self.registration = Registration(self.agent, registered)
+            stack.callback(self._probe.close)
+            stack.callback(self.releaser.close)
+            stack.callback(self._drain)
+            stack.callback(self._close_peers)
             # what the same-node engine's first connect would pay (its gather kernel), paid
             # now: None where no same-node CUDA engine can serve, else what was done
             self.prewarmed = None
@@ -536,13 +541,7 @@ class DecodeClient:
                                  self.registration.region_triples(), registered.mem_type,
                                  o.kv_buffer, cache.layout if self.staging else None, o.tp_rank,
                                  o.app)
-        except Exception:
-            if self._pool_reg is not None:
-                self._pool_reg.close()
-            if self.pool is not None:
-                self.pool.close()
-            self.agent.close()
-            raise
+            self._teardown = stack.pop_all()
 
     def connect(self, host: str, port: int, timeout: float | None = None) -> PrefillPeer:
         timeout = self.timeout if timeout is None else timeout
@@ -581,7 +580,7 @@ class DecodeClient:
             if added:  # its list (if made), then its agent
                 self.registration.forget_peer(added[0])
             raise
-        peer = PrefillPeer(self, address, sock, info, name, 0.0)
+        peer = PrefillPeer(self, address, sock, info=info, agent=name, handshake_seconds=0.0)
         try:
             peer.head_slice = engines.head_slice(info, self.info, self.cache.layout,
                                                  self.staging is not None)
@@ -728,20 +727,17 @@ class DecodeClient:
         if self._closed:
             return
         self._closed = True
+        self._teardown.close()  # in the order the constructor gave (there)
+
+    def _close_peers(self) -> None:
         for peer in list(self._peers.values()):
             peer.close()
+
+    def _drain(self) -> None:
         left = self.draining.drain(self.timeout)
         if left:  # the agent goes now: its worker's end stops them (nothing of ours lands)
             log.error("closing with %d failed READ(s) still in flight after %.1fs", left,
                       self.timeout)
-        self.releaser.close()
-        self._probe.close()
-        self.registration.close()
-        if self._pool_reg is not None:
-            self._pool_reg.close()
-        if self.pool is not None:
-            self.pool.close()
-        self.agent.close()
 
     def __enter__(self):
         return self

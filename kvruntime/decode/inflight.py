@@ -39,7 +39,7 @@ class TransferHandle:
     ``peer`` is the ``decode.PrefillPeer`` that started it (not imported here: decode imports
     this module, and a handle needs no name of its peer's class)."""
 
-    def __init__(self, peer, op: str, request_id: str, plan: TransferPlan,
+    def __init__(self, peer, op: str, request_id: str, *, plan: TransferPlan,
                  timeout: float, started: float | None = None):
         self.peer = peer
         self.op = op
@@ -89,39 +89,7 @@ class TransferHandle:
         """Block until finished and return the result, or raise the request's error. With
         ``timeout`` shorter than the request's own, raise ``WaitTimeout`` and leave the request
         running (a ``TransferTimeout`` means the request itself missed its deadline)."""
-        if self.poll() != PENDING:  # already ended (a batch's handles after its first)
-            self.peer.client.consumed(self)
-            return self.result()
-        until = None if timeout is None else time.monotonic() + timeout
-        own_thread = getattr(self._xfer, "block", None)  # a copy that a thread of ours runs
-        # spin first, yielding, where our polls drive the transfer: a READ, a staged copy's
-        # READs, and a push, whose WRITE completes only as our UCX worker progresses (a nap
-        # held it back); not where a thread of ours runs the copy (it has its own wait)
-        spins = own_thread is None
-        spin_until = time.perf_counter() + (
-            self.peer.pace.spin_seconds(self.op, self.nbytes) if spins else 0.0)
-        nap = NAP_FIRST
-        while self.poll() == PENDING:
-            if self.pooled:  # the others through the pools move too (their runs free ours)
-                self.peer.advance_pooled(self)
-            if until is not None and time.monotonic() > until:
-                raise WaitTimeout(f"{self.op} request {self.request_id} still in flight after "
-                                  f"{timeout:.3f}s (its own deadline is {self.timeout:.3f}s)")
-            if time.perf_counter() < spin_until:
-                os.sched_yield()
-                continue
-            # a long request: give a core back to UCX's progress and the peer (2-core hosts),
-            # napping longer the longer it runs, but waking as soon as what we wait for ends
-            own_thread = getattr(self._xfer, "block", None)  # a prefill's ready may start one
-            if own_thread is not None:
-                own_thread(NAP_MAX)
-            elif self.uses_peer:
-                self.peer.await_frame(nap)  # the prefill's answer ends the nap
-            else:
-                time.sleep(nap)
-            nap = min(nap * 2, NAP_MAX)
-        self.peer.client.consumed(self)
-        return self.result()
+        return _block(self, timeout)
 
     @property
     def pooled(self) -> bool:
@@ -359,6 +327,44 @@ class TransferHandle:
         self._error = error
         self.settled = settled
         self.state = FAILED
+
+
+def _block(handle: TransferHandle, timeout: float | None) -> TransferResult:
+    """``TransferHandle.wait``: poll until the request ends, spinning first where our polls
+    drive its copy, then napping longer the longer it runs."""
+    if handle.poll() != PENDING:  # already ended (a batch's handles after its first)
+        handle.peer.client.consumed(handle)
+        return handle.result()
+    until = None if timeout is None else time.monotonic() + timeout
+    own_thread = getattr(handle._xfer, "block", None)  # a copy that a thread of ours runs
+    # spin first, yielding, where our polls drive the transfer: a READ, a staged copy's
+    # READs, and a push, whose WRITE completes only as our UCX worker progresses (a nap
+    # held it back); not where a thread of ours runs the copy (it has its own wait)
+    spins = own_thread is None
+    spin_until = time.perf_counter() + (
+        handle.peer.pace.spin_seconds(handle.op, handle.nbytes) if spins else 0.0)
+    nap = NAP_FIRST
+    while handle.poll() == PENDING:
+        if handle.pooled:  # the others through the pools move too (their runs free ours)
+            handle.peer.advance_pooled(handle)
+        if until is not None and time.monotonic() > until:
+            raise WaitTimeout(f"{handle.op} request {handle.request_id} still in flight after "
+                              f"{timeout:.3f}s (its own deadline is {handle.timeout:.3f}s)")
+        if time.perf_counter() < spin_until:
+            os.sched_yield()
+            continue
+        # a long request: give a core back to UCX's progress and the peer (2-core hosts),
+        # napping longer the longer it runs, but waking as soon as what we wait for ends
+        own_thread = getattr(handle._xfer, "block", None)  # a prefill's ready may start one
+        if own_thread is not None:
+            own_thread(NAP_MAX)
+        elif handle.uses_peer:
+            handle.peer.await_frame(nap)  # the prefill's answer ends the nap
+        else:
+            time.sleep(nap)
+        nap = min(nap * 2, NAP_MAX)
+    handle.peer.client.consumed(handle)
+    return handle.result()
 
 
 def _seconds(value) -> float | None:

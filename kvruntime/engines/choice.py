@@ -111,7 +111,7 @@ class LaneProbe:
     UCX selects (and logs, ucxlog.py) the protocol this pair's memory takes, then refuse a
     device-memory lane on TCP — before any KV moves, never silently. One per client."""
 
-    def __init__(self, agent, cache, draining, timeout: float):
+    def __init__(self, agent, cache, *, draining, timeout: float):
         self.agent = agent
         self.cache = cache
         self.draining = draining  # the client's: a probe still in flight is released there
@@ -127,7 +127,7 @@ class LaneProbe:
                     np.array([[address, n, device]], dtype=np.uint64), peer.agent,
                     self._scratch.mem_type, peer.info.mem_type)
         plan = make_plan(peer.info.layout, [0])
-        probe = PostedTransfer(self.agent, "READ", plan, None, None, True, b"", 1, rows)
+        probe = PostedTransfer(self.agent, "READ", plan=plan, rows=rows)
         until = time.monotonic() + self.timeout
         try:
             while probe.poll() == "PROC":

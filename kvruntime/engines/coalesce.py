@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import KVRuntimeError
+from ..nixl.registration import Registration
 from ..pools.staging import StagingExhausted, StagingPool
 from ..tp import rows_per_chunk
 from ..wire import messages
@@ -107,6 +108,26 @@ class PoolRegistration:
             self._reg = None
 
 
+def open_pools(stack, agent, cache, kv_buffer: str, coalesce: str, staging_blocks):
+    """The memory a side's NIXL ``agent`` sees, registered, each end pushed onto ``stack``
+    (an ExitStack: decode/client.py, prefill/server.py): host-staged, a staging pool, never
+    the cache; else the cache, and unless ``coalesce`` is "never" a pool beside it for
+    coalesced requests (registered before the agent's metadata goes out). Returns (the
+    host-staging pool or None, the pool requests go through or None, the Registration)."""
+    staging = pool = None
+    if kv_buffer == "host_staged":
+        staging = pool = StagingPool(cache.layout, staging_blocks or cache.layout.num_blocks,
+                                     cache)
+        stack.callback(pool.close)
+    elif coalesce != "never":
+        pool = make_pool(cache, staging_blocks)
+        stack.callback(pool.close)
+        stack.callback(PoolRegistration(agent, pool).close)
+    registration = Registration(agent, staging.cache if staging else cache)
+    stack.callback(registration.close)
+    return staging, pool, registration
+
+
 def offer(pool: StagingPool | None, why_not: str = "") -> dict:
     """The prefill's answer to a decode's "pool" frame: where its pool is, or why none."""
     if pool is None:
@@ -171,7 +192,7 @@ def _read(peer, local_rows, remote_rows, remote_mem: str) -> float:
     local_mem = client.pool.cache.mem_type
     rows = Rows(local_rows, remote_rows, peer.agent, local_mem, remote_mem)
     t = time.perf_counter()
-    xfer = PostedTransfer(client.agent, "READ", None, None, None, True, b"", 1, rows)
+    xfer = PostedTransfer(client.agent, "READ", rows=rows)
     until = time.monotonic() + client.timeout
     while xfer.poll() == "PROC":
         if time.monotonic() > until:

@@ -295,7 +295,7 @@ class HostEngine:
 
     name = "samenode:process_vm_readv"
 
-    def __init__(self, pid: int, remote_regions, local_cache, remote_layout: KVLayout,
+    def __init__(self, pid: int, remote_regions, local_cache, *, remote_layout: KVLayout,
                  streams: int = 1):
         self.pid = pid
         self.remote = np.array([r[0] for r in remote_regions], dtype=np.uint64)
@@ -588,7 +588,8 @@ def open_engine(offer: dict, sock, local_cache, remote_layout: KVLayout, remote_
     if mem != local_cache.mem_type:
         raise SameNodeUnavailable(f"peer memory is {mem}, ours {local_cache.mem_type}")
     if mem == "DRAM":
-        engine = HostEngine(pid, remote_regions, local_cache, remote_layout, host_streams)
+        engine = HostEngine(pid, remote_regions, local_cache, remote_layout=remote_layout,
+                            streams=host_streams)
     else:
         exported = offer.get("cuda_ipc")
         if not isinstance(exported, list) or len(exported) != remote_layout.num_regions:

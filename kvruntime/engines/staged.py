@@ -47,7 +47,7 @@ class StagedPull(CopyJob):
     # failed) frees the prefill's pool blocks and releases the request
     tells_prefill = False
 
-    def __init__(self, peer, plan: TransferPlan, request_id: str, deadline_wall: float,
+    def __init__(self, peer, plan: TransferPlan, request_id: str, *, deadline_wall: float,
                  route: PoolRoute):
         super().__init__("READ", plan)
         self.peer = peer
@@ -202,7 +202,9 @@ class StagedPull(CopyJob):
         if self._local is not None and len(self._chunks) < len(self._ready):
             try:
                 for rows in self._ready[len(self._chunks):]:
-                    self._chunks.append(_Chunk(rows, self._post(pool, rows)))
+                    self._chunks.append(_Chunk(rows, read_rows(
+                        self.peer, self.route, self.plan, (self._local, self._remote[0]),
+                        self._hs, rows)))
             except KVRuntimeError as exc:
                 self._fail(str(exc))
                 return self.state
@@ -277,29 +279,6 @@ class StagedPull(CopyJob):
             return
         self.peer.await_frame(seconds)
 
-    def _post(self, pool, rows: tuple[int, int]):
-        """READ rows ``rows`` of the prefill's run into the same rows of ours: one range (the
-        run is region-major, rows are contiguous), one descriptor."""
-        import numpy as np
-
-        from ..nixl.transfer import PostedTransfer, Rows
-
-        unit, row = pool.layout.block_bytes, pool.row_bytes(self._hs)
-        off, length = rows[0] * row, (rows[1] - rows[0]) * row
-        local = pool.cache.regions[0]
-        local_at = local.address + self._local * unit + off
-        remote_at = self.route.remote[0] + self._remote[0] * unit + off
-        engine = self.peer.pool_engine  # same host: our reader threads instead of NIXL
-        if engine is not None:
-            return engine.read("READ", self.plan, np.array([local_at], dtype=np.uint64),
-                               np.array([remote_at], dtype=np.uint64),
-                               np.array([length], dtype=np.uint64))
-        rows_ = Rows(np.array([[local_at, length, local.device_id]], dtype=np.uint64),
-                     np.array([[remote_at, length, self.route.remote[2]]], dtype=np.uint64),
-                     self.peer.agent, local.mem_type, self.route.remote_mem)
-        return PostedTransfer(self.peer.client.agent, "READ", self.plan, None, None, True, b"",
-                              1, rows_)
-
     def _fail(self, why: str) -> None:
         self.error = why
         self._done("ERR")
@@ -328,18 +307,8 @@ class StagedPull(CopyJob):
         if self._local is not None:
             local, units, pool = self._local, self._remote[1], self.route.pool
             self._local = None
-            if not running:
-                pool.release(local, units)
-            else:
-                left = [len(running)]
-
-                def ended():  # the last READ into them has ended: the units are free again
-                    left[0] -= 1
-                    if not left[0]:
-                        pool.release(local, units)
-
-                for xfer in running:
-                    self.peer.client.draining.add(xfer, ended, self.peer.agent)
+            free_once_read(pool, local, units, running, self.peer.client.draining,
+                           self.peer.agent)
         if not self._unstaged and not self.peer.broken:  # gone: the prefill frees ours
             self._unstaged = True
             try:
@@ -363,6 +332,48 @@ class StagedPull(CopyJob):
         return TransferResult("READ", nbytes, self.seconds, self.plan.num_runs,  # our heads
                               self._descriptors + len(self._chunks), None,
                               engine=self.route.engine)
+
+
+def read_rows(peer, route: PoolRoute, plan: TransferPlan, units: tuple[int, int], hs: int,
+              rows: tuple[int, int]):
+    """READ rows ``rows`` of the prefill's run at unit ``units[1]`` of its pool into the same
+    rows of ours at ``units[0]`` (runs of ``hs`` heads): one range (the run is region-major,
+    rows are contiguous), one descriptor; the same-node engine's reader threads on one host."""
+    import numpy as np
+
+    from ..nixl.transfer import PostedTransfer, Rows
+
+    unit, row = route.pool.layout.block_bytes, route.pool.row_bytes(hs)
+    off, length = rows[0] * row, (rows[1] - rows[0]) * row
+    local = route.pool.cache.regions[0]
+    local_at = local.address + units[0] * unit + off
+    remote_at = route.remote[0] + units[1] * unit + off
+    engine = peer.pool_engine  # same host: our reader threads instead of NIXL
+    if engine is not None:
+        return engine.read("READ", plan, np.array([local_at], dtype=np.uint64),
+                           np.array([remote_at], dtype=np.uint64),
+                           np.array([length], dtype=np.uint64))
+    rows_ = Rows(np.array([[local_at, length, local.device_id]], dtype=np.uint64),
+                 np.array([[remote_at, length, route.remote[2]]], dtype=np.uint64),
+                 peer.agent, local.mem_type, route.remote_mem)
+    return PostedTransfer(peer.client.agent, "READ", plan=plan, rows=rows_)
+
+
+def free_once_read(pool, start: int, units: int, running: list, draining, owner: str) -> None:
+    """Free ``units`` units of ``pool`` at ``start`` now, or, while READs into them are still
+    in flight (``running``, held by ``draining`` with their ``owner``), once the last ends."""
+    if not running:
+        pool.release(start, units)
+        return
+    left = [len(running)]
+
+    def ended():  # the last READ into them has ended: the units are free again
+        left[0] -= 1
+        if not left[0]:
+            pool.release(start, units)
+
+    for xfer in running:
+        draining.add(xfer, ended, owner)
 
 
 def pieces(blocks: int, heads: int, route: PoolRoute, request_id: str) -> list[tuple[int, int]]:

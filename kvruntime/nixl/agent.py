@@ -141,6 +141,7 @@ class Agent:
         self,
         name: str,
         binding: NixlBinding | None = None,
+        *,
         device_kind: str = "cpu",
         ucx_threads: int = 0,
         progress_thread: bool = False,

@@ -54,8 +54,12 @@ class PostedTransfer:
 
     waiting: str | None = None  # past its deadline it waited for the peer (jobs.Job)
 
-    def __init__(self, agent: Agent, op: str, plan: TransferPlan, local_dlist, remote_dlist,
-                 remote_is_src: bool, notif: bytes, split: int = 1, rows: "Rows | None" = None):
+    def __init__(self, agent: Agent, op: str, *, plan: TransferPlan | None = None,
+                 local_dlist=None, remote_dlist=None, rows: "Rows | None" = None,
+                 notif: bytes = b"", split: int = 1):
+        """Either ``rows`` (this request's own descriptor lists) or ``plan`` over the prepared
+        ``local_dlist`` and ``remote_dlist`` (cut ``split`` pieces a run); ``notif``: the NIXL
+        notification the remote side gets when it ends (empty: none)."""
         self.agent = agent
         self.op = op
         self.plan = plan
@@ -74,6 +78,7 @@ class PostedTransfer:
                     nixl.get_xfer_descs(rows.remote, rows.remote_mem), rows.remote_agent, notif)
             else:
                 src_idx, dst_idx = plan.nixl_indices(split)
+                remote_is_src = op == "READ"
                 local_idx, remote_idx = (dst_idx, src_idx) if remote_is_src else (src_idx, dst_idx)
                 self._handle = agent.call("make_prepped_xfer", nixl.make_prepped_xfer, op,
                                           local_dlist, local_idx, remote_dlist, remote_idx, notif)

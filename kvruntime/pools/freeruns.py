@@ -10,7 +10,11 @@ H100 VM, paid by both sides of every coalesced request on its critical path.
 
 from __future__ import annotations
 
+import threading
+import time
 from bisect import bisect_left, bisect_right
+
+from ..errors import StagingExhausted
 
 
 class FreeRuns:
@@ -67,3 +71,23 @@ class FreeRuns:
     def runs(self) -> list[tuple[int, int]]:
         """The free runs, ``(start, end)`` each, in order."""
         return list(zip(self._starts, self._ends))
+
+
+def take_waiting(free: FreeRuns, cv: threading.Condition, n: int, deadline: float) -> int:
+    """``n`` consecutive units of ``free`` (guarded by ``cv``, notified when units are given
+    back), waited for until ``deadline`` (monotonic), never longer: past it, StagingExhausted
+    with the pool's numbers."""
+    t0 = time.monotonic()
+    with cv:
+        while True:
+            start = free.take(n)
+            if start is not None:
+                return start
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise StagingExhausted(
+                    f"staging pool exhausted: {n} units wanted, largest free run "
+                    f"{free.largest} of {free.units}, waited "
+                    f"{time.monotonic() - t0:.3f}s until the request's deadline")
+            cv.wait(left)
+

@@ -32,20 +32,18 @@ deadline, then fails with the numbers.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import threading
-import time
 from dataclasses import replace
-from functools import cached_property
 
-from .. import native
-from ..errors import KVRuntimeError, TransferError
+from ..errors import KVRuntimeError, StagingExhausted
 from ..layout import CROSS_LAYER, KVLayout
 from .bounce import SLOT_BYTES, BounceRing, pieces, streams
-from .freeruns import FreeRuns
+from .freeruns import FreeRuns, take_waiting
+from .hostcopy import HostCopies
 from .poolcopy import copy_rows
+from .views import PoolViews
 
 log = logging.getLogger("kvruntime")
 
@@ -77,28 +75,12 @@ def resolve_kv_buffer(kv_buffer: str | None, device_kind: str = "cpu",
     return value
 
 
-class StagingExhausted(TransferError):
-    """No run of free staging blocks large enough came free before the deadline."""
-
-
 def staging_layout(layout: KVLayout, units: int) -> KVLayout:
     """The pool's layout: ``units`` of one KV head of one block over all layers, K and V. Both
     sides count in these units whatever their TP size, so a run moves between pools of ranks
     with different head counts as one descriptor."""
     return KVLayout(CROSS_LAYER, layout.num_layers, units, layout.tokens_per_block, 1,
                     layout.head_dim, layout.dtype, 1)
-
-
-def _byte_regions(cache) -> list:
-    """Each region of ``cache`` as a flat uint8 torch tensor (device tensors, or host memory
-    wrapped without a copy)."""
-    import torch
-
-    if cache.tensors is not None:
-        return cache._byte_views()
-    n = cache.layout.region_bytes
-    return [torch.frombuffer((ctypes.c_uint8 * n).from_address(r.address), dtype=torch.uint8)
-            for r in cache.regions]
 
 
 POOL_MEMORY = ("host", "device")
@@ -109,15 +91,10 @@ POOL_MEMORY = ("host", "device")
 # MiB 2038 µs, 1 GiB in 16 of 64 MiB 8170 µs, 510 µs a chunk both), more than its gather or
 # scatter (~0.1 ms for 64 MiB) or its wire across NVLink (~0.19 ms): few large chunks there.
 CHUNK_BYTES = {"host": 4 << 20, "device": 64 << 20}
-# A host scatter of at most this many bytes runs in the poll that sees its chunk land instead
-# of on the pool's scatter thread: the hand-off and the wake-up cost ~200 µs on the 2-core host
-# under load (a 1-block coalesced pull: 1060 µs, of which 230 from the READ's end to the
-# scatter's), more than copying this much (~60 µs at the ~4 GB/s of a scattered host copy).
-INLINE_SCATTER_BYTES = 256 << 10
 MAX_CHUNKS = {"host": 16, "device": 4}
 
 
-class StagingPool:
+class StagingPool(PoolViews):
     """``blocks`` staging blocks for caches of ``layout``: a KVCache of its own (what gets
     registered with NIXL), an allocator of consecutive runs, and gather/scatter.
 
@@ -159,7 +136,7 @@ class StagingPool:
         # a device pool's launches, one thread at a time: the streams' caller event and their
         # pinned upload slots are shared (a prefill serves its decodes from several threads)
         self._launch = threading.Lock()
-        self._scatters = None  # a host cache's scatters run on a thread of their own
+        self._host = None  # host memory both sides: its copies (hostcopy.py)
         self._region_views: dict = {}  # (h0, h1) -> the regions' views of those heads
         self._stacked_views: dict = {}  # (h0, h1) -> cross_layer: them all as one view
         if memory == "device":
@@ -170,26 +147,9 @@ class StagingPool:
                                     max(row, bounce_bytes // self._pool_words.element_size()))
         else:  # host memory both sides: C copies of the pieces (native.py), no torch op (a
             # host prefill or decode never imports torch for its pool: 2-9 s of its start)
-            self._bases, self._strides = _region_bases(device_cache)
-
-    # torch's views of the pool and the cache, made on first use (device pools, the bounce
-    # ring, and the index ops' tests on CPU tensors), once: a request's prologue
-    @cached_property
-    def _pool(self):
-        return _byte_regions(self.cache)[0]
-
-    @cached_property
-    def _device(self):
-        return _byte_regions(self.device_cache)
-
-    @cached_property
-    def _pool_words(self):
-        return self._words(self._pool)
-
-    @cached_property
-    def _head_words(self) -> int:
-        lay = self.device_layout
-        return lay.head_dim * lay.element_bytes // self._pool_words.element_size()
+            self._host = HostCopies(device_cache, layout,
+                                    run_base=self.cache.regions[0].address,
+                                    unit_bytes=self.layout.block_bytes, row_bytes=self.row_bytes)
 
     def _pin(self) -> None:
         """Page-lock the pool for CUDA copies (without it a copy to pageable memory is staged
@@ -227,19 +187,7 @@ class StagingPool:
         if n > self.units:
             raise StagingExhausted(f"a request of {n} units cannot fit a staging pool of "
                                    f"{self.units} units: size the pool for the largest request")
-        t0 = time.monotonic()
-        with self._cv:
-            while True:
-                start = self._free.take(n)
-                if start is not None:
-                    return start
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise StagingExhausted(
-                        f"staging pool exhausted: {n} units wanted, largest free run "
-                        f"{self._free.largest} of {self.units}, waited "
-                        f"{time.monotonic() - t0:.3f}s until the request's deadline")
-                self._cv.wait(left)
+        return take_waiting(self._free, self._cv, n, deadline)
 
     def release(self, start: int, n: int) -> None:
         with self._cv:
@@ -270,52 +218,6 @@ class StagingPool:
         least = CHUNK_BYTES[self.memory] if chunk_bytes is None else chunk_bytes
         per = max(1, least // self.row_bytes(hs), -(-total // MAX_CHUNKS[self.memory]))
         return [(lo, min(total, lo + per)) for lo in range(0, total, per)]
-
-    def _run(self, start: int, n: int, hs: int):
-        lay = self.device_layout
-        return self._run_flat(start, n, hs).view(2 * lay.num_layers, n, lay.tokens_per_block,
-                                                 hs, self._head_words)
-
-    def _run_flat(self, start: int, n: int, hs: int):
-        """The run at ``start`` of ``n`` blocks of ``hs`` heads as flat words (one op)."""
-        u = self.layout.block_bytes // self._pool_words.element_size()
-        return self._pool_words[start * u:(start + n * hs) * u]
-
-    def _row_shape(self, hs: int) -> tuple:
-        """A block row of one region in a run: [tokens][hs][words of a head]."""
-        return (self.device_layout.tokens_per_block, hs, self._head_words)
-
-    def _regions(self, heads: tuple[int, int] | None = None) -> list:
-        """The device cache's regions (K or V of one layer) as [block][token][head][words of a
-        head] views, of heads ``heads`` (all by default); a cross_layer cache's are strided
-        views of its one region. Made once per head range (mixed TP has one or two)."""
-        lay = self.device_layout
-        heads = heads or (0, lay.num_kv_heads)
-        views = self._region_views.get(heads)
-        if views is None:
-            views, stacked = self._views_of(self._device, lay, heads)
-            self._region_views[heads] = views
-            if stacked is not None:
-                self._stacked_views[heads] = stacked
-        return views
-
-    def _views_of(self, regions: list, lay, heads: tuple[int, int]) -> tuple[list, object]:
-        """``regions`` (flat byte tensors of a cache of layout ``lay``) as the index ops see
-        them: per region [block][token][head][words] of heads ``heads``, and for cross_layer
-        all of them as one [region][block]... view (poolcopy.py), else None."""
-        nb, t, h = lay.num_blocks, lay.tokens_per_block, lay.num_kv_heads
-        h0, h1 = heads
-        if lay.kind == CROSS_LAYER:
-            whole = self._words(regions[0][:lay.region_bytes])
-            whole = whole.view(nb, 2 * lay.num_layers, t, h, -1)
-            views = [whole[:, r] for r in range(2 * lay.num_layers)]
-            stacked = whole.permute(1, 0, 2, 3, 4)[:, :, :, h0:h1, :]
-        else:
-            views = [self._words(r[:lay.region_bytes]).view(nb, t, h, -1) for r in regions]
-            stacked = None
-        if heads != (0, h):
-            views = [v[:, :, h0:h1, :] for v in views]
-        return views, stacked
 
     def warm(self) -> None:
         """A device pool: its gather's and scatter's kernels launched once now (CUDA loads a
@@ -358,25 +260,6 @@ class StagingPool:
                 st.record(event, st.compute)
             wait(event)
 
-    def _stacked(self, heads: tuple[int, int]):
-        """A cross_layer cache's regions of heads ``heads`` as one [region][block][token][head]
-        [words] view (its blocks hold every region); None for per_layer."""
-        self._regions(heads)
-        return self._stacked_views.get(heads)
-
-    def _words(self, flat):
-        """A byte range as the widest integers that divide a head's bytes: index ops then move
-        8 bytes an element instead of 1 (H100: index_select + pinned copy 0.92 of a pinned copy
-        as int64, 0.82 as bytes)."""
-        import torch
-
-        de = self.device_layout.head_dim * self.device_layout.element_bytes
-        for dtype, size in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-            aligned = all(t.data_ptr() % size == 0 for t in (self._pool, *self._device))
-            if de % size == 0 and aligned:
-                return flat.view(dtype)
-        return flat
-
     def ids(self, blocks):
         """Block ids (a list or a numpy array; the roles pass the plan's validated arrays) as
         int64 numpy: the ring uploads them itself, once per call, on its compute stream. A
@@ -397,40 +280,6 @@ class StagingPool:
         ids = np.asarray(blocks, dtype=np.int64)
         with self._launch, self._streams.compute_after_caller():
             return self._streams.upload_owned(ids)
-
-    def _pieces(self, ids, heads: tuple[int, int], rows: tuple[int, int]):
-        """A host cache's addresses of rows ``rows`` of a run of blocks ``ids``, heads
-        ``heads``: one piece a row (all heads: a region of a block is contiguous), else one a
-        token row of it. Returns (uint64 addresses, bytes a piece)."""
-        import numpy as np
-
-        lay = self.device_layout
-        head = lay.head_dim * lay.element_bytes
-        r, b = np.divmod(np.arange(rows[0], rows[1], dtype=np.int64), len(ids))
-        at = (self._bases[r] + ids[b].astype(np.uint64) * self._strides[r]
-              + np.uint64(heads[0] * head))
-        hs = heads[1] - heads[0]
-        if hs == lay.num_kv_heads:
-            return at, lay.page_bytes
-        row = np.uint64(lay.num_kv_heads * head)
-        within = np.arange(lay.tokens_per_block, dtype=np.uint64) * row
-        return (at[:, None] + within[None, :]).reshape(-1), hs * head
-
-    def _host_copy(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int],
-                   gather: bool) -> None:
-        """Rows ``rows`` between a host cache and the run at ``start``: one C call (its
-        copies without the GIL), or piece by piece through ctypes where native.py is off."""
-        addresses, length = self._pieces(ids, heads, rows)
-        hs = heads[1] - heads[0]
-        run = (self.cache.regions[0].address + start * self.layout.block_bytes
-               + rows[0] * self.row_bytes(hs))
-        copy = native.piece_copy()
-        if copy is not None:
-            copy(run, addresses, length) if gather else copy(addresses, run, length)
-            return
-        for i, at in enumerate(addresses.tolist()):
-            there = run + i * length
-            ctypes.memmove(there, at, length) if gather else ctypes.memmove(at, there, length)
 
     def _device_copy(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int],
                      gather: bool):
@@ -480,7 +329,7 @@ class StagingPool:
         if self._streams is not None:
             return self._device_copy(ids, start, heads, rows, True)
         if self._ring is None:
-            self._host_copy(ids, start, heads, rows, True)
+            self._host.copy(ids, start, heads, rows, True)
             return None
         shape = self._row_shape(hs)
         fills = pieces(range(rows[0] // n, -(-rows[1] // n)), n, math.prod(shape),
@@ -517,32 +366,12 @@ class StagingPool:
         if self._streams is not None:
             return self._device_copy(ids, start, heads, rows, False)
         if self._ring is None:
-            if (rows[1] - rows[0]) * self.row_bytes(hs) <= INLINE_SCATTER_BYTES:
-                return self._scatter_now(ids, start, heads, rows)
-            if self._scatters is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._scatters = ThreadPoolExecutor(1, thread_name_prefix="kvr-scatter")
-            return self._scatters.submit(self._host_copy, ids, start, heads, rows, False)
+            return self._host.scatter(ids, start, heads, rows)
         shape = self._row_shape(hs)
         fills = pieces(range(rows[0] // n, -(-rows[1] // n)), n, math.prod(shape),
                        self._ring.slot_words)
         return self._ring.scatter(fills, self._run_flat(start, n, hs), self._regions(heads),
                                   ids, shape)
-
-    def _scatter_now(self, ids, start: int, heads: tuple[int, int], rows: tuple[int, int]):
-        """A host scatter shorter than handing it to the scatter thread, done in this call;
-        returned as that thread's would be (a future, its error kept for ``wait``)."""
-        from concurrent.futures import Future
-
-        future = Future()
-        try:
-            self._host_copy(ids, start, heads, rows, False)
-        except Exception as exc:
-            future.set_exception(exc)
-        else:
-            future.set_result(None)
-        return future
 
     def close(self) -> None:
         if self._pinned:
@@ -550,9 +379,9 @@ class StagingPool:
 
             torch.cuda.cudart().cudaHostUnregister(self.cache.regions[0].address)
             self._pinned = False
-        if self._scatters is not None:
-            self._scatters.shutdown(wait=True)
-        self._pool = self._ring = self._streams = self._scatters = None
+        if self._host is not None:
+            self._host.close()
+        self._pool = self._ring = self._streams = self._host = None
         self._device = []
         self.cache.close()
 
@@ -580,22 +409,6 @@ def done(event) -> bool:
     if event is None:
         return True
     return event.done() if hasattr(event, "result") else event.query()
-
-
-def _region_bases(cache):
-    """A host cache's per-region (address of block 0, bytes from one block to the next), as
-    uint64 arrays indexed by region (K or V of one layer)."""
-    import numpy as np
-
-    lay = cache.layout
-    regions = 2 * lay.num_layers
-    if lay.kind == CROSS_LAYER:
-        bases = [cache.regions[0].address + r * lay.page_bytes for r in range(regions)]
-        stride = lay.block_bytes
-    else:
-        bases = [region.address for region in cache.regions]
-        stride = lay.page_bytes
-    return (np.array(bases, dtype=np.uint64), np.full(regions, stride, dtype=np.uint64))
 
 
 # Where the bounce ring copies, a staged run is answered in this many pieces (whole regions

@@ -75,7 +75,8 @@ class Writes:
     ``release(agent, request)`` says a request's blocks are free; ``wake()`` wakes the progress
     loop; ``peers_lock`` is the server's, held while a decode's agent is added or removed."""
 
-    def __init__(self, agent, registration, cache, timeout: float, release, wake, peers_lock):
+    def __init__(self, agent, registration, cache, *, timeout: float, release, wake,
+                 peers_lock):
         self.agent = agent
         self.registration = registration
         self.cache = cache
@@ -182,9 +183,10 @@ class Writes:
         with self.lock:
             if (peer.agent, request) in self._writes:
                 raise KVRuntimeError(f"request {request!r} is already in flight")
-            xfer = PostedTransfer(self.agent, "WRITE", plan, self.registration.local_dlist,
-                                  self.registration.peer_dlist(peer.agent), False,
-                                  notif, split, rows)
+            xfer = PostedTransfer(
+                self.agent, "WRITE", plan=plan, local_dlist=self.registration.local_dlist,
+                remote_dlist=self.registration.peer_dlist(peer.agent), rows=rows, notif=notif,
+                split=split)
             self._writes[(peer.agent, request)] = _Write(peer, request, xfer, deadline,
                                                          bool(notif))
             self._spin_until = max(self._spin_until, xfer.start + self._pace.spin_seconds(
@@ -271,7 +273,7 @@ class Pushes:
     The server's connections are ``peers`` (agent -> connection); ``writes`` posts and answers
     the WRITEs, and its ``release``/``wake`` serve the pushes too."""
 
-    def __init__(self, writes: Writes, stats, peers: dict, staged: bool, pooled: bool):
+    def __init__(self, writes: Writes, stats, peers: dict, *, staged: bool, pooled: bool):
         self.writes = writes
         # the server's, as the WRITEs have them
         self.cache, self.timeout, self._release, self._wake = (

@@ -29,20 +29,18 @@ import logging
 import os
 import socket
 import threading
-import time
 from collections import deque
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 
 from .. import native
 from ..engines import coalesce as coalescing
 from ..engines.samenode import NodeToken, serve_offer
 from ..errors import KVRuntimeError, PeerError
-from ..host.naps import tighten_timer_slack
 from ..host.peercred import peer_uid
 from ..layout import KVLayout
 from ..memory import KVCache
 from ..nixl.agent import Agent, shm_free, ucx_threads, unique_name
-from ..nixl.registration import Registration
 from ..nixl.transports import offered_transports, shm_am_across_users
 from ..options import Options
 from ..plan import Planner, make_plan
@@ -54,6 +52,7 @@ from ..wire.handshake import PeerInfo, serve_handshake
 from ..wire.listener import Listener
 from ..wire.mailbox import Mailbox
 from ..wire.releases import Released
+from .progress import Progress
 from .pushes import Pushes, Writes
 from .stages import MAX_STAGE_SECONDS, Stages
 
@@ -143,7 +142,6 @@ class PrefillServer:
         # the pool staged requests are gathered into: the host-staged one, or a direct
         # server's for its decodes' coalesced requests (coalesce.py; none for "never")
         self.pool: StagingPool | None = None
-        self._pool_reg: coalescing.PoolRegistration | None = None
         self.secret = o.secret
         self.timeout = o.timeout
         self.stats = ServerStats()
@@ -163,48 +161,52 @@ class PrefillServer:
             shm_free())
         # the GPU whose nearest NIC carries its memory to other hosts (transports.cross_host)
         device_id = cache.regions[0].device_id if nixl_memory != "cpu" else None
-        self.agent = Agent(o.name or unique_name("prefill"), o.binding, nixl_memory, threads,
-                           device_id=device_id)
-        try:
-            if o.kv_buffer == "host_staged":  # NIXL sees the staging pool, never the cache
-                self.staging = StagingPool(cache.layout,
-                                           o.staging_blocks or cache.layout.num_blocks, cache)
-                self.pool = self.staging
-            elif o.coalesce != "never":  # registered before our metadata goes out
-                self.pool = coalescing.make_pool(cache, o.staging_blocks)
-                self._pool_reg = coalescing.PoolRegistration(self.agent, self.pool)
-            self.registration = Registration(self.agent, self.staging.cache if self.staging
-                                             else cache)
-            # accepting within limits, a thread a connection (listener.py)
-            self.listener = Listener(host, port, self.stats, self._serve_connection, self._stop,
-                                     max_connections, max_handshaking_per_address)
+        # Each part's end is pushed as it is made; close() ends them in the reverse order (a
+        # constructor that fails half way ends those it made): stop and stop accepting, drop
+        # each peer, our pushes and WRITEs, then the memory and the agent under them.
+        with ExitStack() as stack:
+            self.agent = Agent(o.name or unique_name("prefill"), o.binding,
+                               device_kind=nixl_memory, ucx_threads=threads, device_id=device_id)
+            stack.callback(self.agent.close)
+            self.staging, self.pool, self.registration = coalescing.open_pools(
+                stack, self.agent, cache, o.kv_buffer, o.coalesce, o.staging_blocks)
             # our WRITEs and the pushes they serve (prefill/pushes.py)
-            self.writes = Writes(self.agent, self.registration, cache, o.timeout, self._release,
-                                 self._work.set, self._peers_lock)
-            self.pushes = Pushes(self.writes, self.stats, self._peers, self.staging is not None,
-                                 self.pool is not None and self.staging is None)
+            self.writes = Writes(self.agent, self.registration, cache, timeout=o.timeout,
+                                 release=self._release, wake=self._work.set,
+                                 peers_lock=self._peers_lock)
+            stack.callback(self.writes.close)
+            self.pushes = Pushes(self.writes, self.stats, self._peers,
+                                 staged=self.staging is not None,
+                                 pooled=self.pool is not None and self.staging is None)
+            stack.callback(self.pushes.close)
             # requests through our pool: gathered, answered chunk by chunk, held (stages.py)
-            self.stages = Stages(self.pool, cache, o.timeout, self._release, self._work.set,
-                                 max_stage_seconds)
-        except Exception:
-            if self._pool_reg is not None:
-                self._pool_reg.close()
-            if self.pool is not None:
-                self.pool.close()
-            self.agent.close()
-            raise
-        if o.secret is None and not _loopback(host):
-            # NIXL metadata grants access to the registered memory: without a secret, anyone
-            # who can reach this port can read (and write) this cache.
-            log.warning("PrefillServer on %s:%s has NO shared secret: any host that reaches this "
-                        "port gets read/write access to the KV cache; pass secret=... (or bind "
-                        "to 127.0.0.1)", host, self.address[1])
-        registered = self.staging.cache if self.staging else cache
-        self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
-                             self.registration.region_triples(), registered.mem_type, o.kv_buffer,
-                             cache.layout if self.staging else None, o.tp_rank, o.app)
+            self.stages = Stages(self.pool, cache, timeout=o.timeout, release=self._release,
+                                 wake=self._work.set, max_seconds=max_stage_seconds)
+            stack.callback(self._drop_peers)
+            # accepting within limits, a thread a connection (listener.py); bound last, so
+            # that everything a connection is served by is there first
+            self.listener = Listener(
+                host, port, self.stats, serve=self._serve_connection, stop=self._stop,
+                max_connections=max_connections,
+                max_handshaking_per_address=max_handshaking_per_address)
+            stack.callback(self.listener.close)
+            stack.callback(self._stop.set)
+            if o.secret is None and not _loopback(host):
+                # NIXL metadata grants access to the registered memory: without a secret,
+                # anyone who can reach this port can read (and write) this cache.
+                log.warning("PrefillServer on %s:%s has NO shared secret: any host that "
+                            "reaches this port gets read/write access to the KV cache; pass "
+                            "secret=... (or bind to 127.0.0.1)", host, self.address[1])
+            registered = self.staging.cache if self.staging else cache
+            self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
+                                 self.registration.region_triples(), registered.mem_type,
+                                 o.kv_buffer, cache.layout if self.staging else None,
+                                 o.tp_rank, o.app)
+            self._teardown = stack.pop_all()
         self.listener.spawn(self.listener.accept_loop, "kvr-accept")
-        self.listener.spawn(self._progress_loop, "kvr-progress")
+        progress = Progress(self.agent, self.writes, self.pushes, self.stages, stop=self._stop,
+                            work=self._work)
+        self.listener.spawn(progress.run, "kvr-progress")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -365,46 +367,6 @@ class PrefillServer:
         ``start_push`` of it now is posted at once."""
         return self.pushes.expects(request, peer)
 
-    # -- completion --------------------------------------------------------------------------
-    def _progress_loop(self) -> None:
-        """Our WRITEs in flight, staged requests, and our UCX worker's progress. Polls without
-        sleeping while a WRITE should end soon (``Writes.spinning``), tightly while WRITEs are
-        in flight, every millisecond otherwise (a new push wakes it); its naps end on time
-        (this thread's timer slack is 1 µs, not 50: naps.py)."""
-        tighten_timer_slack()
-        busy = False
-        while not self._stop.is_set():
-            if busy and self.writes.spinning:  # a WRITE that should end soon: no sleep's delay
-                os.sched_yield()
-            elif busy or self.stages.queued:
-                time.sleep(0.00005)
-            else:
-                self._work.wait(0.001)
-                self._work.clear()
-            try:
-                if self.stages.held:
-                    self.stages.expire()
-                if self.pushes.waiting:
-                    self.pushes.expire()
-                if self.stages.queued:
-                    self.stages.serve()
-                # our UCX worker's progress (WRITEs in flight, peers' requests); nothing of
-                # ours sends notifications (protocol 6), so any that come are only logged
-                notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
-            except Exception as exc:
-                if not self._stop.is_set():
-                    log.warning("polling notifications: %s", exc)
-                notifs = {}
-            for agent, notes in notifs.items():
-                log.warning("ignoring %d NIXL notification(s) from %s: kvruntime peers release "
-                            "blocks by frame", len(notes), agent)
-            try:
-                busy = self.writes.progress()
-            except Exception:
-                if not self._stop.is_set():
-                    log.exception("progressing WRITEs")
-                busy = False
-
     def _release(self, agent: str, request: str) -> None:
         peer = self._peers.get(agent)
         if peer is not None:  # a push we readied for it ends here (its release, its unstage)
@@ -433,18 +395,11 @@ class PrefillServer:
         if self._closed:
             return
         self._closed = True
-        self._stop.set()
-        self.listener.close()
+        self._teardown.close()  # in the order the constructor gave (there)
+
+    def _drop_peers(self) -> None:
         for peer in list(self._peers.values()):
             self._drop_peer(peer)
-        self.pushes.close()
-        self.writes.close()
-        self.registration.close()
-        if self._pool_reg is not None:
-            self._pool_reg.close()
-        if self.pool is not None:
-            self.pool.close()
-        self.agent.close()
 
     def __enter__(self):
         return self

@@ -33,7 +33,7 @@ class Stages:
     refused (a stage_failed that says so), never let replace the first: the first's run may
     still be READ by the decode, and a replaced record was a run nothing would ever free."""
 
-    def __init__(self, pool, cache, timeout: float, release, wake,
+    def __init__(self, pool, cache, *, timeout: float, release, wake,
                  max_seconds: float = MAX_STAGE_SECONDS):
         self.pool = pool
         self.cache = cache

@@ -58,7 +58,7 @@ class PeerChannel(Channel):
     ``on_ready(handle, message)`` takes a "ready" for a push the decode copies itself;
     ``on_lost()`` closes the peer once the channel is lost."""
 
-    def __init__(self, sock, session: frames.Session, name: str, timeout: float, progress,
+    def __init__(self, sock, session: frames.Session, name: str, *, timeout: float, progress,
                  on_ready, on_lost):
         super().__init__(sock, session)
         self.name = name

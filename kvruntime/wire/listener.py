@@ -22,7 +22,7 @@ class Listener:
     ``admitted(host)`` once its handshake is over and ``hang_up(sock)`` at its end; ``stop`` is
     the server's: set, everything winds down."""
 
-    def __init__(self, host: str, port: int, stats, serve, stop: threading.Event,
+    def __init__(self, host: str, port: int, stats, *, serve, stop: threading.Event,
                  max_connections: int, max_handshaking_per_address: int):
         self._sock = socket.create_server((host, port), backlog=64)
         self._sock.settimeout(0.2)

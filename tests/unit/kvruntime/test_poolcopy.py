@@ -102,7 +102,7 @@ def test_a_whole_request_matches_the_host_copy(kind):
         pool.gather(ids, 0, heads, chunk)
     device_path = pool._pool.clone()
     pool._pool.zero_()
-    pool._host_copy(ids, 0, heads, rows, True)
+    pool._host.copy(ids, 0, heads, rows, True)
     assert torch.equal(device_path, pool._pool)
     before = [t.clone() for t in tensors]
     for t in tensors:
