@@ -34,7 +34,8 @@ from dataclasses import replace
 from .. import native
 from ..engines import choice as engines
 from ..engines import coalesce as coalescing
-from ..engines.samenode import ENGINES, REHEARSALS, Batch, SharedJob, host_copy_streams
+from ..engines.engine import Engine, NotChosen
+from ..engines.samenode import ENGINES, host_copy_streams
 from ..engines.staged import StagedPull
 from ..errors import IncompatiblePeerError, KVRuntimeError, PeerError, WaitTimeout
 from ..host.peercred import peer_uid
@@ -75,21 +76,23 @@ class PrefillPeer:
                                    on_lost=self.close)
         # requests done here whose blocks the prefill may free (releases.py)
         self.releases = Pending(self, client.releaser)
-        # what moves its requests (engines/choice.py): a same-node engine when one serves this peer;
-        # host-staged and on this host, the engine that copies its pool's runs into ours
-        self.samenode = None
-        self.pool_engine = None
+        # what moves its requests (engines/engine.py), chosen once at the connect (choice.py)
+        self.mover: Engine = NotChosen()
         self._planner: Planner | None = None  # made at the connect (plan.py)
         self.pace = Pace()  # how fast it has moved requests: how long a wait spins (pace.py)
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
-        self.lanes = None  # UCX's protocols of our agent after the connect-time probe (ucxlog)
-        self.engine_reason = "not asked"  # why the engine in use was chosen
-        # through the pools (staging.py): a host-staged peer's requests, or a direct NIXL
-        # peer's coalesced ones (coalesce.py), and the model auto chooses by
-        self.route = None
-        self._rehearsal = None  # a failed rehearsal's scratch (rehearse)
-        self.coalesce_model = None
-        self.coalesce_reason = "not a NIXL peer"  # why requests may (not) go coalesced
+
+    # what its engine says of itself, for reports and results (engines/engine.py)
+    engine = property(lambda self: self.mover.name, doc='What moves its requests: "nixl", '
+                      '"host_staged", or the same-node engine ("samenode:...").')
+    engine_reason = property(lambda self: self.mover.reason, doc="Why that engine.")
+    staged_copy = property(lambda self: self.mover.staged_copy, doc="Host-staged: what moves a "
+                           "staged run from the prefill's pool into ours; None for a direct peer.")
+    samenode = property(lambda self: self.mover.samenode, doc="The same-node engine, or None.")
+    route = property(lambda self: self.mover.route, doc="The way through the staging pools.")
+    coalesce_model = property(lambda self: self.mover.coalesce_model)
+    coalesce_reason = property(lambda self: self.mover.coalesce_reason)
+    lanes = property(lambda self: self.mover.lanes, doc="UCX's lanes after the connect's probe.")
 
     @property
     def closed(self) -> bool:
@@ -101,154 +104,50 @@ class PrefillPeer:
         return self.channel.broken
 
     @property
-    def engine(self) -> str:
-        """What moves this peer's requests: "nixl", "host_staged", or the same-node engine."""
-        if self.client.staging is not None:
-            return "host_staged"
-        return self.samenode.name if self.samenode is not None else "nixl"
-
-    @property
-    def staged_copy(self) -> str | None:
-        """Host-staged: what moves a staged run from the prefill's pool into ours (NIXL, or
-        the same-node engine's reads); None for a direct peer."""
-        if self.client.staging is None:
-            return None
-        return self.pool_engine.name if self.pool_engine is not None else "nixl"
-
-    @property
     def name(self) -> str:
         return f"prefill {self.address[0]}:{self.address[1]}"
 
-    def _new_request(self) -> str:
-        return f"{os.getpid()}-{next(_request_ids)}"
+    def use(self, engine: Engine) -> None:
+        """Its engine, chosen at the connect (engines/choice.py); then its first request's
+        costs paid now (the planner, a same-node engine's rehearsal)."""
+        self.mover = engine
+        self.planner()
+        engine.rehearse(self)
 
     # -- starting requests -------------------------------------------------------------------
     def start_pull(self, src_blocks, dst_blocks=None, request_id: str | None = None,
                    timeout: float = 30.0, split: int | None = None) -> TransferHandle:
         """Post a READ of the peer's ``src_blocks`` into our ``dst_blocks``; once it is done, a
         release frame tells the prefill side it may free the request's blocks. ``split``:
-        NIXL descriptors per run of blocks (None: ``read_split`` chooses)."""
+        NIXL descriptors per run of blocks (None: ``read_split`` chooses). The engine chooses
+        the road: our copy on the same-node engine; the pools for a host-staged peer or a
+        coalesced request; else one READ with the caches' lists."""
         t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
-        return self._start_read(self.make_handle("pull", request_id, plan, timeout, t0), split)
-
-    def _start_read(self, handle: TransferHandle, split: int | None) -> TransferHandle:
-        """A pull's road, the one rule for ``start_pull`` and each request of a
-        ``start_pulls`` batch the same-node engine does not gather: our copy on the same-node
-        engine; the pools for a host-staged peer (NIXL holds the pools there, never the
-        caches: a READ with the registration's lists would read pool into pool) or a
-        coalesced request; else one READ with the caches' lists."""
-        if self.samenode is not None:
-            return self.start_local(handle)
-        if self.client.staging is not None or coalescing.choose(self, handle):
-            return self._start_staged(handle)
-        return self._post_read(handle, split)
-
-    def _start_staged(self, handle: TransferHandle, new: bool = True) -> TransferHandle:
-        """Through the pools (staging.py: host-staged, or coalesced): the prefill gathers into
-        its pool chunk by chunk, we READ each chunk into ours and scatter it. A push takes
-        the same road (the outcome is the push's), and so does a push the prefill started
-        (``new`` False: its handle already waits for frames, decode/pushes.py's ready)."""
-        if new:
-            self.channel.check_new(handle.request_id)
-        # larger than the pools: in pieces; not even a block fits: refused now (StagedPull)
-        job = StagedPull(self, handle.plan, handle.request_id,
-                         deadline_wall=time.time() + handle.deadline - time.monotonic(),
-                         route=self.route)
-        handle.attach(job)
-        handle.uses_peer = True  # the prefill's "staged" answer comes over the side channel
-        if new:
-            self.channel.expect(handle)
-        self.client.track(handle)
-        job.send()
-        return handle
-
-    def start_staged(self, handle: TransferHandle) -> TransferHandle:
-        """A push the prefill started, through the pools (its ready is here: decode/pushes.py)."""
-        return self._start_staged(handle, new=False)
-
-    def read_split(self, plan: TransferPlan) -> int:
-        """Pieces per run for a READ of ``plan`` when the caller names none (``split_runs``)."""
-        return split_runs(plan.descriptor_count, self.read_threads)
-
-    @property
-    def read_threads(self) -> int:
-        """The UCX threads a READ from this peer spreads over: the agent's for host memory
-        read whole blocks at a time, else 1."""
-        if self.client.cache.mem_type != "DRAM" or self.head_slice is not None:
-            return 1
-        return self.client.agent.ucx_threads
-
-    def _post_read(self, handle: TransferHandle, split: int | None) -> TransferHandle:
-        reg = self.client.registration
-        if split is None:
-            split = self.read_split(handle.plan)
-        rows = None
-        if self.head_slice is not None:  # mixed TP, direct: our heads of each token row
-            s, src, dst = self.head_slice, *handle.plan.block_ids()
-            rows = Rows(head_rows(self.client.cache.layout, reg.region_triples(), dst, s.dst),
-                        head_rows(self.info.layout, self.info.regions, src, s.src), self.agent,
-                        self.client.cache.mem_type, self.info.mem_type)
-            handle.nbytes = rows.nbytes
-        # No NIXL notification on the READ: one keeps the READ (and the next one on this
-        # connection) from completing until the prefill's UCX worker progresses, which its
-        # idle loop does every millisecond (H100 VM: a 16 MiB READ 1043 µs with one, 80
-        # without). The release goes over the side channel once the READ is done.
-        handle.attach(PostedTransfer(
-            self.client.agent, "READ", plan=handle.plan, local_dlist=reg.local_dlist,
-            remote_dlist=reg.peer_dlist(self.agent), rows=rows, split=split))
-        self.client.track(handle)
-        return handle
+        return self.mover.pull(self, self.make_handle("pull", request_id, plan, timeout, t0),
+                               split)
 
     def start_push(self, src_blocks, dst_blocks=None, request_id: str | None = None,
                    timeout: float = 30.0, split: int = 1) -> TransferHandle:
         """Ask the prefill side to WRITE its ``src_blocks`` into our ``dst_blocks``. Done when
         the prefill's reply is in: it sends it once NIXL has flushed the WRITE (NIXL flushes
-        every connection of a transfer before calling it done), i.e. the data has landed."""
+        every connection of a transfer before calling it done), i.e. the data has landed.
+        The same-node engine copies it itself, a coalesced one goes as a pull (the outcome is
+        the push's)."""
         t0 = time.perf_counter()
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
         self.channel.check_new(request_id)
-        handle = self.make_handle("push", request_id, plan, timeout, t0)
-        if self.client.staging is not None:
-            return self._start_staged(handle)
-        if self.samenode is None and coalescing.choose(self, handle):  # the pull's road
-            return self._start_staged(handle)
-        if self.samenode is not None:
-            # Same node: we copy out of the prefill's memory ourselves; the outcome (blocks
-            # here, the prefill told it may free them) is the push's, at the pull's speed.
-            return self.start_local(handle)
-        src, dst = plan.block_ids()
-        self.channel.expect(handle)
-        self.client.track(handle)
-        # The deadline travels as wall-clock time: the prefill refuses a push it reads after
-        # it (a stalled prefill must not write into blocks the caller was told are free).
-        if 3 * plan.num_runs < 2 * len(src):  # its runs are shorter than its ids: they go
-            blocks = {"runs": frames.pack_runs(plan.run_src, plan.run_dst, plan.run_count)}
-        else:
-            blocks = {"src": frames.pack_ids(src), "dst": frames.pack_ids(dst)}
-        self.send(messages.PUSH.build(request=request_id, **blocks, timeout=timeout,
-                                      deadline=time.time() + timeout, split=split))
-        return handle
+        return self.mover.push(self, self.make_handle("push", request_id, plan, timeout, t0),
+                               split)
 
     def expect_push(self, dst_blocks, request_id: str | None = None,
                     timeout: float = 30.0) -> TransferHandle:
         """Tell the prefill where request ``request_id``'s blocks go here, ahead of time; the
-        prefill pushes them when it has them (``PrefillServer.start_push``):
-
-        - over NIXL it WRITEs them, and the handle is done when the WRITE's NIXL notification
-          arrives: NIXL sends it once the data has landed. Nothing crosses the side channel
-          between the prefill's start and the data's arrival, so a push costs what its WRITE
-          costs. The handle's seconds run from the prefill's start to the notification's
-          arrival, by the two hosts' wall clocks;
-        - on the same-node engine it sends its block ids (a "ready" frame) and we copy them
-          out of its memory, as a pull does: one gather, not a WRITE of a descriptor a run
-          (on one GPU also not two processes' CUDA contexts taking turns). The handle is done
-          when the copy is, timed from the prefill's start (one host, one clock).
-
-        Our UCX worker must progress for the notification to arrive (and, on some
-        transports, for the WRITE to finish): a caller's polls do that (``get_finished``,
-        ``wait``), or a NIXL progress thread (``ucx_threads``). Past ``timeout`` the request
-        fails and the prefill is told to drop it; a WRITE it has started is aborted."""
+        prefill pushes them when it has them (``PrefillServer.start_push``): over NIXL its
+        WRITE's notification finishes the handle, on the same-node engine we copy them on
+        its "ready" (decode/pushes.py says how, and what a caller's polls must do). Past
+        ``timeout`` the request fails and the prefill is told to drop it; a WRITE it has
+        started is aborted."""
         return pushed.expect(self, dst_blocks, request_id, timeout, time.perf_counter())
 
     def start_pulls(self, requests, timeout: float = 30.0) -> list[TransferHandle]:
@@ -273,61 +172,81 @@ class PrefillPeer:
         admitted = list(zip(plans, [self.name_request(rid) for _, _, rid in requests]))
         if len({rid for _plan, rid in admitted}) != len(admitted):
             raise KVRuntimeError("a request id appears twice in one batch")
-        if self.samenode is None:  # split 1, as the batch has always posted its READs
-            return [self._start_read(self.make_handle("pull", rid, plan, timeout, t0), 1)
-                    for plan, rid in admitted]
-        job = self.samenode.start("READ", merged, self.head_slice)
-        batch = Batch(job)
-        handles = batch.handles
-        for plan, rid in admitted:
-            handle = self.make_handle("pull", rid, plan, timeout, t0)
-            handle.attach(SharedJob(batch, plan))
-            handles.append(handle)
-        self.client.track_all(handles)
-        return list(handles)
+        return self.mover.pulls(self, admitted, merged, timeout, t0)
 
-    def rehearse(self) -> None:
-        """At connect, for a same-node engine: a pull's whole path on this host (the plan,
-        the handle, the engine's start, the polls and the wait) run REHEARSALS times, each
-        moving a scratch request (the engine's ``scratch_request``: its copies land in scratch,
-        never the cache; the prefill is told nothing). What a first request paid after the
-        kernels' warm-up was host time (one H100, 16 MiB: the engine's start took 178-315
-        µs the first time, 122-175 the second, ~50 later; the request 3.4x the median):
-        CPython specializes a function's code only after its first runs, and numpy, ctypes
-        and torch build their call paths at their first calls. A rehearsal that fails is
-        logged, never fatal: the first requests pay it then."""
-        engine = self.samenode
-        scratch = engine.scratch_request() if engine is not None else None
-        if scratch is None:
-            return
-        plan, start = scratch
-        try:
-            for _ in range(REHEARSALS):
-                handle = self.make_handle("pull", "rehearsal", plan, self.client.timeout,
-                                          time.perf_counter())
-                job = start()
-                job.tells_prefill = False  # no request of the prefill's
-                handle.attach(job)
-                handle.uses_peer = False
-                handle.wait()
-        except Exception as exc:
-            # a copy that missed its deadline may still write into the scratch: kept as long
-            # as the engine, whose close waits for the devices before anything is let go
-            self._rehearsal = scratch
-            log.info("%s: rehearsing the request path failed: %s", self.name, exc)
-
-    def make_handle(self, op, request_id, plan, timeout, t0) -> TransferHandle:
-        handle = TransferHandle(self, op, request_id, plan=plan, timeout=timeout, started=t0)
-        if self.head_slice is not None:  # mixed TP: what lands is this peer's share of our heads
-            handle.nbytes = (plan.nbytes * self.head_slice.count
-                             // self.client.cache.layout.num_kv_heads)
+    # -- the roads an engine starts a request on (engines/engine.py) ---------------------------
+    def start_staged(self, handle: TransferHandle, route, new: bool = True) -> TransferHandle:
+        """Through the pools by ``route`` (staging.py: host-staged, or coalesced): the prefill
+        gathers into its pool chunk by chunk, we READ each chunk into ours and scatter it. A
+        push takes the same road (the outcome is the push's), and so does a push the prefill
+        started (``new`` False: its handle already waits for frames, decode/pushes.py's
+        ready)."""
+        if new:
+            self.channel.check_new(handle.request_id)
+        # larger than the pools: in pieces; not even a block fits: refused now (StagedPull)
+        job = StagedPull(self, handle.plan, handle.request_id,
+                         deadline_wall=time.time() + handle.deadline - time.monotonic(),
+                         route=route)
+        # the prefill's "staged" answers come over the side channel
+        handle.attach(job, uses_peer=True)
+        if new:
+            self.channel.expect(handle)
+        self.client.track(handle)
+        job.send()
         return handle
 
-    def start_local(self, handle: TransferHandle) -> TransferHandle:
-        handle.attach(self.samenode.start("READ", handle.plan, self.head_slice))
-        handle.uses_peer = False  # a push too: we copy, and tell the prefill once it is done
+    def post_read(self, handle: TransferHandle, split: int | None) -> TransferHandle:
+        """One NIXL READ with the caches' lists (mixed TP: our heads of each token row)."""
+        reg = self.client.registration
+        if split is None:
+            split = self.read_split(handle.plan)
+        rows = None
+        if self.head_slice is not None:  # mixed TP, direct: our heads of each token row
+            s, src, dst = self.head_slice, *handle.plan.block_ids()
+            rows = Rows(head_rows(self.client.cache.layout, reg.region_triples(), dst, s.dst),
+                        head_rows(self.info.layout, self.info.regions, src, s.src), self.agent,
+                        self.client.cache.mem_type, self.info.mem_type)
+        # No NIXL notification on the READ: one keeps the READ (and the next one on this
+        # connection) from completing until the prefill's UCX worker progresses, which its
+        # idle loop does every millisecond (H100 VM: a 16 MiB READ 1043 µs with one, 80
+        # without). The release goes over the side channel once the READ is done.
+        handle.attach(PostedTransfer(
+            self.client.agent, "READ", plan=handle.plan, local_dlist=reg.local_dlist,
+            remote_dlist=reg.peer_dlist(self.agent), rows=rows, split=split),
+            nbytes=None if rows is None else rows.nbytes)
         self.client.track(handle)
         return handle
+
+    def start_local(self, handle: TransferHandle, job) -> TransferHandle:
+        """The same-node engine's copy ``job`` moves it (a push too: we copy, and tell the
+        prefill once it is done)."""
+        handle.attach(job, uses_peer=False)
+        self.client.track(handle)
+        return handle
+
+    def ask_push(self, handle: TransferHandle, split: int) -> TransferHandle:
+        """A push the prefill WRITEs: asked for with a "push" frame (decode/pushes.py)."""
+        return pushed.ask(self, handle, split)
+
+    def read_split(self, plan: TransferPlan) -> int:
+        """Pieces per run for a READ of ``plan`` when the caller names none (``split_runs``)."""
+        return split_runs(plan.descriptor_count, self.read_threads)
+
+    @property
+    def read_threads(self) -> int:
+        """The UCX threads a READ from this peer spreads over: the agent's for host memory
+        read whole blocks at a time, else 1."""
+        if self.client.cache.mem_type != "DRAM" or self.head_slice is not None:
+            return 1
+        return self.client.agent.ucx_threads
+
+    def make_handle(self, op, request_id, plan, timeout, t0, *,
+                    by_prefill: bool = False) -> TransferHandle:
+        # mixed TP: what lands is this peer's share of our heads
+        nbytes = (plan.nbytes if self.head_slice is None else
+                  plan.nbytes * self.head_slice.count // self.client.cache.layout.num_kv_heads)
+        return TransferHandle(self, op, request_id, plan=plan, timeout=timeout, started=t0,
+                              nbytes=nbytes, by_prefill=by_prefill)
 
     def release_later(self, request_ids: list) -> None:
         """``request_ids`` are done here (a pull's READ, a same-node copy): the prefill may
@@ -366,7 +285,7 @@ class PrefillPeer:
 
     def name_request(self, request_id) -> str:
         if request_id is None:
-            return self._new_request()
+            return f"{os.getpid()}-{next(_request_ids)}"
         if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
             raise KVRuntimeError("request_id must be a non-empty string of at most 256 chars")
         return request_id
@@ -420,44 +339,18 @@ class PrefillPeer:
     def in_flight(self) -> int:
         return sum(1 for h in self.client.inflight_handles() if h.peer is self)
 
-    def _settle_pushes(self) -> None:
-        """Before the close hangs up: pushes the prefill WRITEs fail and are cancelled, and
-        the prefill's answers, read for at most the client's timeout, settle them (it answers
-        a cancel once the WRITE has ended). After the hang-up nothing reads its answers: they
-        stayed unsettled for good although the prefill lived. One it does not answer in time
-        stays unsettled, its error says so. Only a close with such pushes waits."""
-        why = "the decode closed its connection to the prefill before the push ended"
-        asked = [(h, h.close_push(why)) for h in list(self.channel.pending.values())]
-        waiting = [h for h, what in asked if what is not None]
-        for handle, what in asked:
-            if what == "cancel":
-                self.channel.cancel(handle.request_id)
-        start = time.monotonic()
-        until = start + self.client.timeout
-        while (any(not h.settled for h in waiting) and not self.channel.losing
-               and time.monotonic() < until):
-            self.pump()  # the answers, and our worker's progress (a WRITE over tcp needs it)
-            if any(not h.settled for h in waiting):
-                self.await_frame(min(0.005, max(0.0, until - time.monotonic())))
-        for handle, what in asked:  # one failed by its deadline keeps that error
-            if what == "cancel":
-                handle.closed_unanswered(why, time.monotonic() - start)
-
     def close(self) -> None:
         if self.closed:
             return
         if not self.channel.losing:  # what finished before the close still frees its blocks
             self.releases.flush()
             if not self.broken:
-                self._settle_pushes()
+                pushed.settle_on_close(self)
         self.channel.closed = True  # nothing goes out now but the "bye"
         for handle in [h for h in self.client.inflight_handles() if h.peer is self]:
             handle.on_peer_lost(self.broken or "the connection was closed")
         self.channel.hang_up()
-        for engine in (self.samenode, self.pool_engine):
-            if engine is not None:  # opened memory lives exactly as long as the peer
-                engine.close()
-        self.samenode = self.pool_engine = self._rehearsal = None
+        self.mover.close()  # opened memory lives exactly as long as the peer
         self.client.forget(self)
 
 
@@ -529,12 +422,9 @@ class DecodeClient:
             stack.callback(self._close_peers)
             # what the same-node engine's first connect would pay (its gather kernel), paid
             # now: None where no same-node CUDA engine can serve, else what was done
-            self.prewarmed = None
-            if engine != "nixl" and o.kv_buffer != "host_staged" and cache.mem_type == "VRAM":
-                start = time.perf_counter()
-                from ..engines.gather import prewarm
-
-                self.prewarmed = prewarm(cache)
+            start = time.perf_counter()
+            self.prewarmed = engines.prewarm(engine, o.kv_buffer, cache)
+            if self.prewarmed is not None:
                 log.info("%s: %s in %.0f ms", self.agent.name, self.prewarmed,
                          (time.perf_counter() - start) * 1e3)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
@@ -590,10 +480,7 @@ class DecodeClient:
             raise
         self._peers[address] = peer
         try:
-            engines.choose(peer, self.engine, self._probe)
-            coalescing.open_route(peer)
-            peer.planner()  # made now, not by the first request
-            peer.rehearse()
+            peer.use(engines.choose(peer, self.engine, self._probe))
         except BaseException:
             peer.close()
             raise

@@ -40,14 +40,15 @@ class TransferHandle:
     this module, and a handle needs no name of its peer's class)."""
 
     def __init__(self, peer, op: str, request_id: str, *, plan: TransferPlan,
-                 timeout: float, started: float | None = None):
+                 timeout: float, started: float | None = None, nbytes: int | None = None,
+                 by_prefill: bool = False):
         self.peer = peer
         self.op = op
         self.request_id = request_id
         self.plan = plan
         # bytes that land here: the plan's blocks, or the head slice of them one prefill rank
-        # holds (mixed TP, set by the peer)
-        self.nbytes = plan.nbytes
+        # holds (mixed TP: the peer's)
+        self.nbytes = plan.nbytes if nbytes is None else nbytes
         self.timeout = timeout
         self.started = time.perf_counter() if started is None else started  # before planning
         self.deadline = time.monotonic() + timeout
@@ -64,7 +65,7 @@ class TransferHandle:
         self.reported = False
         # a push the prefill starts (expect_push): done by its WRITE's notification, timed
         # from its start (the notification's "posted") to the notification's arrival here
-        self.by_prefill = False
+        self.by_prefill = by_prefill
         self._arrived: float | None = None  # wall clock, as "posted" is the prefill's
         # a direct NIXL request: whether it went through the pools, and why (coalesce.py)
         self.coalesce: tuple[bool, str] | None = None
@@ -129,12 +130,33 @@ class TransferHandle:
         return (f"<TransferHandle {self.op} {self.request_id} {self.state} "
                 f"{self.plan.num_blocks} blocks>")
 
-    def attach(self, xfer: Job) -> None:
+    def attach(self, xfer: Job, *, uses_peer: bool | None = None,
+               nbytes: int | None = None) -> None:
         """The copy that moves this request (jobs.py), timed from the caller's start_* call:
         planning and the launch count (the copy may run while the host is still launching
-        it)."""
+        it). ``uses_peer``: whether its progress needs the side channel (None: as it was);
+        ``nbytes``: what lands, where the copy says (a READ of head-slice rows)."""
         xfer.start = self.started
         self._xfer = xfer
+        if uses_peer is not None:
+            self.uses_peer = uses_peer
+        if nbytes is not None:
+            self.nbytes = nbytes
+
+    def replan(self, plan: TransferPlan, started: float | None) -> None:
+        """A push the prefill started, at its "ready": from here it is our copy's ``plan``,
+        timed from the prefill's start (``started`` on our clock; None: as it was)."""
+        self.plan = plan
+        if started is not None:
+            self.started = started
+
+    def chose_coalesce(self, chosen: bool, why: str) -> None:
+        """Whether it goes through the pools, and why (coalesce.py): said in its result."""
+        self.coalesce = (chosen, why)
+
+    @property
+    def coalesced(self) -> bool:
+        return bool(self.coalesce and self.coalesce[0])
 
     # -- progress (called with the peer's I/O already pumped) ----------------------------------
     def advance(self) -> None:

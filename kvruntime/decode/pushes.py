@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 
-from ..engines import coalesce as coalescing
 from ..errors import KVRuntimeError, TransferError
 from ..plan import Planner, TransferPlan, make_plan, spans_ids
 from ..wire import frames, messages
@@ -29,9 +28,9 @@ def expect(peer, dst_blocks, request_id: str | None, timeout: float,
     """``PrefillPeer.expect_push``: name our blocks for ``request_id`` (an "expect" frame);
     the handle waits for the prefill's push. ``t0``: when the caller called."""
     peer.check_request(timeout)
-    if peer.client.staging is not None:
-        raise KVRuntimeError(f"{peer.name}: a host-staged decode cannot be pushed into "
-                             f"(NIXL holds its staging pool, not its cache); pull instead")
+    refused = peer.mover.pushes_refused(peer)
+    if refused is not None:
+        raise KVRuntimeError(refused)
     if peer.info.kv_buffer == "host_staged":
         raise KVRuntimeError(f"{peer.name} is host-staged: it pushes nothing directly; pull "
                              f"instead")
@@ -39,21 +38,30 @@ def expect(peer, dst_blocks, request_id: str | None, timeout: float,
     plan = make_plan(peer.client.cache.layout, dst_blocks)
     request_id = peer.name_request(request_id)
     peer.channel.check_new(request_id)
-    handle = peer.make_handle("push", request_id, plan, timeout, t0)
-    handle.by_prefill = True
-    # same node: "send the ids when ready, we copy"; through the pools (coalesce.py): "send
-    # the ids when ready, we have them staged and READ them as a pull" (our pool taken then,
-    # not while the prefill computes)
-    if peer.samenode is not None:
-        copy = {"copy": True}
-    elif coalescing.choose(peer, handle):
-        copy = {"stage": True}
-    else:
-        copy = {}
+    handle = peer.make_handle("push", request_id, plan, timeout, t0, by_prefill=True)
+    copy = peer.mover.expect(peer, handle)  # how the prefill is to deliver (engines/engine.py)
     peer.channel.expect(handle)
     peer.client.track(handle)
     peer.send(messages.EXPECT.build(request=request_id, dst=frames.pack_ids(plan.block_ids()[0]),
                                     timeout=timeout, deadline=time.time() + timeout, **copy))
+    return handle
+
+
+def ask(peer, handle: TransferHandle, split: int) -> TransferHandle:
+    """``start_push`` over NIXL, not coalesced: a "push" frame asks the prefill to WRITE the
+    blocks; the handle waits for its answer."""
+    plan, request_id, timeout = handle.plan, handle.request_id, handle.timeout
+    src, dst = plan.block_ids()
+    peer.channel.expect(handle)
+    peer.client.track(handle)
+    # The deadline travels as wall-clock time: the prefill refuses a push it reads after
+    # it (a stalled prefill must not write into blocks the caller was told are free).
+    if 3 * plan.num_runs < 2 * len(src):  # its runs are shorter than its ids: they go
+        blocks = {"runs": frames.pack_runs(plan.run_src, plan.run_dst, plan.run_count)}
+    else:
+        blocks = {"src": frames.pack_ids(src), "dst": frames.pack_ids(dst)}
+    peer.send(messages.PUSH.build(request=request_id, **blocks, timeout=timeout,
+                                  deadline=time.time() + timeout, split=split))
     return handle
 
 
@@ -70,20 +78,20 @@ def copy_ready(peer, handle: TransferHandle, message: dict) -> None:
             if handle.state != PENDING:
                 gave_up = True  # failed here first: the answer to its cancel settles it
                 raise KVRuntimeError("it had already failed here")
-            staged = bool(handle.coalesce and handle.coalesce[0])
-            if peer.samenode is None and not staged:
+            staged = handle.coalesced
+            if not peer.mover.copies_ready(handle):
                 raise KVRuntimeError("no same-node engine serves this peer here, and it was "
                                      "not asked for through the pools")
             plan = ready_plan(peer.planner(), handle.plan, message)
             posted = message.get("posted")
+            started = None
             if isinstance(posted, (int, float)) and not isinstance(posted, bool):
                 # its start on our clock: one host's wall clock, read on both sides
-                handle.started = time.perf_counter() - max(0.0, time.time() - posted)
-            handle.plan = plan  # from here it is our copy's, as a pull's
-            if staged:  # the prefill's "staged" answers come to this handle: not settled yet
-                peer.start_staged(handle)
-            else:
-                peer.start_local(handle)
+                started = time.perf_counter() - max(0.0, time.time() - posted)
+            handle.replan(plan, started)  # from here it is our copy's, as a pull's
+            # our copy, or (through the pools) a staged READ whose "staged" answers come to
+            # this handle: not settled yet (engines/engine.py)
+            peer.mover.ready(peer, handle)
             copied = True
         except Exception as exc:  # bad ids, or a launch that failed: this request fails,
             # whoever polled (an engine's get_finished) goes on with the others
@@ -131,3 +139,27 @@ def on_notif(peer, raw) -> str | None:
                 f"{str(request)[:80]!r})")
     handle.on_reply(message)
     return None
+
+
+def settle_on_close(peer) -> None:
+    """``PrefillPeer.close``, before it hangs up: pushes the prefill WRITEs fail and are
+    cancelled, and the prefill's answers, read for at most the client's timeout, settle them
+    (it answers a cancel once the WRITE has ended). After the hang-up nothing reads its
+    answers: they stayed unsettled for good although the prefill lived. One it does not
+    answer in time stays unsettled, its error says so. Only a close with such pushes waits."""
+    why = "the decode closed its connection to the prefill before the push ended"
+    asked = [(h, h.close_push(why)) for h in list(peer.channel.pending.values())]
+    waiting = [h for h, what in asked if what is not None]
+    for handle, what in asked:
+        if what == "cancel":
+            peer.channel.cancel(handle.request_id)
+    start = time.monotonic()
+    until = start + peer.client.timeout
+    while (any(not h.settled for h in waiting) and not peer.channel.losing
+           and time.monotonic() < until):
+        peer.pump()  # the answers, and our worker's progress (a WRITE over tcp needs it)
+        if any(not h.settled for h in waiting):
+            peer.await_frame(min(0.005, max(0.0, until - time.monotonic())))
+    for handle, what in asked:  # one failed by its deadline keeps that error
+        if what == "cancel":
+            handle.closed_unanswered(why, time.monotonic() - start)

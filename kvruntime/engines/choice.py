@@ -6,7 +6,8 @@ host-staged peer, what it opens is the prefill's staging pool); any other, or ``
 goes through NIXL, and ``engine="samenode"`` fails the connect with the reason when it cannot be
 used. Mixed TP keeps the same-node engine only where it copies head slices. Device memory over
 NIXL is probed once (``LaneProbe``), so that a lane on TCP is refused before any KV moves.
-``peer.engine_reason`` keeps why.
+``choose`` returns the peer's ``Engine`` (engine.py), which keeps why (``reason``); this is the
+one place that asks which engine a peer gets.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ from ..tp import HeadSlice, direct_slice, slice_from
 from ..wire import messages
 from ..wire.handshake import PeerInfo
 from ..wire.mailbox import MailboxReader
+from . import coalesce as coalescing
+from .engine import Engine, HostStagedEngine, NixlEngine, SameNodeEngine
 from .samenode import SameNodeUnavailable, open_engine
+from .staged import PoolRoute
 
 log = logging.getLogger(__name__)
 
@@ -38,28 +42,58 @@ def head_slice(theirs: PeerInfo, ours: PeerInfo, our_layout, staged: bool) -> He
     return direct_slice(*args)  # a row range of each block: the handshake checked the kinds
 
 
-def choose(peer, mode: str, probe: "LaneProbe") -> None:
+def choose(peer, mode: str, probe: "LaneProbe") -> Engine:
     """Choose and open ``peer``'s engine by the client's ``mode`` ("auto", "nixl",
-    "samenode"); raises when ``mode`` cannot be had or the device lanes are refused (the
-    caller closes the peer)."""
-    staged = peer.client.staging is not None
+    "samenode"), once, at its connect; raises when ``mode`` cannot be had or the device lanes
+    are refused (the caller closes the peer; what was opened here is closed here)."""
+    client = peer.client
+    staged = client.staging is not None
+    opened = None
     if mode == "nixl":
-        peer.engine_reason = f"{'host-staged: ' if staged else ''}NIXL: forced (engine='nixl')"
+        reason = f"{'host-staged: ' if staged else ''}NIXL: forced (engine='nixl')"
     else:
-        open_samenode(peer, required=mode == "samenode")
+        opened, reason, ring = open_samenode(peer, required=mode == "samenode")
+        if ring is not None:  # the prefill's readies, read from its memory as we poll
+            peer.channel.read_ring(ring)
         if peer.head_slice is not None and not staged:
-            check_engine_heads(peer, required=mode == "samenode")
+            opened, reason = check_engine_heads(peer, opened, reason,
+                                                required=mode == "samenode")
         if peer.closed or peer.broken:  # the side channel broke on the way
+            if opened is not None:
+                opened.close()
             raise PeerError(f"{peer.name}: the connection failed during the connect: "
                             f"{peer.broken or 'closed'}; connect again")
-    if peer.engine == "nixl" and "VRAM" in (peer.client.cache.mem_type, peer.info.mem_type):
-        probe.check(peer)
+    if staged:  # the prefill's pool is what it registered
+        info = peer.info
+        return HostStagedEngine(PoolRoute(client.staging, tuple(info.regions[0]), info.mem_type,
+                                          info.layout.num_blocks, "host_staged", opened,
+                                          "host_staged"), reason)
+    if opened is not None:
+        return SameNodeEngine(opened, reason)
+    lanes = None
+    if "VRAM" in (client.cache.mem_type, peer.info.mem_type):
+        lanes = probe.check(peer)
+    route, model, why = coalescing.open_route(peer)
+    return NixlEngine(reason, lanes, mode=client.coalesce, route=route, model=model,
+                      coalesce_reason=why)
 
 
-def open_samenode(peer, required: bool) -> None:
+def prewarm(mode: str, kv_buffer: str, cache) -> str | None:
+    """What the same-node engine's first connect would pay (its gather kernel), paid at the
+    client's start: None where no same-node CUDA engine can serve (``mode`` "nixl", a
+    host-staged client, host memory), else what was done."""
+    if mode == "nixl" or kv_buffer == "host_staged" or cache.mem_type != "VRAM":
+        return None
+    from .gather import prewarm as prewarm_gather
+
+    return prewarm_gather(cache)
+
+
+def open_samenode(peer, required: bool):
     """Ask the prefill for its same-node offer and open its memory — for a host-staged peer,
-    its staging pool; NIXL stays the path (and the reason is kept) when that cannot be proved
-    or opened."""
+    its staging pool. Returns (the opened engine or None, why, the prefill's ring of readies
+    or None); NIXL stays the path (and the reason is kept) when that cannot be proved or
+    opened."""
     client = peer.client
     staged = client.staging is not None
     try:
@@ -69,41 +103,41 @@ def open_samenode(peer, required: bool) -> None:
                              client.host_streams)
         proved = f"proved: {engine.proved}"
         if staged:
-            peer.pool_engine = engine
             n = engine.streams
-            peer.engine_reason = (f"host-staged: pool to pool by process_vm_readv over {n} "
-                                  f"thread{'s' if n > 1 else ''} ({proved})")
-        else:
-            peer.samenode = engine
-            peer.engine_reason = proved
-            peer.channel.ring = MailboxReader.from_offer(offer.get("pid"), offer)
+            return engine, (f"host-staged: pool to pool by process_vm_readv over {n} "
+                            f"thread{'s' if n > 1 else ''} ({proved})"), None
+        try:
+            ring = MailboxReader.from_offer(offer.get("pid"), offer)
+        except BaseException:
+            engine.close()
+            raise
+        return engine, proved, ring
     except KVRuntimeError as exc:
         if required:
             raise SameNodeUnavailable(f"{peer.name}: same-node engine unavailable: {exc}"
                                       ) from exc
-        peer.engine_reason = (f"{'host-staged: ' if staged else ''}NIXL: same-node engine "
-                              f"unavailable: {exc}")
-        log.info("%s: %s", peer.name, peer.engine_reason)
+        reason = (f"{'host-staged: ' if staged else ''}NIXL: same-node engine "
+                  f"unavailable: {exc}")
+        log.info("%s: %s", peer.name, reason)
+        return None, reason, None
 
 
-def check_engine_heads(peer, required: bool) -> None:
-    """Mixed TP: keep the same-node engine only if it copies head slices (CUDA IPC on one
-    GPU); otherwise NIXL, one descriptor per token row of each block's head slice."""
-    engine = peer.samenode
+def check_engine_heads(peer, engine, reason: str, required: bool):
+    """Mixed TP: keep the same-node ``engine`` only if it copies head slices (CUDA IPC on
+    one GPU); otherwise NIXL, one descriptor per token row of each block's head slice.
+    Returns (the engine kept or None, why)."""
     if engine is not None and engine.moves_head_slices:
-        peer.engine_reason += "; mixed TP: one strided copy per region of the head slice"
         engine.warm_heads(peer.head_slice)  # its kernel made now, not in the first request
-        return
+        return engine, reason + "; mixed TP: one strided copy per region of the head slice"
     why = (f"prefill TP {peer.info.cache_layout.tp_size} / decode TP "
            f"{peer.client.cache.layout.tp_size} moves head slices, which the same-node "
            f"engine here does not copy" + (f" ({engine.name})" if engine else ""))
     if engine is not None:
         engine.close()
-        peer.samenode = None
     if required:
         raise SameNodeUnavailable(f"{peer.name}: same-node engine unavailable: {why} (use "
                                   f"engine='nixl' or kv_buffer='host_staged')")
-    peer.engine_reason = f"NIXL: {why}; one descriptor per token row of each head slice"
+    return None, f"NIXL: {why}; one descriptor per token row of each head slice"
 
 
 class LaneProbe:
@@ -118,7 +152,8 @@ class LaneProbe:
         self.timeout = timeout
         self._scratch: Scratch | None = None  # the probe's destination (registration.py)
 
-    def check(self, peer) -> None:
+    def check(self, peer) -> list:
+        """Probe ``peer``'s lanes; returns them (UCX's protocols of our agent, ucxlog.py)."""
         if self._scratch is None:
             self._scratch = Scratch(self.agent, self.cache)
         address, _length, device = peer.info.regions[0]
@@ -140,9 +175,9 @@ class LaneProbe:
         finally:
             if not probe.abort():  # still in flight: released once UCX ends it
                 self.draining.add(probe, lambda: None, peer.agent)
-        peer.lanes = self.agent.lanes()
         self.agent.check_device_lanes(peer.name, self._scratch.mem_type == "VRAM",
                                       peer.info.mem_type == "VRAM")
+        return self.agent.lanes()
 
     def close(self) -> None:
         if self._scratch is not None:

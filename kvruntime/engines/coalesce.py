@@ -302,21 +302,14 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
         pool.release(start, max(units, gather_blocks * ours.num_kv_heads))
 
 
-def open_route(peer) -> None:
-    """At connect, once the engine is chosen: a host-staged peer's route (the prefill's pool is
-    what it registered); a direct NIXL peer's, asked of the prefill ("pool") and, for auto,
-    measured (``probe``). A prefill without a pool, or a bad offer, leaves requests direct,
-    and the reason is kept (``peer.coalesce_reason``)."""
-    client, info = peer.client, peer.info
-    if client.staging is not None:
-        peer.route = PoolRoute(client.staging, tuple(info.regions[0]), info.mem_type,
-                               info.layout.num_blocks, "host_staged")
-        return
-    if peer.engine != "nixl":
-        return
+def open_route(peer) -> tuple[PoolRoute | None, Model | None, str]:
+    """At connect, for a direct NIXL peer: its route through the pools, asked of the prefill
+    ("pool") and, for auto, measured (``probe``). A prefill without a pool, or a bad offer,
+    leaves requests direct. Returns (the route or None, the model or None, why requests may
+    or may not go coalesced: ``peer.coalesce_reason``)."""
+    client = peer.client
     if client.pool is None:
-        peer.coalesce_reason = "coalesce='never'"
-        return
+        return None, None, "coalesce='never'"
     try:
         round_trip = None
         for _ in range(3 if client.coalesce == "auto" else 1):  # auto's: the best of three
@@ -324,38 +317,38 @@ def open_route(peer) -> None:
             reply = peer.channel.call(messages.POOL, client.timeout)
             seconds = time.perf_counter() - t
             round_trip = seconds if round_trip is None else min(round_trip, seconds)
-        peer.route = route_from(reply, client.pool)
+        route = route_from(reply, client.pool)
     except KVRuntimeError as exc:
         if peer.broken:
             raise
-        peer.coalesce_reason = f"direct: {exc}"
-        log.info("%s: %s", peer.name, peer.coalesce_reason)
-        return
+        reason = f"direct: {exc}"
+        log.info("%s: %s", peer.name, reason)
+        return None, None, reason
     try:
-        warm(peer, peer.route)
+        warm(peer, route)
     except KVRuntimeError as exc:
         log.info("%s: warming the READ of its pool: %s", peer.name, exc)
     if client.coalesce != "auto":
-        peer.coalesce_reason = f"coalesce={client.coalesce!r}"
-        return
+        return route, None, f"coalesce={client.coalesce!r}"
+    model = None
     try:
-        peer.coalesce_model = probe(peer, peer.route, round_trip)
+        model = probe(peer, route, round_trip)
     except KVRuntimeError as exc:
         log.info("%s: coalescing probe: %s", peer.name, exc)
-    peer.coalesce_reason = ("auto: by the connect-time probe" if peer.coalesce_model else
-                            "direct: the connect-time probe could not run (our pool busy, or "
-                            "the peer's cache too small)")
+    return route, model, ("auto: by the connect-time probe" if model else
+                          "direct: the connect-time probe could not run (our pool busy, or "
+                          "the peer's cache too small)")
 
 
-def choose(peer, handle) -> bool:
-    """Whether a direct NIXL request goes through the pools; the choice and its reason go
-    into its result (``handle.coalesce``). One larger than the pools moves in pieces (said in
-    the reason); where not even a block fits, it is refused at once under "always"
-    (StagingExhausted, with the numbers) and goes direct under "auto"."""
-    mode, route = peer.client.coalesce, peer.route
+def choose(peer, handle, *, mode: str, route: PoolRoute | None, model: Model | None,
+           reason: str) -> tuple[bool, str]:
+    """Whether a direct NIXL request goes through the pools (``route``, by the client's
+    ``mode`` and the connect's ``model``; ``reason``: why, where neither decides), and why:
+    both go into its result. One larger than the pools moves in pieces (said in the reason);
+    where not even a block fits, it is refused at once under "always" (StagingExhausted,
+    with the numbers) and goes direct under "auto"."""
     if route is None or mode == "never":
-        handle.coalesce = (False, peer.coalesce_reason)
-        return False
+        return False, reason
     plan, lay = handle.plan, peer.client.cache.layout
     heads = peer.head_slice.count if peer.head_slice else lay.num_kv_heads
     units, fits = plan.num_blocks * heads, min(route.pool.units, route.remote_units)
@@ -366,20 +359,16 @@ def choose(peer, handle) -> bool:
                 f"{heads} units, the decode's pool {route.pool.units}, the prefill's "
                 f"{route.remote_units}; size the pools (staging_blocks) for at least one "
                 f"block, or coalesce='auto'")
-        handle.coalesce = (False, f"a block's {heads} units do not fit the pools ({fits} units)")
-        return False
+        return False, f"a block's {heads} units do not fit the pools ({fits} units)"
     # larger than the pools: in pieces as large as both hold, one after another (staged.py)
     count = -(-plan.num_blocks // (fits // heads))
     split = "" if count == 1 else f"; in {count} pieces ({units} units, the pools hold {fits})"
     if mode == "always":
-        handle.coalesce = (True, "coalesce='always'" + split)
-        return True
-    if peer.coalesce_model is None:
-        handle.coalesce = (False, peer.coalesce_reason)
-        return False
+        return True, "coalesce='always'" + split
+    if model is None:
+        return False, reason
     # mixed TP, direct: a descriptor a token row of each block's head slice
     descriptors = (plan.num_blocks * lay.num_regions * rows_per_chunk(lay)
                    if peer.head_slice is not None else plan.descriptor_count)
-    chosen, why = peer.coalesce_model.choose(descriptors, handle.nbytes, count)
-    handle.coalesce = (chosen, why + split if chosen else why)
-    return chosen
+    chosen, why = model.choose(descriptors, handle.nbytes, count)
+    return chosen, (why + split if chosen else why)

@@ -20,13 +20,16 @@ from ..wire import frames, messages
 class PoolRoute:
     """How a peer's requests go through the pools: ours, the peer's (its registered region, of
     its memory kind) and the engine name its results carry ("host_staged", or "nixl" for a
-    coalesced transfer of a direct peer)."""
+    coalesced transfer of a direct peer); ``reader``: host-staged on one host, the same-node
+    engine whose reader threads READ the prefill's pool (None: NIXL)."""
 
     pool: StagingPool
     remote: tuple[int, int, int]  # the peer's pool: (address, bytes, device id)
     remote_mem: str
     remote_units: int
     engine: str
+    reader: object = None
+    label: str = "coalesced"  # how its copies' errors name it: "host_staged", "coalesced"
 
 
 @dataclass
@@ -55,9 +58,8 @@ class StagedPull(CopyJob):
         # what moves it, as its errors name it (jobs.Job): the READs of the prefill's pool
         # runs, by NIXL or, host-staged on one host, the same-node engine's readers; its
         # result names route.engine ("host_staged", or "nixl" for a coalesced request)
-        reader = "NIXL" if peer.pool_engine is None else peer.pool_engine.name
-        self.engine = (f"host_staged {reader} READ" if route.engine == "host_staged" else
-                       f"coalesced {reader} READ")
+        reader = "NIXL" if route.reader is None else route.reader.name
+        self.engine = f"{route.label} {reader} READ"
         tp = peer.head_slice  # which of the prefill's heads, to which of ours
         self._src_heads = tp.src if tp else None
         self._dst_heads = tp.dst if tp else None
@@ -348,7 +350,7 @@ def read_rows(peer, route: PoolRoute, plan: TransferPlan, units: tuple[int, int]
     local = route.pool.cache.regions[0]
     local_at = local.address + units[0] * unit + off
     remote_at = route.remote[0] + units[1] * unit + off
-    engine = peer.pool_engine  # same host: our reader threads instead of NIXL
+    engine = route.reader  # same host: our reader threads instead of NIXL
     if engine is not None:
         return engine.read("READ", plan, np.array([local_at], dtype=np.uint64),
                            np.array([remote_at], dtype=np.uint64),

@@ -234,9 +234,9 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
     first_us = (time.perf_counter() - t) * 1e6
     rates, refs, lats, peer_rates, bare, res = [], [], [], [], [], None
     bare_one = None
-    if cfg.bare and peer.engine == "nixl" and op == "pull" and not res0.coalesced:
+    if cfg.bare and peer.mover.reads_direct and op == "pull" and not res0.coalesced:
         bare_one = lambda: _bare_read(peer, src, dst, split)  # noqa: E731
-    elif cfg.bare and peer.engine.startswith("samenode"):  # a push is our copy there too
+    elif cfg.bare and peer.samenode is not None:  # a push is our copy there too
         bare_one = lambda: _bare_copy(peer, src, dst)  # noqa: E731
     for i in range(cfg.iters):
         refs.append(reference.gbps(count * layout.block_bytes))
@@ -282,7 +282,7 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
         # (two medians apart would mix a slow request with a fast bare one)
         over = [lat - b for lat, b in zip(lats, bare)]
         row["bare_us"] = round(statistics.median(bare), 1)
-        row["bare"] = ("NIXL READ of the same descriptors" if peer.engine == "nixl" else
+        row["bare"] = ("NIXL READ of the same descriptors" if peer.mover.reads_direct else
                        f"{peer.engine} engine's copy of the same plan")
         row["overhead_us"] = round(statistics.median(over), 1)
         row["spread"]["overhead_us"] = [round(min(over), 1), round(max(over), 1)]

@@ -175,8 +175,7 @@ def _run_case(case: dict, spec: dict, model, binding, device: str) -> dict:
                     return {"skipped": str(exc)}
                 peers.append((j, peer, rank, index))
         out["seconds"]["connect"] = time.perf_counter() - start
-        out["engines"] = sorted({peer.engine + (" coalesced" if peer.engine == "nixl"
-                                                and peer.route else "")
+        out["engines"] = sorted({peer.engine + (" coalesced" if peer.mover.coalesces else "")
                                  for _j, peer, _r, _i in peers})
         start = time.perf_counter()
         if case["op"] == "pull":

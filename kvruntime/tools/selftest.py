@@ -160,7 +160,7 @@ def _run_mode(peer, cache, layout, device, op, engine, seed, options, index=0) -
             "digest_ok": not bad, "digests_checked": len(src),
             # UCX's lanes; a same-node engine's copies take none
             "transports": (peer.client.agent.transports()
-                           if peer.engine in ("nixl", "host_staged") else None),
+                           if peer.mover.over_nixl else None),
         })
         if bad:
             entry["reason"] = f"{len(bad)} block(s) differ, e.g. source block {bad[0]}"

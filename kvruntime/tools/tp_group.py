@@ -310,8 +310,7 @@ class _Rank:
         if check:
             reply.update(self._check())
             # UCX's lanes where UCX moved the bytes (a same-node engine's copies take none)
-            lanes = self.client.agent.lanes() if reply["engine"] in ("nixl", "host_staged") \
-                else None
+            lanes = self.client.agent.lanes() if self.peers[0].mover.over_nixl else None
             reply["transports"] = self.client.agent.transports() if lanes is not None else None
             if self.cache.mem_type == "VRAM" and lanes:
                 from ..nixl.ucxlog import device_lanes_on_tcp

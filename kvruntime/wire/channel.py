@@ -191,6 +191,11 @@ class PeerChannel(Channel):
         finally:
             self._recv_lock.release()
 
+    def read_ring(self, ring: MailboxReader) -> None:
+        """From now on, also take the prefill's readies from ``ring`` (in its memory, one
+        host: the same-node engine's connect, engines/choice.py)."""
+        self.ring = ring
+
     def _read_ring(self) -> None:
         """Take the readies the prefill wrote into its ring since the last read (under the
         receive lock). A ring that cannot be read or trusted is given up: the frames carry

@@ -9,6 +9,7 @@ units come back, nothing lands in the cache after the failure is reported)."""
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -146,13 +147,13 @@ def test_a_pool_that_cannot_hold_a_block_is_refused_at_once(prefill):
         with DecodeClient(cache, engine="nixl", coalesce="always", staging_blocks=16) as client:
             peer = client.connect("127.0.0.1", ports[0])
             route = peer.route
-            peer.route = type(route)(route.pool, route.remote, route.remote_mem, 2, route.engine)
+            peer.mover.route = replace(route, remote_units=2)  # its engine's way (engine.py)
             t = time.monotonic()
             with pytest.raises(StagingExhausted, match=r"a block is 4 units, the decode's pool "
                                                        r"64, the prefill's 2"):
                 peer.pull([2 * i for i in range(10)], timeout=30)
             assert time.monotonic() - t < 5  # not at its deadline
-            peer.route = route
+            peer.mover.route = route
             peer.pull([1, 3], timeout=10)  # and the peer goes on serving
             assert peer.digests([1, 3]) == cache.block_digests([1, 3])
         cache.close()

@@ -180,15 +180,15 @@ def test_a_failed_rehearsal_is_logged_and_the_connect_stands(prefill, monkeypatc
     layout = small(CROSS_LAYER)
     with prefill([layout], seed=25) as (_proc, ports):
         cache = KVCache.allocate_host(layout)
-        with caplog.at_level(logging.INFO, logger="kvruntime.decode.client"):
+        with caplog.at_level(logging.INFO, logger="kvruntime.engines.engine"):
             with DecodeClient(cache, engine="samenode") as client:
                 peer = client.connect("127.0.0.1", ports[0])
                 assert "rehearsing the request path failed" in caplog.text
-                assert peer._rehearsal is not None and client.in_flight == 0
+                assert peer.mover.rehearsal is not None and client.in_flight == 0
                 peer.pull([3, 4], [9, 20], timeout=20)
                 assert peer.digests([3, 4]) == cache.block_digests([9, 20])
                 peer.close()
-                assert peer._rehearsal is None
+                assert peer.mover.rehearsal is None
         cache.close()
 
 
