@@ -27,8 +27,8 @@ from ..errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
 from ..jobs import Job, TransferResult
 from ..plan import TransferPlan
 from ..wire import messages
+from .states import DONE, FAIL, FAIL_UNSETTLED, FAILED, FINISH, PENDING, SETTLE, RequestState
 
-PENDING, DONE, FAILED = "pending", "done", "failed"
 # wait(): spin as long as the request should take (pace.py), then nap, doubling up to a cap
 NAP_FIRST, NAP_MAX = 0.00002, 0.0002
 
@@ -52,8 +52,7 @@ class TransferHandle:
         self.timeout = timeout
         self.started = time.perf_counter() if started is None else started  # before planning
         self.deadline = time.monotonic() + timeout
-        self.state = PENDING
-        self.settled = True
+        self._state = RequestState()  # its states and their moves: states.py
         self._result: TransferResult | None = None
         self._error: KVRuntimeError | None = None
         self.lock = threading.Lock()
@@ -69,6 +68,11 @@ class TransferHandle:
         self._arrived: float | None = None  # wall clock, as "posted" is the prefill's
         # a direct NIXL request: whether it went through the pools, and why (coalesce.py)
         self.coalesce: tuple[bool, str] | None = None
+
+    # where it stands (states.py): PENDING, DONE or FAILED; and whether nothing more can
+    # write into its blocks (see module doc)
+    state = property(lambda self: self._state.outcome)
+    settled = property(lambda self: self._state.settled)
 
     # -- the caller's side -----------------------------------------------------------------
     def done(self) -> bool:
@@ -101,14 +105,7 @@ class TransferHandle:
     def wait_settled(self, timeout: float) -> bool:
         """Poll until nothing more can land in this request's blocks (``settled``), at most
         ``timeout`` seconds; returns ``settled``. A pending request is waited for first."""
-        until = time.monotonic() + timeout
-        while self.poll() == PENDING and time.monotonic() < until:
-            time.sleep(0.0002)
-        while not self.settled and time.monotonic() < until:
-            self.peer.client.progress_settling()
-            if not self.settled:
-                time.sleep(0.0005)
-        return self.settled
+        return _wait_settled(self, timeout)
 
     def result(self) -> TransferResult:
         if self.state == PENDING:
@@ -118,13 +115,8 @@ class TransferHandle:
         assert self._result is not None
         return self._result
 
-    @property
-    def error(self) -> KVRuntimeError | None:
-        return self._error
-
-    @property
-    def ok(self) -> bool:
-        return self.state == DONE
+    error = property(lambda self: self._error, doc="Its error (None: none, or not ended).")
+    ok = property(lambda self: self.state == DONE)
 
     def __repr__(self) -> str:
         return (f"<TransferHandle {self.op} {self.request_id} {self.state} "
@@ -203,7 +195,7 @@ class TransferHandle:
             return
 
         def ended():
-            self.settled = True
+            self._state.to(SETTLE)
             xfer.give_back(self.peer, self.request_id)
             self.peer.client.settled_late(self)
 
@@ -225,14 +217,7 @@ class TransferHandle:
         """A push: finished once the prefill's answer came; failed at its deadline (True: its
         cancel is to be sent, once our lock is let go)."""
         if self._reply is not None:  # sent once NIXL flushed the WRITE: it has landed
-            r = self._reply
-            posted = _seconds(r.get("posted")) if self.by_prefill else None
-            seconds = (max(self._arrived - posted, 1e-9) if posted is not None else
-                       time.perf_counter() - self.started)
-            self._finish(TransferResult(
-                "WRITE", self.nbytes, seconds,
-                self.plan.num_runs, int(r.get("descriptors") or self.plan.descriptor_count),
-                _int_or_none(r.get("nixl_descriptors")), _seconds(r.get("seconds"))))
+            self._finish(_push_result(self, self._reply))
             self.peer.settled(self)
         elif time.monotonic() > self.deadline:
             # Ask the prefill to cancel; it also refuses any push read after its deadline, so
@@ -282,7 +267,7 @@ class TransferHandle:
     def _settle_now(self) -> None:
         """A failed push the prefill has now answered: nothing more of it lands."""
         was = self.settled
-        self.settled = True
+        self._state.to(SETTLE)
         self.peer.settled(self)
         if not was:
             self.peer.client.settled_late(self)
@@ -341,14 +326,13 @@ class TransferHandle:
             result = result._replace(nbytes=self.nbytes)
         if self.coalesce is not None:
             result = result._replace(coalesced=self.coalesce[0], coalesce_reason=self.coalesce[1])
+        self._state.to(FINISH)
         self._result = result
-        self.state = DONE
         self.peer.pace.seen(self.op, result.nbytes, result.seconds)
 
     def fail(self, error: KVRuntimeError, settled: bool = True) -> None:
+        self._state.to(FAIL if settled else FAIL_UNSETTLED)
         self._error = error
-        self.settled = settled
-        self.state = FAILED
 
 
 def _block(handle: TransferHandle, timeout: float | None) -> TransferResult:
@@ -387,6 +371,31 @@ def _block(handle: TransferHandle, timeout: float | None) -> TransferResult:
         nap = min(nap * 2, NAP_MAX)
     handle.peer.client.consumed(handle)
     return handle.result()
+
+
+def _wait_settled(handle: TransferHandle, timeout: float) -> bool:
+    """``TransferHandle.wait_settled``."""
+    until = time.monotonic() + timeout
+    while handle.poll() == PENDING and time.monotonic() < until:
+        time.sleep(0.0002)
+    while not handle.settled and time.monotonic() < until:
+        handle.peer.client.progress_settling()
+        if not handle.settled:
+            time.sleep(0.0005)
+    return handle.settled
+
+
+def _push_result(handle: TransferHandle, reply: dict) -> TransferResult:
+    """A push's result from the prefill's "pushed" ``reply``: timed from the caller's start,
+    or for one the prefill started, from its start to the reply's arrival (wall clocks)."""
+    posted = _seconds(reply.get("posted")) if handle.by_prefill else None
+    seconds = (max(handle._arrived - posted, 1e-9) if posted is not None else
+               time.perf_counter() - handle.started)
+    plan = handle.plan
+    return TransferResult("WRITE", handle.nbytes, seconds, plan.num_runs,
+                          int(reply.get("descriptors") or plan.descriptor_count),
+                          _int_or_none(reply.get("nixl_descriptors")),
+                          _seconds(reply.get("seconds")))
 
 
 def _seconds(value) -> float | None:
