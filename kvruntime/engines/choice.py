@@ -13,13 +13,12 @@ one place that asks which engine a peer gets.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 
-from ..errors import KVRuntimeError, PeerError, TransferError
+from ..errors import KVRuntimeError, PeerError
 from ..nixl.registration import Scratch
-from ..nixl.transfer import PostedTransfer, Rows
+from ..nixl.transfer import Rows, read_now
 from ..plan import make_plan
 from ..tp import HeadSlice, direct_slice, slice_from
 from ..wire import messages
@@ -161,20 +160,9 @@ class LaneProbe:
         rows = Rows(self._scratch.descriptor(n),
                     np.array([[address, n, device]], dtype=np.uint64), peer.agent,
                     self._scratch.mem_type, peer.info.mem_type)
-        plan = make_plan(peer.info.layout, [0])
-        probe = PostedTransfer(self.agent, "READ", plan=plan, rows=rows)
-        until = time.monotonic() + self.timeout
-        try:
-            while probe.poll() == "PROC":
-                if time.monotonic() > until:
-                    raise TransferError(f"{peer.name}: the connect-time probe READ did not "
-                                        f"finish in {self.timeout:.1f}s")
-                time.sleep(0.0002)
-            if probe.state != "DONE":
-                raise TransferError(f"{peer.name}: the connect-time probe READ failed")
-        finally:
-            if not probe.abort():  # still in flight: released once UCX ends it
-                self.draining.add(probe, lambda: None, peer.agent)
+        read_now(self.agent, rows, what=f"{peer.name}: the connect-time probe READ",
+                 timeout=self.timeout, draining=self.draining,
+                 plan=make_plan(peer.info.layout, [0]), nap=0.0002)
         self.agent.check_device_lanes(peer.name, self._scratch.mem_type == "VRAM",
                                       peer.info.mem_type == "VRAM")
         return self.agent.lanes()

@@ -186,23 +186,12 @@ class Model:
 
 def _read(peer, local_rows, remote_rows, remote_mem: str) -> float:
     """Seconds of one READ of ``remote_rows`` of the peer into ``local_rows`` of our pool."""
-    from ..nixl.transfer import PostedTransfer, Rows
+    from ..nixl.transfer import Rows, read_now
 
     client = peer.client
-    local_mem = client.pool.cache.mem_type
-    rows = Rows(local_rows, remote_rows, peer.agent, local_mem, remote_mem)
-    t = time.perf_counter()
-    xfer = PostedTransfer(client.agent, "READ", rows=rows)
-    until = time.monotonic() + client.timeout
-    while xfer.poll() == "PROC":
-        if time.monotonic() > until:
-            client.draining.add(xfer, lambda: None, peer.agent)
-            raise KVRuntimeError("a connect-time READ of the peer did not end in time")
-    seconds = time.perf_counter() - t
-    xfer.finish()
-    if xfer.state != "DONE":
-        raise KVRuntimeError("a connect-time READ of the peer failed")
-    return seconds
+    rows = Rows(local_rows, remote_rows, peer.agent, client.pool.cache.mem_type, remote_mem)
+    return read_now(client.agent, rows, what="a connect-time READ of the peer",
+                    timeout=client.timeout, draining=client.draining)
 
 
 def warm(peer, route: PoolRoute) -> bool:

@@ -234,3 +234,29 @@ class Draining:
         while self.poll() and time.monotonic() < until:
             time.sleep(0.001)
         return len(self._items)
+
+
+def read_now(agent: Agent, rows: Rows, *, what: str, timeout: float, draining: Draining,
+             plan: TransferPlan | None = None, nap: float = 0.0) -> float:
+    """One NIXL READ of ``rows`` posted and waited for here, for a connect's probe or warm-up
+    (never a request: those are polled by their handles). Returns its seconds, from before
+    the post to the poll that saw it done; ``nap``: seconds between polls (0: spin, where the
+    seconds are measured). Raises TransferError naming ``what`` when it fails or has not
+    ended within ``timeout``: one still in flight then is held by ``draining`` until UCX ends
+    it (its memory is not trusted before)."""
+    start = time.perf_counter()
+    xfer = PostedTransfer(agent, "READ", plan=plan, rows=rows)
+    until = time.monotonic() + timeout
+    try:
+        while xfer.poll() == "PROC":
+            if time.monotonic() > until:
+                raise TransferError(f"{what} did not finish in {timeout:.1f}s")
+            if nap:
+                time.sleep(nap)
+        seconds = time.perf_counter() - start
+        if xfer.state != "DONE":
+            raise TransferError(f"{what} failed")
+        return seconds
+    finally:
+        if not xfer.abort():  # still in flight: released once UCX ends it
+            draining.add(xfer, lambda: None, rows.remote_agent)
