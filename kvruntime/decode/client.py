@@ -55,6 +55,7 @@ from ..wire.handshake import PeerInfo, client_handshake, connect
 from ..wire.releases import Pending, ReleaseSender
 from . import pushes as pushed
 from .inflight import PENDING, TransferHandle
+from .port import ClientPort
 
 log = logging.getLogger(__name__)
 _request_ids = itertools.count()
@@ -66,6 +67,7 @@ class PrefillPeer:
     def __init__(self, client: "DecodeClient", address, sock, *, info: PeerInfo, agent: str,
                  handshake_seconds: float):
         self.client = client
+        self.port = client.port  # what it and its requests need of the client (port.py)
         self.address = address
         self.info = info
         self.agent = agent
@@ -191,7 +193,7 @@ class PrefillPeer:
         handle.attach(job, uses_peer=True)
         if new:
             self.channel.expect(handle)
-        self.client.track(handle)
+        self.port.track(handle)
         job.send()
         return handle
 
@@ -214,14 +216,14 @@ class PrefillPeer:
             self.client.agent, "READ", plan=handle.plan, local_dlist=reg.local_dlist,
             remote_dlist=reg.peer_dlist(self.agent), rows=rows, split=split),
             nbytes=None if rows is None else rows.nbytes)
-        self.client.track(handle)
+        self.port.track(handle)
         return handle
 
     def start_local(self, handle: TransferHandle, job) -> TransferHandle:
         """The same-node engine's copy ``job`` moves it (a push too: we copy, and tell the
         prefill once it is done)."""
         handle.attach(job, uses_peer=False)
-        self.client.track(handle)
+        self.port.track(handle)
         return handle
 
     def ask_push(self, handle: TransferHandle, split: int) -> TransferHandle:
@@ -325,8 +327,8 @@ class PrefillPeer:
         the prefill staged holds its pool units until its READ ends, which only a poll of its
         own handle drives; a caller waiting on one handle of a batch (start_pulls) left the
         others' READs unposted while the first waited for those units, until its deadline."""
-        for handle in self.client.inflight_handles():
-            if handle is not waiting and handle.peer is self and handle.pooled:
+        for handle in self.port.of(self):
+            if handle is not waiting and handle.pooled:
                 handle.advance()
 
     def settled(self, handle: TransferHandle) -> None:
@@ -337,7 +339,7 @@ class PrefillPeer:
 
     @property
     def in_flight(self) -> int:
-        return sum(1 for h in self.client.inflight_handles() if h.peer is self)
+        return len(self.port.of(self))
 
     def close(self) -> None:
         if self.closed:
@@ -347,7 +349,7 @@ class PrefillPeer:
             if not self.broken:
                 pushed.settle_on_close(self)
         self.channel.closed = True  # nothing goes out now but the "bye"
-        for handle in [h for h in self.client.inflight_handles() if h.peer is self]:
+        for handle in self.port.of(self):
             handle.on_peer_lost(self.broken or "the connection was closed")
         self.channel.hang_up()
         self.mover.close()  # opened memory lives exactly as long as the peer
@@ -378,14 +380,14 @@ class DecodeClient:
         self.coalesce = coalescing.check_mode(o.coalesce)
         self._peers: dict[tuple[str, int], PrefillPeer] = {}
         self._closed = False
-        self._inflight: dict[int, TransferHandle] = {}
-        self._lock = threading.Lock()
         self._progress_lock = threading.Lock()
         self.releaser = ReleaseSender(o.name or "decode")
-        # failed copies UCX (or the GPU) still runs, polled until they end (transfer.py), and
-        # the failed handles that settled since get_settled was last called
+        # failed copies UCX (or the GPU) still runs, polled until they end (transfer.py)
         self.draining = Draining()
-        self._late_settled: list[TransferHandle] = []
+        # what its peers and their requests need of it: the requests in flight, the failed
+        # ones that settled since get_settled was last called (port.py)
+        self.port = ClientPort(releaser=self.releaser, draining=self.draining,
+                               timeout=o.timeout, progress_settling=self.progress_settling)
         # agents of closed peers whose removal waits for their drained copies (NIXL's remote
         # metadata, the rkeys a READ in flight uses, must outlive it)
         self._leaving: set[str] = set()
@@ -494,14 +496,12 @@ class DecodeClient:
         for peer in list(self._peers.values()):
             peer.pump()
         finished = []
-        for handle in self.inflight_handles():
+        for handle in self.port.handles():
             handle.advance()
             if handle.state != PENDING:
                 finished.append(handle)
         self.releaser.flush()  # one release frame a peer for all of them
-        with self._lock:
-            for handle in finished:
-                self._inflight.pop(id(handle), None)
+        self.port.consumed_all(finished)
         return finished
 
     def get_settled(self) -> list[TransferHandle]:
@@ -509,9 +509,7 @@ class DecodeClient:
         (nothing more lands in their blocks: they may be reused now). Polls what is still
         settling; never blocks."""
         self.progress_settling()
-        with self._lock:
-            out, self._late_settled = self._late_settled, []
-        return out
+        return self.port.take_settled()
 
     def progress_settling(self) -> None:
         """Poll the copies still in flight after their request failed, and the peers' frames
@@ -527,10 +525,6 @@ class DecodeClient:
             self._leaving.discard(agent)
             if agent in self.registration.peers:
                 self.registration.forget_peer(agent)
-
-    def settled_late(self, handle: TransferHandle) -> None:
-        with self._lock:
-            self._late_settled.append(handle)
 
     def wait_all(self, handles, timeout: float | None = None) -> list[TransferResult]:
         """Wait for every handle; results in order. Raises the first request's error after
@@ -552,23 +546,13 @@ class DecodeClient:
 
     @property
     def in_flight(self) -> int:
-        return len(self._inflight)
+        return len(self.port)
 
     def track(self, handle: TransferHandle) -> None:
-        with self._lock:
-            self._inflight[id(handle)] = handle
-
-    def track_all(self, handles: list) -> None:
-        with self._lock:
-            self._inflight.update((id(h), h) for h in handles)
-
-    def consumed(self, handle: TransferHandle) -> None:
-        with self._lock:
-            self._inflight.pop(id(handle), None)
+        self.port.track(handle)
 
     def inflight_handles(self) -> list[TransferHandle]:
-        with self._lock:
-            return list(self._inflight.values())
+        return self.port.handles()
 
     def progress_worker(self) -> None:
         """Make our UCX worker progress: over a transport that needs the target's help (tcp),
@@ -596,10 +580,6 @@ class DecodeClient:
                                 ignored[0])
         finally:
             self._progress_lock.release()
-
-    def log_late(self, handle: TransferHandle, what: str) -> None:
-        log.warning("push request %s to %s reported failed, but %s", handle.request_id,
-                  handle.peer.name, what)
 
     # -- peers -------------------------------------------------------------------------------
     def forget(self, peer: PrefillPeer) -> None:

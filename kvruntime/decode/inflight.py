@@ -87,7 +87,7 @@ class TransferHandle:
             if self.state == FAILED and not self.uses_peer:
                 self.peer.pump()  # a failed copy: notice at once if the peer's connection died
             elif self.state == PENDING:  # our copy runs meanwhile: finished ones are released
-                self.peer.client.releaser.flush()  # now (releases.py), not as a wait returns
+                self.peer.port.flush_releases()  # now (releases.py), not as a wait returns
         return self.state
 
     def wait(self, timeout: float | None = None) -> TransferResult:
@@ -197,9 +197,9 @@ class TransferHandle:
         def ended():
             self._state.to(SETTLE)
             xfer.give_back(self.peer, self.request_id)
-            self.peer.client.settled_late(self)
+            self.peer.port.settled_late(self)
 
-        self.peer.client.draining.add(xfer, ended, self.peer.agent)
+        self.peer.port.drain_later(xfer, ended, self.peer.agent)
 
     def done_elsewhere(self) -> None:
         """Another handle saw the copy that also moves this request end well (a batch's
@@ -253,7 +253,7 @@ class TransferHandle:
                 self._reply = message
                 if self.state == FAILED:  # it landed after we gave up: the blocks were written
                     self._settle_now()
-                    self.peer.client.log_late(self, "the prefill's WRITE ended after its "
+                    self.peer.port.log_late(self, "the prefill's WRITE ended after its "
                                                      "deadline (the blocks were written)")
             elif kind in (messages.PUSH_FAILED.type, messages.CANCELLED.type):
                 # the prefill says its WRITE has ended (in error) or never started
@@ -270,7 +270,7 @@ class TransferHandle:
         self._state.to(SETTLE)
         self.peer.settled(self)
         if not was:
-            self.peer.client.settled_late(self)
+            self.peer.port.settled_late(self)
 
     def close_push(self, why: str) -> str | None:
         """Its peer is closing (``PrefillPeer.close``) and will read nothing after: a push the
@@ -339,7 +339,7 @@ def _block(handle: TransferHandle, timeout: float | None) -> TransferResult:
     """``TransferHandle.wait``: poll until the request ends, spinning first where our polls
     drive its copy, then napping longer the longer it runs."""
     if handle.poll() != PENDING:  # already ended (a batch's handles after its first)
-        handle.peer.client.consumed(handle)
+        handle.peer.port.consumed(handle)
         return handle.result()
     until = None if timeout is None else time.monotonic() + timeout
     own_thread = getattr(handle._xfer, "block", None)  # a copy that a thread of ours runs
@@ -369,7 +369,7 @@ def _block(handle: TransferHandle, timeout: float | None) -> TransferResult:
         else:
             time.sleep(nap)
         nap = min(nap * 2, NAP_MAX)
-    handle.peer.client.consumed(handle)
+    handle.peer.port.consumed(handle)
     return handle.result()
 
 
@@ -379,7 +379,7 @@ def _wait_settled(handle: TransferHandle, timeout: float) -> bool:
     while handle.poll() == PENDING and time.monotonic() < until:
         time.sleep(0.0002)
     while not handle.settled and time.monotonic() < until:
-        handle.peer.client.progress_settling()
+        handle.peer.port.progress_settling()
         if not handle.settled:
             time.sleep(0.0005)
     return handle.settled

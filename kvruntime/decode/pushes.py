@@ -41,7 +41,7 @@ def expect(peer, dst_blocks, request_id: str | None, timeout: float,
     handle = peer.make_handle("push", request_id, plan, timeout, t0, by_prefill=True)
     copy = peer.mover.expect(peer, handle)  # how the prefill is to deliver (engines/engine.py)
     peer.channel.expect(handle)
-    peer.client.track(handle)
+    peer.port.track(handle)
     peer.send(messages.EXPECT.build(request=request_id, dst=frames.pack_ids(plan.block_ids()[0]),
                                     timeout=timeout, deadline=time.time() + timeout, **copy))
     return handle
@@ -53,7 +53,7 @@ def ask(peer, handle: TransferHandle, split: int) -> TransferHandle:
     plan, request_id, timeout = handle.plan, handle.request_id, handle.timeout
     src, dst = plan.block_ids()
     peer.channel.expect(handle)
-    peer.client.track(handle)
+    peer.port.track(handle)
     # The deadline travels as wall-clock time: the prefill refuses a push it reads after
     # it (a stalled prefill must not write into blocks the caller was told are free).
     if 3 * plan.num_runs < 2 * len(src):  # its runs are shorter than its ids: they go
@@ -154,7 +154,7 @@ def settle_on_close(peer) -> None:
         if what == "cancel":
             peer.channel.cancel(handle.request_id)
     start = time.monotonic()
-    until = start + peer.client.timeout
+    until = start + peer.port.timeout
     while (any(not h.settled for h in waiting) and not peer.channel.losing
            and time.monotonic() < until):
         peer.pump()  # the answers, and our worker's progress (a WRITE over tcp needs it)

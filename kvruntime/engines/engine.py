@@ -180,7 +180,7 @@ class SameNodeEngine(Engine):
             handle = peer.make_handle("pull", rid, plan, timeout, t0)
             handle.attach(SharedJob(batch, plan))
             handles.append(handle)
-        peer.client.track_all(handles)
+        peer.port.track_all(handles)
         return list(handles)
 
     def expect(self, peer, handle) -> dict:
@@ -208,7 +208,7 @@ class SameNodeEngine(Engine):
         plan, start = scratch
         try:
             for _ in range(REHEARSALS):
-                handle = peer.make_handle("pull", "rehearsal", plan, peer.client.timeout,
+                handle = peer.make_handle("pull", "rehearsal", plan, peer.port.timeout,
                                           time.perf_counter())
                 job = start()
                 job.tells_prefill = False  # no request of the prefill's
