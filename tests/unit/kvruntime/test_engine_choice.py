@@ -65,3 +65,22 @@ def test_no_branch_on_an_engine_name_outside_the_choice():
                   for line in _branches(ast.parse(path.read_text(), str(path)))]
     assert not found, ("asks which engine a peer has outside engines/choice.py (ask the "
                        "peer's Engine instead, engines/engine.py): " + ", ".join(found))
+
+
+def _root(node) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def test_engines_write_no_field_of_a_peer_or_a_handle():
+    """engines/ gives what it finds back (return values, a handle's methods), never sets a
+    ``PrefillPeer``'s or a ``TransferHandle``'s fields from outside (``peer.route = ...``)."""
+    found = []
+    for path in sorted((LIBRARY / "engines").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            found += [f"{path.relative_to(ROOT)}:{node.lineno}" for t in targets
+                      if isinstance(t, ast.Attribute) and _root(t) in ("peer", "handle")]
+    assert not found, "engines/ writes a peer's or a handle's field: " + ", ".join(found)
