@@ -214,6 +214,13 @@ class StagedPull(CopyJob):
             if chunk.scattered:
                 continue
             st = chunk.xfer.poll()
+            if st == "DONE" and self.peer.channel.hung_up():
+                # the prefill frees a run only after it hangs up (prefill/server.py): what
+                # this READ read may be another request's, gathered into the run since
+                chunk.xfer.finish()
+                self._fail("the prefill hung up before this READ's end was seen: the run it "
+                           "read may have been reused; not scattered")
+                return self.state
             if st == "DONE":  # its rows land while the next chunks are still read
                 chunk.xfer.finish()
                 chunk.event = pool.scatter_async(self._local, self._dst, self._dst_heads,
