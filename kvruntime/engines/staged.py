@@ -55,9 +55,8 @@ class StagedPull(CopyJob):
         super().__init__("READ", plan)
         self.peer = peer
         self.route = route
-        # what moves it, as its errors name it (jobs.Job): the READs of the prefill's pool
-        # runs, by NIXL or, host-staged on one host, the same-node engine's readers; its
-        # result names route.engine ("host_staged", or "nixl" for a coalesced request)
+        # what moves it, as its errors name it (jobs.Job): the READs of the prefill's pool runs,
+        # by NIXL or the route's reader; its result names route.engine (PoolRoute)
         reader = "NIXL" if route.reader is None else route.reader.name
         self.engine = f"{route.label} {reader} READ"
         tp = peer.head_slice  # which of the prefill's heads, to which of ours
@@ -216,6 +215,13 @@ class StagedPull(CopyJob):
             if chunk.scattered:
                 continue
             st = chunk.xfer.poll()
+            if st == "DONE" and self.peer.channel.hung_up():
+                # the prefill frees a run only after it hangs up (prefill/server.py): what
+                # this READ read may be another request's, gathered into the run since
+                chunk.xfer.finish()
+                self._fail("the prefill hung up before this READ's end was seen: the run it "
+                           "read may have been reused; not scattered")
+                return self.state
             if st == "DONE":  # its rows land while the next chunks are still read
                 chunk.xfer.finish()
                 chunk.event = pool.scatter_async(self._local, self._dst, self._dst_heads,

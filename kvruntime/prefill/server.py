@@ -244,17 +244,21 @@ class PrefillServer:
             log.exception("unexpected error serving %s:%s", addr[0], addr[1])
             self.stats.refuse(addr, repr(exc))
         finally:
+            # hung up first, its runs freed after: a decode whose READ of a run is still in
+            # flight sees the hang-up before it scatters what it read (staged.py), so a run
+            # we reuse once freed never lands in its cache
+            self.listener.hang_up(sock)
             peer = peer or (admitted[0] if admitted else None)
             if peer is not None:
                 self._drop_peer(peer)
             else:
                 self.listener.admitted(addr[0])
-            self.listener.hang_up(sock)
 
     def _add_peer(self, info: PeerInfo, sock: socket.socket) -> _Peer:
         with self._peers_lock:
             old = self._peers.get(info.agent)
             if old is not None:  # the same agent name again: a restarted or reconnected peer
+                old.channel.end()  # hung up before its runs are freed (_serve_connection)
                 self._drop_peer(old)
             self.writes.admit(info.agent)  # its previous connection's WRITEs: waited out
             name = self.agent.add_remote(info.metadata)

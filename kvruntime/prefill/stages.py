@@ -247,9 +247,11 @@ class Stages:
         its side); a READ it still has in flight writes nothing of ours, and reads bytes that
         a peer which passed the handshake could read anyway (our NIXL metadata gives it the
         whole registered pool). Its own requests are guarded on its side: a decode fails its
-        peer's requests before it hangs up (PrefillPeer.close), a READ of them lands only in
-        its own pool and no scatter follows a failure (staged.py), and a killed one reads
-        nothing. Our gathers, the only writers, are waited out (the early path)."""
+        peer's requests before it hangs up (PrefillPeer.close); when we drop a live one we hang
+        up first (server.py), and a READ whose end it sees after the hang-up is not scattered
+        (staged.py), so a run we reuse never lands in its cache; a READ lands only in its own
+        pool, no scatter follows a failure, and a killed decode reads nothing. Our gathers,
+        the only writers, are waited out (the early path)."""
         with self._lock:
             queued = [e for e in self._queue if e[0].agent == agent]
             for entry in queued:

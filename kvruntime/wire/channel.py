@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import select
+import socket
 import threading
 import time
 from collections import OrderedDict
@@ -47,6 +48,24 @@ class Channel:
 
     def read(self, timeout: float | None) -> dict:
         return frames.read_frame(self.sock, timeout, session=self.session)
+
+    def end(self) -> None:
+        """Hang up now, both ways (the peer sees it before anything we do after), without
+        closing the socket: the thread serving it reads the end and closes it."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def hung_up(self) -> bool:
+        """Has the peer hung up (or reset) its end? Seen at once, even with its last frames
+        still unread (POLLRDHUP); the socket is not read."""
+        if self.sock.fileno() < 0:
+            return True
+        poller = select.poll()
+        poller.register(self.sock, select.POLLRDHUP)
+        return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+                   for _fd, ev in poller.poll(0))
 
 
 class PeerChannel(Channel):

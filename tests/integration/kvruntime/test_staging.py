@@ -429,3 +429,72 @@ def test_a_failed_request_through_the_pools_names_its_engine(monkeypatch, mode, 
             assert res.engine == ("host_staged" if mode == "host_staged" else "nixl")
     finally:
         src.close(), dst.close()
+
+
+def test_a_read_whose_end_is_seen_after_the_prefill_hung_up_is_not_scattered(monkeypatch):
+    """The prefill drops a decode that is still connected (a bad frame, or a reconnect of the
+    same agent name) while the decode's READ of a staged run is in flight: it hangs up, then
+    frees the run, which it may gather another request into at once. The moment is forced
+    here: the READ has ended, and before the decode sees its end the prefill ends the
+    connection (``Channel.end``, as a reconnect does) and drops the peer. The decode fails the
+    request, naming the hang-up, and its blocks keep their canaries; the pools are whole.
+    (Before: it scattered what the run held and reported the request done.)"""
+    from kvruntime.engines import staged
+
+    server, client, peer, src, dst = _staged_pair()
+    real = staged.read_rows
+    dropped = []
+
+    def read_rows(*args, **kwargs):
+        xfer = real(*args, **kwargs)
+        real_poll = xfer.poll
+
+        def poll():
+            state = real_poll()
+            if state == "DONE" and not dropped:
+                dropped.append(server.peers)
+                server._peers[dropped[0][0]].channel.end()
+                assert _until(lambda: not server.peers)  # hung up, then its runs freed
+            return state
+
+        xfer.poll = poll
+        return xfer
+
+    try:
+        monkeypatch.setattr(staged, "read_rows", read_rows)
+        canary = dst.block_digests([4, 5, 6])
+        with pytest.raises(KVRuntimeError, match="hung up before this READ's end"):
+            peer.pull([1, 2, 3], [4, 5, 6], request_id="reused", timeout=10)
+        assert dropped, "the READ never ended"
+        assert dst.block_digests([4, 5, 6]) == canary
+        assert server.pool.largest_free_run() == server.pool.units
+        assert _until(lambda: client.staging.largest_free_run() == client.staging.units)
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
+
+
+def test_a_prefill_that_drops_a_live_decode_hangs_up_before_it_frees_its_runs(monkeypatch):
+    """A decode still connected, holding a staged run, sends a frame the prefill refuses: the
+    prefill drops it. When the run is freed (``Stages.drop``), the decode's end must already
+    see the hang-up, so that a READ of the run whose end it sees later is never scattered
+    (the test above). (Before: the runs were freed first, the hang-up came after.)"""
+    server, client, peer, src, dst = _staged_pair()
+    seen = []
+    real = server.stages.drop
+
+    def drop(agent):
+        seen.append(peer.channel.hung_up())
+        return real(agent)
+
+    try:
+        monkeypatch.setattr(server.stages, "drop", drop)
+        peer.send(_stage_frame("held", [1, 2], 60))
+        assert _until(lambda: server.pool.largest_free_run() < server.pool.units)
+        peer.send({"type": "not-a-request"})  # refused: the prefill ends the connection
+        assert _until(lambda: seen) and seen == [True]
+        assert server.wait_released("held", 10)
+        assert server.pool.largest_free_run() == server.pool.units
+    finally:
+        client.close(), server.close()
+        src.close(), dst.close()
