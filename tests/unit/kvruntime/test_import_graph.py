@@ -19,7 +19,7 @@ FLOORS = [
     ("wire",),  # the side channel: frames, messages, handshake, channel, listener, mailbox
     ("nixl",),  # NIXL and UCX: binding, agent, transports, UCX's log, NICs, registration, transfer
     ("pools",),  # the staging pools: their units, copies and bounce ring
-    ("engines",),  # what moves a request: the choice, same-node, gather, staged, coalesced
+    ("engines",),  # what moves a request: Engine, its choice, same-node, gather, staged, coalesced
     ("decode", "prefill"),  # the two sides
     ("tools",),  # bench, selftest and their processes: the library never imports them
 ]
