@@ -409,8 +409,10 @@ def _demo(env: dict[str, str], python: str, platform: str, selftest: dict,
     device = "cuda" if platform == "cuda" and any(
         m.get("status") == "passed" and str(m.get("mode", "")).startswith("cuda/")
         for m in selftest.get("modes", [])) else "cpu"
+    started = time.monotonic()
     r = _run([python, "-m", "kvruntime", "demo", "--json", "--compact", "--tp", "1x1",
               "--device", device], env, timeout=timeout)
+    seconds = round(time.monotonic() - started, 2)
     try:
         report = json.loads(r.stdout)
     except ValueError:
@@ -431,7 +433,8 @@ def _demo(env: dict[str, str], python: str, platform: str, selftest: dict,
               f"{median_ms('transfer'):.1f} ms, decode {median_ms('decode'):.1f} ms"
               + (f"; failed: {'; '.join(bad)[:400]}" if bad else "")
               + (f"; {report['error']}" if report.get("error") else ""))
-    return _check(DEMO, r.returncode == 0 and report.get("ok") is True and bool(good), detail)
+    return {**_check(DEMO, r.returncode == 0 and report.get("ok") is True and bool(good), detail),
+            "seconds": seconds}
 
 
 class Selftest:
@@ -580,23 +583,32 @@ def report_levels(
     components,
     ibmock_dir=None,
 ):
+    started = time.monotonic()
     renv = _kvruntime_env(env, python) if "nixl" in components else None
     selftest = Selftest(renv, python) if renv is not None else None
+    seconds: dict[str, float] = {}
+
+    def timed(name: str, level: dict[str, Any]) -> dict[str, Any]:  # from the previous level's end
+        seconds[name] = round(time.monotonic() - started - sum(seconds.values()), 2)
+        return level
+
     try:
-        levels = {"built": built(spec, build_dir, env, with_table, components)}
-        levels["loaded"] = loaded(spec, build_dir, env, python, platform, null_driver, has_device,
-                                  components, ibmock_dir)
+        levels = {"built": timed("built", built(spec, build_dir, env, with_table, components))}
+        levels["loaded"] = timed("loaded", loaded(spec, build_dir, env, python, platform,
+                                                  null_driver, has_device, components, ibmock_dir))
         if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
             levels["moved"] = {"status": "skipped", "reason": "an earlier level failed",
                                "checks": []}
         else:
-            levels["moved"] = moved(build_dir, env, python, platform, components,
-                                    rdma=spec.get("rdma"), ibmock_dir=ibmock_dir, selftest=selftest,
-                                    nixl_module=spec.get("nixl", {}).get("module"))
+            levels["moved"] = timed("moved", moved(
+                build_dir, env, python, platform, components, rdma=spec.get("rdma"),
+                ibmock_dir=ibmock_dir, selftest=selftest,
+                nixl_module=spec.get("nixl", {}).get("module")))
     finally:
         if selftest is not None:
             selftest.stop()
-    return {"ok": passes(levels), "levels": levels, "has_device": has_device}
+    # each level's wait after the one before (the moved level's processes start with the first)
+    return {"ok": passes(levels), "levels": levels, "has_device": has_device, "seconds": seconds}
 
 
 def passes(levels: dict[str, Any]) -> bool:

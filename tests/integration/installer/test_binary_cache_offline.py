@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from installer import elf, ucxdirs
+from installer import elf, ucxdirs, verify
 
 pytestmark = [pytest.mark.integration, pytest.mark.build]
 ROOT = Path(__file__).resolve().parents[3]
@@ -114,4 +114,17 @@ def test_an_offline_host_installs_from_the_binary_cache_with_no_build_tool(publi
     print(json.dumps({"offline_binary_cache_install_s": round(seconds, 1),
                       "bare_extract_s": round(extract, 1),
                       "ratio_to_bare_extract": round(seconds / extract, 1),
-                      "build_id": m["build_id"], "levels": "built, loaded, moved"}))
+                      "build_id": m["build_id"], "levels": "built, loaded, moved",
+                      "breakdown_s": _breakdown(got)}))
+
+
+def _breakdown(manifest: dict) -> dict:
+    """Where the install's time went (BENCHMARKS.md): hash + extract + relocate, the levels (each
+    from the end of the one before: the moved level's processes start with the built level),
+    the self-test's and the demo's own wall time."""
+    phase, verification = manifest["phases"]["binary-cache"], manifest["verification"]
+    moved = verification["levels"]["moved"]
+    demo = [c.get("seconds") for c in moved["checks"] if c["check"] == verify.DEMO]
+    return {"take": phase.get("take_seconds"), "verify": phase.get("verify_seconds"),
+            "levels": verification.get("seconds"), "selftest": moved["selftest"].get("seconds"),
+            "demo": demo[0] if demo else None}
