@@ -1,10 +1,12 @@
-"""The demo's processes: a prefill rank that runs the prompt and serves its KV as pages, and a
-decode that pulls (or is pushed) them into blocks of its own and continues the generation.
+"""The demo's processes: a prefill rank that runs the prompt and serves its KV as pages, a
+decode that pulls (or is pushed) them into blocks of its own and continues the generation, and
+the reference, which generates alone.
 
 Started from the demo's fork server (demo._context: torch and transformers imported there, no
-NIXL or UCX state inherited); they report through queues and never print. A decode of TP d is d ``DecodeClient``s (a NIXL agent and a cache each) in one process:
-the model then runs whole on their heads side by side, so what the demo proves for mixed TP is
-that each rank's pages carry exactly its heads, not a tensor-parallel forward pass.
+NIXL or UCX state inherited); they report through queues and never print. A decode of TP d is
+d ``DecodeClient``s (a NIXL agent and a cache each) in one process: the model then runs whole
+on their heads side by side, so what the demo proves for mixed TP is that each rank's pages
+carry exactly its heads, not a tensor-parallel forward pass.
 """
 
 from __future__ import annotations
