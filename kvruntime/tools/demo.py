@@ -146,7 +146,10 @@ def run_demo(cfg: DemoConfig) -> dict:
                 "device_id": cfg.device_ids[1], "steps": cfg.steps, "cases": todo,
                 "tokens_per_block": cfg.decode_tokens_per_block,
                 "prefills": {p: [{k: r[k] for k in ("control", "answers")} for r in ranks]
-                             for p, ranks in prefills.items()}}
+                             for p, ranks in prefills.items()},
+                # as long as this process may wait for every rank's ready report and the
+                # reference's, one timeout each
+                "ready_timeout": cfg.timeout * (1 + sum(len(r) for r in prefills.values()))}
         start(decode_main, "decode", decode_q, spec, go)
         decoder = procs[-1]
         controls.append((decoder, go))  # "stop" there ends a decode still waiting
@@ -162,13 +165,13 @@ def run_demo(cfg: DemoConfig) -> dict:
                 report.setdefault("prefills", []).append(
                     {"tp": int(p), "rank": ready["rank"], "blocks": ready["blocks"],
                      "first_token": ready["first"], "seconds": ready["seconds"]})
-        go.put(ready_all)
         ref = answer(ref_q, cfg.timeout, "the reference process", [reference_proc])
         if not ref.get("ok"):
             report["error"], report["trace"] = f"reference: {ref.get('error')}", ref.get("trace")
             return report
         ref_logits = ref.pop("logits")
         report["reference"] = {k: ref[k] for k in ("tokens", "app", "seconds")}
+        go.put(ready_all)  # only now: on an error above, the decode waiting there is told stop
         _collect(report, ref_logits, decode_q, decoder, cfg)
     finally:
         for proc, control in controls:

@@ -150,7 +150,7 @@ def decode_main(report, spec: dict, ready) -> None:
         start = time.perf_counter()
         model = model_kv.build(spec["seed"], device)
         report.put({"built": time.perf_counter() - start, "app": model.kv_descriptor})
-        got = ready.get(timeout=spec["timeout"])
+        got = ready.get(timeout=spec["ready_timeout"])
         if not isinstance(got, dict):
             return
         for p, reports in got.items():
