@@ -100,6 +100,7 @@ def _from_binary_cache(plan: Plan, where: str) -> dict[str, Any] | None:
     manifest = binarycache.take(plan.build_id, plan.install_dir, where)
     if manifest is None:
         return None
+    taken = time.monotonic()
     try:
         _write_nixl_package(plan)  # a cached build made before kvstack wrote one gains it
         renv = envfile.runtime_env(plan, plan.install_dir)
@@ -124,7 +125,10 @@ def _from_binary_cache(plan: Plan, where: str) -> dict[str, Any] | None:
         python={"path": plan.target.python, "version": plan.target.version},
         complete=True,
         phases={
-            "binary-cache": {"status": "done", "seconds": round(time.monotonic() - started, 1)}
+            "binary-cache": {"status": "done", "seconds": round(time.monotonic() - started, 1),
+                             # hash, extract, relocate; then the three levels
+                             "take_seconds": round(taken - started, 1),
+                             "verify_seconds": round(time.monotonic() - taken, 1)}
         },
         seconds=round(time.monotonic() - started, 1),
         logs=str(plan.install_dir / "logs"),

@@ -395,56 +395,18 @@ def _policy(want: dict, offered: list[str], env: dict[str, str], python: str) ->
 
 
 DEMO = "a prompt prefilled in one process, continued in another (kvruntime demo)"
+# whether the target Python has what the demo imports, without importing it (~6 s of CPU)
+HAS_DEMO_MODULES = ("import importlib.util as u, sys; "
+                    "sys.exit(any(u.find_spec(m) is None for m in ('torch', 'transformers')))")
 
 
-def _demo(env: dict[str, str], python: str, platform: str, selftest: dict,
-          timeout: int) -> dict[str, Any]:
-    """The richest check, where the target Python has torch and transformers (else not checked,
-    with what to install): a small Llama's KV through this build from a prefill process to a
-    decode process on every engine, both layouts, pull and push, the decode's tokens and logits
-    identical to one process's. Device memory where the self-test moved it, else host memory."""
-    if _run([python, "-c", "import torch, transformers"], env, timeout=120).returncode != 0:
-        return _not_here(DEMO, f"torch and transformers are not importable by {python} (pip "
-                               f"install torch 'kvstack[demo]' there to run it)")
-    device = "cuda" if platform == "cuda" and any(
-        m.get("status") == "passed" and str(m.get("mode", "")).startswith("cuda/")
-        for m in selftest.get("modes", [])) else "cpu"
-    r = _run([python, "-m", "kvruntime", "demo", "--json", "--compact", "--tp", "1x1",
-              "--device", device], env, timeout=timeout)
-    try:
-        report = json.loads(r.stdout)
-    except ValueError:
-        return _check(DEMO, False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-400:]}")
-    cases = report.get("cases", [])
-    good = [c for c in cases if c.get("ok")]
-    bad = [f"{c.get('layout')}/{c.get('engine')}/{c.get('op')}: "
-           f"{c.get('error') or 'tokens or logits differ'}"
-           for c in cases if not c.get("ok") and "skipped" not in c]
-
-    def median_ms(phase: str) -> float:
-        xs = sorted(c["seconds"][phase] for c in good)
-        return xs[len(xs) // 2] * 1e3 if xs else float("nan")
-
-    tokens = len((report.get("reference") or {}).get("tokens", []))
-    detail = (f"{len(good)} of {len(cases)} cases on {device} memory continued the prompt with "
-              f"one process's {tokens} tokens, logits bit-identical; median transfer "
-              f"{median_ms('transfer'):.1f} ms, decode {median_ms('decode'):.1f} ms"
-              + (f"; failed: {'; '.join(bad)[:400]}" if bad else "")
-              + (f"; {report['error']}" if report.get("error") else ""))
-    return _check(DEMO, r.returncode == 0 and report.get("ok") is True and bool(good), detail)
-
-
-class Selftest:
-    """The moved level's `kvruntime selftest`, started before the built and loaded levels run, so
-    it runs beside their short commands (an install from a binary cache is mostly this wait); its
+class Started:
+    """A command of the moved level started before the built and loaded levels run, so that it
+    runs beside their short commands (an install from a binary cache is mostly this wait); its
     result counts only when they passed (report_levels stops it otherwise)."""
 
-    # every memory kind and engine this host offers, over this build; the mixed-TP pairs test
-    # kvruntime's head arithmetic, not the stack (`python -m kvruntime selftest` runs them)
-    ARGS = ("-m", "kvruntime", "selftest", "--json", "--tp-pairs", "none")
-
-    def __init__(self, env: dict[str, str], python: str, timeout: int = 600):
-        self.cmd, self.timeout = [python, *self.ARGS], timeout
+    def __init__(self, cmd: list[str], env: dict[str, str], timeout: int = 600):
+        self.cmd, self.timeout = cmd, timeout
         self.started = time.monotonic()
         # under the step supervisor, in a session of its own, as _run's commands
         self.proc = start_supervised(self.cmd, env)
@@ -460,17 +422,96 @@ class Selftest:
         return subprocess.CompletedProcess(self.cmd, self.proc.returncode, out, err)
 
     def stop(self) -> None:
-        """Its whole session (the selftest starts process pairs of its own)."""
+        """Its whole session (the selftest and the demo start processes of their own)."""
         if self.proc.poll() is None:
             stop_supervised(self.proc)
 
 
+class Selftest(Started):
+    """The moved level's `kvruntime selftest`."""
+
+    # every memory kind and engine this host offers, over this build; the mixed-TP pairs test
+    # kvruntime's head arithmetic, not the stack (`python -m kvruntime selftest` runs them)
+    ARGS = ("-m", "kvruntime", "selftest", "--json", "--tp-pairs", "none")
+
+    def __init__(self, env: dict[str, str], python: str, timeout: int = 600):
+        super().__init__([python, *self.ARGS], env, timeout)
+
+
+class Demo(Started):
+    """The moved level's `kvruntime demo`: one pair of TP 1 processes (and the reference's) runs
+    every engine, layout and operation of this host's memory ``device``."""
+
+    ARGS = ("-m", "kvruntime", "demo", "--json", "--compact", "--tp", "1x1", "--device")
+
+    def __init__(self, env: dict[str, str], python: str, device: str, timeout: int = 600):
+        super().__init__([python, *self.ARGS, device], env, timeout)
+        self.device = device
+
+    @classmethod
+    def start(cls, env: dict[str, str], python: str, device: str,
+              timeout: int = 600) -> "Demo | dict[str, Any]":
+        """The demo started; where the target Python has no torch or transformers, the check
+        saying it is not checked here, with what to install."""
+        if _run([python, "-c", HAS_DEMO_MODULES], env, timeout=60).returncode != 0:
+            return _not_here(DEMO, f"torch and transformers are not importable by {python} (pip "
+                                   f"install torch 'kvstack[demo]' there to run it)")
+        return cls(env, python, device, timeout)
+
+
+def _demo_device(platform: str, selftest: dict | None) -> str:
+    """Device memory where the self-test moved it (cuda), else host memory; before the self-test
+    has run (None), host memory for every platform but cuda, whose demo waits for it."""
+    if platform != "cuda":
+        return "cpu"
+    return "cuda" if any(
+        m.get("status") == "passed" and str(m.get("mode", "")).startswith("cuda/")
+        for m in (selftest or {}).get("modes", [])) else "cpu"
+
+
+def _demo(env: dict[str, str], python: str, platform: str, selftest: dict,
+          timeout: int, started: "Demo | dict[str, Any] | None" = None) -> dict[str, Any]:
+    """The richest check, where the target Python has torch and transformers (else not checked,
+    with what to install): a small Llama's KV through this build from a prefill process to a
+    decode process on every engine, both layouts, pull and push, the decode's tokens and logits
+    identical to one process's. Device memory where the self-test moved it, else host memory.
+    ``started``: the demo started beside the earlier levels (else it starts now)."""
+    demo = started or Demo.start(env, python, _demo_device(platform, selftest), timeout)
+    if isinstance(demo, dict):
+        return demo
+    r = demo.result()
+    seconds = round(time.monotonic() - demo.started, 2)
+    try:
+        report = json.loads(r.stdout)
+    except ValueError:
+        return _check(DEMO, False, f"exit {r.returncode}: {(r.stderr or r.stdout)[-400:]}")
+    cases = report.get("cases", [])
+    good = [c for c in cases if c.get("ok")]
+    bad = [f"{c.get('layout')}/{c.get('engine')}/{c.get('op')}: "
+           f"{c.get('error') or 'tokens or logits differ'}"
+           for c in cases if not c.get("ok") and "skipped" not in c]
+
+    def median_ms(phase: str) -> float:
+        xs = sorted(c["seconds"][phase] for c in good)
+        return xs[len(xs) // 2] * 1e3 if xs else float("nan")
+
+    tokens = len((report.get("reference") or {}).get("tokens", []))
+    detail = (f"{len(good)} of {len(cases)} cases on {demo.device} memory continued the prompt "
+              f"with one process's {tokens} tokens, logits bit-identical; median transfer "
+              f"{median_ms('transfer'):.1f} ms, decode {median_ms('decode'):.1f} ms"
+              + (f"; failed: {'; '.join(bad)[:400]}" if bad else "")
+              + (f"; {report['error']}" if report.get("error") else ""))
+    return {**_check(DEMO, r.returncode == 0 and report.get("ok") is True and bool(good), detail),
+            "seconds": seconds}
+
+
 def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, components: list[str],
           timeout: int = 600, rdma: dict | None = None, nixl_module: str | None = None,
-          ibmock_dir: Path | None = None, selftest: Selftest | None = None) -> dict[str, Any]:
+          ibmock_dir: Path | None = None, selftest: Selftest | None = None,
+          demo: "Demo | dict[str, Any] | None" = None) -> dict[str, Any]:
     """Host memory always moves (no device needed); the platform's device memory where this host
-    has the device, else those modes are shown as not checked here. `selftest`: the one started
-    beside the earlier levels (else it runs now)."""
+    has the device, else those modes are shown as not checked here. `selftest`, `demo`: the ones
+    started beside the earlier levels (else they run now)."""
     if "nixl" not in components:
         return _level([], skipped=NO_NIXL)
     renv = _kvruntime_env(env, python)
@@ -480,7 +521,21 @@ def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, comp
             skipped=f"kvruntime is neither in this checkout ({REPO_ROOT}) nor importable by "
             f"{python}",
         )
-    r = (selftest or Selftest(renv, python, timeout)).result()
+    selftest = selftest or Selftest(renv, python, timeout)
+    # the RDMA move (one process, ~1 s) while the self-test and the demo run: their checks first
+    rdma_checks = []
+    if rdma is not None:
+        module = envfile.nixl_module(build_dir, nixl_module) if nixl_module else None
+        rdma_checks += _rdma_moved(rdma, env, python, module, ibmock_dir)
+        if platform in ("cuda", "xpu"):  # device memory registered by the NIC: no mock can show it
+            rdma_checks.append(
+                _not_here(
+                    f"GPUDirect RDMA ({platform} memory registered by the IB domain)",
+                    "it needs a real RDMA device beside the GPU (and nvidia-peermem or "
+                    "DMA-BUF; for xpu the xe driver): not proven on this host",
+                )
+            )
+    r = selftest.result()
     try:
         result = json.loads(r.stdout)
     except ValueError:
@@ -523,19 +578,8 @@ def moved(build_dir: Path, env: dict[str, str], python: str, platform: str, comp
             skipped="selftest ran no mode on this host: "
             f"{result.get('reason', 'no mode available')}",
         )
-    checks.append(_demo(renv, python, platform, result, timeout))
-    if rdma is not None:
-        module = envfile.nixl_module(build_dir, nixl_module) if nixl_module else None
-        checks += _rdma_moved(rdma, env, python, module, ibmock_dir)
-        if platform in ("cuda", "xpu"):  # device memory registered by the NIC: no mock can show it
-            checks.append(
-                _not_here(
-                    f"GPUDirect RDMA ({platform} memory registered by the IB domain)",
-                    "it needs a real RDMA device beside the GPU (and nvidia-peermem or "
-                    "DMA-BUF; for xpu the xe driver): not proven on this host",
-                )
-            )
-    level = _level(checks)
+    checks.append(_demo(renv, python, platform, result, timeout, demo))
+    level = _level(checks + rdma_checks)
     level["selftest"] = result
     return level
 
@@ -580,23 +624,37 @@ def report_levels(
     components,
     ibmock_dir=None,
 ):
+    started = time.monotonic()
     renv = _kvruntime_env(env, python) if "nixl" in components else None
     selftest = Selftest(renv, python) if renv is not None else None
+    # beside it the demo, on host memory (cuda's waits for the self-test: device memory where
+    # that moved); both run while the built and loaded levels' short commands do
+    demo = (Demo.start(renv, python, "cpu") if renv is not None and platform != "cuda"
+            else None)
+    seconds: dict[str, float] = {}
+
+    def timed(name: str, level: dict[str, Any]) -> dict[str, Any]:  # from the previous level's end
+        seconds[name] = round(time.monotonic() - started - sum(seconds.values()), 2)
+        return level
+
     try:
-        levels = {"built": built(spec, build_dir, env, with_table, components)}
-        levels["loaded"] = loaded(spec, build_dir, env, python, platform, null_driver, has_device,
-                                  components, ibmock_dir)
+        levels = {"built": timed("built", built(spec, build_dir, env, with_table, components))}
+        levels["loaded"] = timed("loaded", loaded(spec, build_dir, env, python, platform,
+                                                  null_driver, has_device, components, ibmock_dir))
         if levels["built"]["status"] == "failed" or levels["loaded"]["status"] == "failed":
             levels["moved"] = {"status": "skipped", "reason": "an earlier level failed",
                                "checks": []}
         else:
-            levels["moved"] = moved(build_dir, env, python, platform, components,
-                                    rdma=spec.get("rdma"), ibmock_dir=ibmock_dir, selftest=selftest,
-                                    nixl_module=spec.get("nixl", {}).get("module"))
+            levels["moved"] = timed("moved", moved(
+                build_dir, env, python, platform, components, rdma=spec.get("rdma"),
+                ibmock_dir=ibmock_dir, selftest=selftest, demo=demo,
+                nixl_module=spec.get("nixl", {}).get("module")))
     finally:
-        if selftest is not None:
-            selftest.stop()
-    return {"ok": passes(levels), "levels": levels, "has_device": has_device}
+        for started in (selftest, demo):
+            if isinstance(started, Started):
+                started.stop()
+    # each level's wait after the one before (the moved level's processes start with the first)
+    return {"ok": passes(levels), "levels": levels, "has_device": has_device, "seconds": seconds}
 
 
 def passes(levels: dict[str, Any]) -> bool:

@@ -6,7 +6,7 @@ on a device of ``--device-ids`` (placement.place: prefill ranks first, round rob
 ``bench_layout``'s shape and the model's 8 KV heads split over the ranks. Every decode rank
 requests the same random blocks; it receives its own heads of them from every prefill rank that
 holds some (tp_group.py). For each engine (tp_group.ENGINES) and op (pull; a push the prefill
-ranks start), one row:
+ranks start, timed from their ``start_push`` as the pair bench times it), one row:
 
 - ``ranks``: each decode rank alone (the others idle), the median GB/s of ``iters`` requests,
   beside its ``RankReference`` — a torch copy of the same bytes between the same devices (a

@@ -4,7 +4,7 @@ A small Llama-style model (model_kv.py: built from a config with a fixed seed, n
 the prompt in a prefill process, whose KV lands in paged caches (cross_layer and per_layer,
 16 tokens a block) at the blocks its allocator chose; a decode process, with its own allocator
 and other block ids, pulls them (or has the prefill push them) through kvruntime, rebuilds the
-model's cache from its pages and generates greedily. This process generates the same tokens
+model's cache from its pages and generates greedily. A third process generates the same tokens
 alone, on the decode's device, as the reference. A case passes when its tokens equal the
 reference's and every step's logits are bit-identical (same device, same arithmetic: a byte
 changed on the way shows). Every engine (NIXL, same-node, host-staged pools, coalesced NIXL),
@@ -19,7 +19,7 @@ import multiprocessing as mp
 import time
 from dataclasses import dataclass
 
-from .demo_roles import ENGINE_OPTIONS, decode_main, prefill_main
+from .demo_roles import ENGINE_OPTIONS, decode_main, prefill_main, reference_main
 from .roles import answer, reap
 
 ENGINES = tuple(ENGINE_OPTIONS)
@@ -78,8 +78,26 @@ def case_name(case: dict) -> str:
             f"tp{case['prefill_tp']}->{case['decode_tp']}")
 
 
+def _context():
+    """The demo's processes come from a fork server that has imported torch and transformers'
+    Llama modelling once (~6 s of CPU a process on a 2-core host: three of them importing it
+    was most of the demo's time) and nothing of NIXL or UCX: each starts as clean as a spawned
+    one (UCX is set up and NIXL loaded in it, roles.prepare_process; CUDA is not initialized
+    before the fork)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # a module missing is skipped
+    return ctx
+
+
+# what every demo process imports: the fork server's, once
+PRELOAD = ("numpy", "torch", "transformers.models.llama.modeling_llama",
+           "kvruntime.tools.demo_roles")
+
+
 def run_demo(cfg: DemoConfig) -> dict:
-    """The report: the reference, each prefill rank's phases, each case's tokens and times."""
+    """The report: the reference, each prefill rank's phases, each case's tokens and times.
+    Every process starts at once: the prefill ranks, the reference and the decode (which builds
+    its model while the prefills run the prompt, then takes their ready reports from here)."""
     from . import model_kv
 
     started = time.perf_counter()
@@ -88,14 +106,20 @@ def run_demo(cfg: DemoConfig) -> dict:
     report = {"tool": "kvruntime demo", "ok": False, "device": cfg.device,
               "device_ids": list(cfg.device_ids), "prompt_tokens": len(prompt),
               "steps": cfg.steps, "cases": [], "skipped": skipped}
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     procs, controls, queues = [], [], []
     base = {"device": cfg.device, "num_blocks": cfg.num_blocks, "nixl_module": cfg.nixl_module,
             "secret": cfg.secret, "timeout": cfg.timeout, "prompt": prompt}
+
+    def start(target, name: str, *args) -> None:
+        proc = ctx.Process(target=target, args=args, name=name, daemon=True)
+        proc.start()
+        procs.append(proc)
+
     try:
         prefills = {}
-        decode_q = ctx.Queue()
-        queues.append(decode_q)
+        decode_q, go, ref_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        queues += [decode_q, go, ref_q]
         buffers = sorted({"host_staged" if c["engine"] == "host_staged" else "device"
                           for c in todo}) or ["device"]
         for p in sorted({c["prefill_tp"] for c in todo}):
@@ -107,17 +131,29 @@ def run_demo(cfg: DemoConfig) -> dict:
                         "device_id": cfg.device_ids[0], "kinds": sorted({c["layout"] for c in
                                                                         todo}),
                         "buffers": buffers}
-                proc = ctx.Process(target=prefill_main, args=(ready_q, control, [answers], spec),
-                                   name=f"prefill-tp{p}-rank{rank}", daemon=True)
-                proc.start()
-                procs.append(proc)
-                controls.append((proc, control))
-                ranks.append({"proc": proc, "ready_q": ready_q, "control": control,
+                start(prefill_main, f"prefill-tp{p}-rank{rank}", ready_q, control, [answers],
+                      spec)
+                controls.append((procs[-1], control))
+                ranks.append({"proc": procs[-1], "ready_q": ready_q, "control": control,
                               "answers": answers})
             prefills[str(p)] = ranks
-        # the reference, here, while the prefill processes start
-        report["reference"] = reference(cfg, prompt)
-        ref_logits = report["reference"].pop("logits")
+        # the same generation in one process of its own, on the decode's device
+        start(reference_main, "reference", ref_q, {**base, "seed": cfg.seed,
+                                                  "device_id": cfg.device_ids[1],
+                                                  "steps": cfg.steps})
+        reference_proc = procs[-1]
+        spec = {**base, "seed": cfg.seed if cfg.decode_seed is None else cfg.decode_seed,
+                "device_id": cfg.device_ids[1], "steps": cfg.steps, "cases": todo,
+                "tokens_per_block": cfg.decode_tokens_per_block,
+                "prefills": {p: [{k: r[k] for k in ("control", "answers")} for r in ranks]
+                             for p, ranks in prefills.items()},
+                # as long as this process may wait for every rank's ready report and the
+                # reference's, one timeout each
+                "ready_timeout": cfg.timeout * (1 + sum(len(r) for r in prefills.values()))}
+        start(decode_main, "decode", decode_q, spec, go)
+        decoder = procs[-1]
+        controls.append((decoder, go))  # "stop" there ends a decode still waiting
+        ready_all = {}
         for p, ranks in prefills.items():
             for r in ranks:
                 ready = answer(r["ready_q"], cfg.timeout, r["proc"].name, [r["proc"]])
@@ -125,19 +161,17 @@ def run_demo(cfg: DemoConfig) -> dict:
                     report["error"] = f"{r['proc'].name}: {ready.get('error')}"
                     report["trace"] = ready.get("trace")
                     return report
-                r["ready"] = ready
+                ready_all.setdefault(p, []).append(ready)
                 report.setdefault("prefills", []).append(
                     {"tp": int(p), "rank": ready["rank"], "blocks": ready["blocks"],
                      "first_token": ready["first"], "seconds": ready["seconds"]})
-        spec = {**base, "seed": cfg.seed if cfg.decode_seed is None else cfg.decode_seed,
-                "device_id": cfg.device_ids[1], "steps": cfg.steps, "cases": todo,
-                "tokens_per_block": cfg.decode_tokens_per_block,
-                "prefills": {p: [{k: r[k] for k in ("ready", "control", "answers")}
-                                 for r in ranks] for p, ranks in prefills.items()}}
-        decoder = ctx.Process(target=decode_main, args=(decode_q, spec), name="decode",
-                              daemon=True)
-        decoder.start()
-        procs.append(decoder)
+        ref = answer(ref_q, cfg.timeout, "the reference process", [reference_proc])
+        if not ref.get("ok"):
+            report["error"], report["trace"] = f"reference: {ref.get('error')}", ref.get("trace")
+            return report
+        ref_logits = ref.pop("logits")
+        report["reference"] = {k: ref[k] for k in ("tokens", "app", "seconds")}
+        go.put(ready_all)  # only now: on an error above, the decode waiting there is told stop
         _collect(report, ref_logits, decode_q, decoder, cfg)
     finally:
         for proc, control in controls:
@@ -180,21 +214,3 @@ def _collect(report: dict, ref_logits, q, decoder, cfg: DemoConfig) -> None:
     report.pop("error", None)
     report["ok"] = bool(report["cases"]) and all(c.get("ok") or "skipped" in c
                                                  for c in report["cases"])
-
-
-def reference(cfg: DemoConfig, prompt: list[int]) -> dict:
-    """The same generation in this one process, on the decode's device: tokens, logits, times."""
-    import torch
-
-    from . import model_kv
-
-    torch.set_num_threads(1)  # as the role processes: the same kernels, the same sums
-    device = "cpu" if cfg.device == "cpu" else f"{cfg.device}:{cfg.device_ids[1]}"
-    model = model_kv.build(cfg.seed, device)
-    start = time.perf_counter()
-    past, first, _ = model_kv.run_prompt(model, prompt)
-    prefill = time.perf_counter() - start
-    start = time.perf_counter()
-    tokens, logits = model_kv.generate(model, past, first, cfg.steps)
-    return {"tokens": [first, *tokens], "logits": logits.numpy(), "app": model.kv_descriptor,
-            "seconds": {"prefill": prefill, "decode": time.perf_counter() - start}}

@@ -121,7 +121,7 @@ def _lines(report: dict, case_name) -> list[str]:
         s = p["seconds"]
         lines.append(f"prefill TP {p['tp']} rank {p['rank']}: prefill {_ms(s['prefill'])}, KV "
                      f"into pages {_ms(s['write_pages'])} at blocks {p['blocks']} (model "
-                     f"built, transformers imported, in {_ms(s['build'])}); first token "
+                     f"built in {_ms(s['build'])}); first token "
                      f"{p['first_token']}")
     width = max([len(case_name(c)) for c in report["cases"] + report["skipped"]] + [20])
     for c in report["cases"]:

@@ -1,10 +1,12 @@
-"""The demo's processes: a prefill rank that runs the prompt and serves its KV as pages, and a
-decode that pulls (or is pushed) them into blocks of its own and continues the generation.
+"""The demo's processes: a prefill rank that runs the prompt and serves its KV as pages, a
+decode that pulls (or is pushed) them into blocks of its own and continues the generation, and
+the reference, which generates alone.
 
-Started with ``spawn`` (no inherited NIXL or UCX state); they report through queues and never
-print. A decode of TP d is d ``DecodeClient``s (a NIXL agent and a cache each) in one process:
-the model then runs whole on their heads side by side, so what the demo proves for mixed TP is
-that each rank's pages carry exactly its heads, not a tensor-parallel forward pass.
+Started from the demo's fork server (demo._context: torch and transformers imported there, no
+NIXL or UCX state inherited); they report through queues and never print. A decode of TP d is
+d ``DecodeClient``s (a NIXL agent and a cache each) in one process: the model then runs whole
+on their heads side by side, so what the demo proves for mixed TP is that each rank's pages
+carry exactly its heads, not a tensor-parallel forward pass.
 """
 
 from __future__ import annotations
@@ -105,10 +107,35 @@ def prefill_main(report, control, replies, spec: dict) -> None:
             server.close()
 
 
-def decode_main(report, spec: dict) -> None:
+def reference_main(report, spec: dict) -> None:
+    """The prompt prefilled and ``spec["steps"]`` tokens generated in this one process, on the
+    decode's device: tokens, each step's logits (on the CPU), the model's descriptor, times."""
+    try:
+        _log_from_env()
+        import torch
+
+        from . import model_kv
+
+        torch.set_num_threads(1)  # as the other processes: the same kernels, the same sums
+        model = model_kv.build(spec["seed"], _torch_device(spec, spec["device_id"]))
+        start = time.perf_counter()
+        past, first, _ = model_kv.run_prompt(model, spec["prompt"])
+        prefill = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens, logits = model_kv.generate(model, past, first, spec["steps"])
+        report.put({"ok": True, "tokens": [first, *tokens], "logits": logits.numpy(),
+                    "app": model.kv_descriptor,
+                    "seconds": {"prefill": prefill, "decode": time.perf_counter() - start}})
+    except BaseException as exc:
+        report.put({"ok": False, "error": f"{type(exc).__name__}: {exc}",
+                    "trace": traceback.format_exc()})
+
+
+def decode_main(report, spec: dict, ready) -> None:
     """Run every case of ``spec["cases"]`` against the prefill ranks ``spec["prefills"]``
-    (per TP size, each rank's ready report, command queue and the queue it answers this
-    process on); one report a case, then ``{"done": True}``."""
+    (per TP size, each rank's command queue and the queue it answers this process on), once
+    ``ready`` brings their ready reports (per TP size, in rank order; anything else: stop);
+    one report a case, then ``{"done": True}``."""
     try:
         _log_from_env()
         prepare_process({"device": spec["device"]})
@@ -123,6 +150,12 @@ def decode_main(report, spec: dict) -> None:
         start = time.perf_counter()
         model = model_kv.build(spec["seed"], device)
         report.put({"built": time.perf_counter() - start, "app": model.kv_descriptor})
+        got = ready.get(timeout=spec["ready_timeout"])
+        if not isinstance(got, dict):
+            return
+        for p, reports in got.items():
+            for rank, ready_report in zip(spec["prefills"][p], reports):
+                rank["ready"] = ready_report
         for case in spec["cases"]:
             try:
                 report.put({"case": case, **_run_case(case, spec, model, binding, device)})

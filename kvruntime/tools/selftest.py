@@ -354,29 +354,35 @@ def run_selftest(nixl_module: str | None = None, timeout: float = 120.0,
         jobs += tp_jobs(tp_pairs, options, [0], seed, timeout)
     names = [name for name, _f, _a in jobs]
     skipped: dict[str, list[dict]] = {}
-    for device in DEVICES:
-        reason = device_unavailable(device)
-        if reason is not None:
-            skipped[device] = skipped_modes(device, reason) + [
-                {"mode": f"{device}/tp {g.label}", "tp": [g.p, g.d], "memory": "VRAM",
-                 "status": "skipped", "reason": reason} for g in tp_pairs]
-            continue
-        on = {"device": device, "device_ids": list(pair)}
-        jobs += [(device, _run_pair, (layouts, seed, {**options, **on}, pair, timeout)),
-                 (f"{device} staged", _run_pair, (layouts, seed, {**options, **on, **staged},
-                                                  pair, timeout))]
-        if tp_pairs:  # its ranks laid on every device id given
-            jobs += tp_jobs(tp_pairs, {**options, "device": device,
-                                       "device_ids": list(device_ids)}, device_ids, seed, timeout)
-    report: dict = {"tool": "kvruntime selftest", "modes": [],
-                    "ucx_policy": ucx_policy(device_ids[0])}
+    report: dict = {"tool": "kvruntime selftest", "modes": []}
     try:
-        workers = at_once or _pairs_at_once(len(jobs))
-        report["pairs_at_once"] = workers
         # block-id lists read natively or by array('q'): built here, once, before the pairs load it
         report["id_reader"] = native.status()
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            done = dict(zip([n for n, _f, _a in jobs], pool.map(lambda job: job[1](*job[2]), jobs)))
+        most = _pairs_at_once(1 << 16)  # one pair per four CPUs, however many jobs come
+        with ThreadPoolExecutor(max_workers=at_once or most) as pool:
+            # the host pairs start first: which devices torch sees (importing it, ~2 s of CPU)
+            # and the UCX policy are found while they run
+            futures = [pool.submit(f, *a) for _n, f, a in jobs]
+            for device in DEVICES:
+                reason = device_unavailable(device)
+                if reason is not None:
+                    skipped[device] = skipped_modes(device, reason) + [
+                        {"mode": f"{device}/tp {g.label}", "tp": [g.p, g.d], "memory": "VRAM",
+                         "status": "skipped", "reason": reason} for g in tp_pairs]
+                    continue
+                on = {"device": device, "device_ids": list(pair)}
+                more = [(device, _run_pair, (layouts, seed, {**options, **on}, pair, timeout)),
+                        (f"{device} staged", _run_pair,
+                         (layouts, seed, {**options, **on, **staged}, pair, timeout))]
+                if tp_pairs:  # its ranks laid on every device id given
+                    more += tp_jobs(tp_pairs, {**options, "device": device,
+                                               "device_ids": list(device_ids)}, device_ids, seed,
+                                    timeout)
+                jobs += more
+                futures += [pool.submit(f, *a) for _n, f, a in more]
+            report["ucx_policy"] = ucx_policy(device_ids[0])
+            report["pairs_at_once"] = at_once or min(most, len(jobs))
+            done = dict(zip([n for n, _f, _a in jobs], [f.result() for f in futures]))
         host = done["host"]
         if not host.get("modes") and not host.get("ok"):  # the stack itself is unusable
             report.update(ok=False, error=host.get("error"), trace=host.get("trace"))

@@ -53,28 +53,25 @@ def git_repo(tmp_path):
 FOREIGN_UCX = "libucx-cu12==1.22.0"
 
 
+def pip_download(dest: Path, *requirements: str, deps: bool = False
+                 ) -> subprocess.CompletedProcess:
+    """`pip download` of ``requirements`` as wheels only, into ``dest``, quietly (``deps``:
+    their dependencies too); the caller skips on a failure, with what failed."""
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+         *([] if deps else ["--no-deps"]), "--only-binary=:all:", "-d", str(dest),
+         *requirements],
+        capture_output=True,
+        text=True,
+    )
+
+
 @pytest.fixture(scope="session")
 def pypi_ucx(tmp_path_factory):
     """libucp.so.0 of PyPI's libucx-cu12 (UCX 1.22.0 without CUDA's own libraries): a UCX that is
     not the wheel's, as a distribution's libucx0 or another wheel's would be."""
     d = tmp_path_factory.mktemp("foreign-ucx")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-deps",
-            "--only-binary=:all:",
-            "-d",
-            str(d),
-            FOREIGN_UCX,
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = pip_download(d, FOREIGN_UCX)
     if r.returncode:
         pytest.skip(
             f"cannot download {FOREIGN_UCX} from PyPI (the other UCX): {r.stderr.strip()[-200:]}"
@@ -104,22 +101,7 @@ def world(tmp_path_factory):
     recipes.mkdir()
     mirror.mkdir()
     shutil.copy(ROOT / "recipes" / "schema.json", recipes)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--only-binary=:all:",
-            "-d",
-            str(mirror / "wheels"),
-            *TOOLS,
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = pip_download(mirror / "wheels", *TOOLS, deps=True)
     if r.returncode:
         pytest.skip(f"cannot download the build tools' wheels from PyPI: {r.stderr.strip()[-200:]}")
     lines = ["schema_version = 1", 'description = "tests: small real projects"', ""]

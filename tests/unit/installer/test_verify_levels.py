@@ -219,20 +219,31 @@ def test_the_demo_is_not_checked_where_the_target_python_has_no_transformers(tmp
 
 def test_the_selftest_started_beside_the_earlier_levels_is_stopped_when_one_fails(tmp_path,
                                                                                  monkeypatch):
-    """The moved level's selftest starts before the built and loaded levels, so it runs beside
-    their short commands; when one of them fails its result is never read and its process does not
-    outlive verification. (A sleeping Python stands in for the selftest: nothing here can move.)"""
+    """The moved level's selftest and demo start before the built and loaded levels, so they run
+    beside their short commands; when one of those fails their results are never read and their
+    processes do not outlive verification. (A sleeping Python stands in for each: nothing here
+    can move.)"""
+    import importlib.util
     import sys
     started = []
+    sleep = ("-c", "import time; time.sleep(60)")
 
     class Recorded(verify.Selftest):
-        ARGS = ("-c", "import time; time.sleep(60)")
+        ARGS = sleep
+
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            started.append(self)
+
+    class RecordedDemo(verify.Demo):
+        ARGS = sleep
 
         def __init__(self, *args, **kw):
             super().__init__(*args, **kw)
             started.append(self)
 
     monkeypatch.setattr(verify, "Selftest", Recorded)
+    monkeypatch.setattr(verify, "Demo", RecordedDemo)
     spec = {**SPEC, "ucx": {**SPEC["ucx"], "defines": [], "modules": {}, "absent_defines": []},
             "nixl": {"module": "nixl_cpu", "plugins": ["UCX"]}}
     report = verify.report_levels(spec, "cpu", tmp_path, dict(os.environ), sys.executable, {}, None,
@@ -240,4 +251,7 @@ def test_the_selftest_started_beside_the_earlier_levels_is_stopped_when_one_fail
     assert report["levels"]["built"]["status"] == "failed" and not report["ok"]
     assert report["levels"]["moved"] == {"status": "skipped", "reason": "an earlier level failed",
                                          "checks": []}
-    assert len(started) == 1 and started[0].proc.poll() is not None  # started, then stopped
+    # the demo where this Python has what it imports (CI's has: the test extra)
+    demo = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+    assert [type(s) for s in started] == [Recorded] + [RecordedDemo] * demo
+    assert all(s.proc.poll() is not None for s in started)  # started, then stopped
