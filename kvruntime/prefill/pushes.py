@@ -62,11 +62,6 @@ class _Offer:  # a push started before any decode expected it: posted when one d
     posted: float  # wall clock of the start_push call (the decode times the push from it)
 
 
-# Requests one decode may have announced (expect) and we not pushed yet.
-MAX_EXPECTED = 65536
-# A named request past its deadline is dropped this much later by the progress loop (the
-# decode's own timer, and its cancel, come first); start_push never writes one past it.
-EXPECTED_GRACE = 0.5
 
 
 class Writes:

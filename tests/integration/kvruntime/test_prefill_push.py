@@ -280,10 +280,15 @@ def test_a_host_staged_decode_is_told_to_pull():
     src.close(), dst.close()
 
 
-def test_a_push_started_just_after_the_decodes_deadline_writes_nothing(either_pair):
+def test_a_push_started_just_after_the_decodes_deadline_writes_nothing(either_pair,
+                                                                       monkeypatch):
     """Between the decode's deadline and the sweep's grace, start_push finds the named blocks
     but not the time: the decode may have reused them. It writes nothing; the decode is told
-    and the push waits for a decode that names the request again."""
+    and the push waits for a decode that names the request again. The window is forced: the
+    sweep's grace made a minute long, so a busy host's late wake-up cannot close it."""
+    from kvruntime.prefill import pushes
+
+    monkeypatch.setattr(pushes, "EXPECTED_GRACE", 60.0)
     server, client, peer, src, dst = either_pair
     before = dst.block_digest(7)
     handle = peer.expect_push([7], request_id="edge", timeout=0.3)
