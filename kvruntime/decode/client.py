@@ -41,7 +41,7 @@ from ..errors import IncompatiblePeerError, KVRuntimeError, PeerError, WaitTimeo
 from ..host.peercred import peer_uid
 from ..jobs import TransferResult
 from ..memory import KVCache
-from ..nixl.agent import Agent, shm_free, ucx_threads, unique_name
+from ..nixl.agent import open_agent
 from ..nixl.transfer import Draining, PostedTransfer, Rows, split_runs
 from ..nixl.transports import offered_transports, shm_am_across_users
 from ..options import Options
@@ -395,23 +395,15 @@ class DecodeClient:
         # the pool requests go through: the host-staged one, or a direct side's for coalesced
         # NIXL transfers (coalesce.py), registered beside the cache
         self.pool: StagingPool | None = None
-        # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
-        nixl_memory = "cpu" if o.kv_buffer == "host_staged" else o.device_kind
         # the same-node engine's reader threads for host memory (None: by this host's cores)
         self.host_streams, self.host_streams_reason = host_copy_streams(
             len(os.sched_getaffinity(0)), host_streams)
-        # NIXL's UCX threads (None: by what NIXL moves here, this host's cores and /dev/shm)
-        threads, self.ucx_threads_reason = ucx_threads(
-            o.ucx_threads, "decode", nixl_memory, len(os.sched_getaffinity(0)),
-            shm_free())
-        # the GPU whose nearest NIC carries its memory to other hosts (transports.cross_host)
-        device_id = cache.regions[0].device_id if nixl_memory != "cpu" else None
         # Each part's end is pushed as it is made; close() ends them in the reverse order (a
         # constructor that fails half way ends those it made): each peer, our failed READs
         # still in flight, the release sender and the probe, then the memory and the agent.
         with ExitStack() as stack:
-            self.agent = Agent(o.name or unique_name("decode"), o.binding,
-                               device_kind=nixl_memory, ucx_threads=threads, device_id=device_id)
+            # NIXL's UCX threads: None chooses by what NIXL moves, the cores and /dev/shm
+            self.agent, self.ucx_threads_reason = open_agent(o, cache, "decode")
             stack.callback(self.agent.close)
             self._probe = engines.LaneProbe(self.agent, cache, draining=self.draining,
                                             timeout=o.timeout)

@@ -269,3 +269,16 @@ class Agent:
         self._closed = True
         with self.lock:
             self.nixl = None
+
+
+def open_agent(options, cache, role: str) -> tuple[Agent, str]:
+    """One side's NIXL agent for ``cache`` under ``options`` (options.Options), and why it has
+    the UCX threads it has. NIXL moves host memory only when the side is host-staged (its
+    pools), whatever the cache is on; a device cache's GPU names the NIC nearest to it
+    (transports.cross_host)."""
+    nixl_memory = "cpu" if options.kv_buffer == "host_staged" else options.device_kind
+    threads, why = ucx_threads(options.ucx_threads, role, nixl_memory,
+                               len(os.sched_getaffinity(0)), shm_free())
+    device_id = cache.regions[0].device_id if nixl_memory != "cpu" else None
+    return Agent(options.name or unique_name(role), options.binding, device_kind=nixl_memory,
+                 ucx_threads=threads, device_id=device_id), why

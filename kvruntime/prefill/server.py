@@ -40,7 +40,7 @@ from ..errors import KVRuntimeError, PeerError
 from ..host.peercred import peer_uid
 from ..layout import KVLayout
 from ..memory import KVCache
-from ..nixl.agent import Agent, shm_free, ucx_threads, unique_name
+from ..nixl.agent import open_agent
 from ..nixl.transports import offered_transports, shm_am_across_users
 from ..options import Options
 from ..plan import Planner, make_plan
@@ -154,19 +154,11 @@ class PrefillServer:
         self._peers_lock = threading.RLock()
         self._stop = threading.Event()
         self._closed = False
-        # host-staged: NIXL only ever moves host memory (the pools), whatever the cache is on
-        nixl_memory = "cpu" if o.kv_buffer == "host_staged" else o.device_kind
-        threads, self.ucx_threads_reason = ucx_threads(
-            o.ucx_threads, "prefill", nixl_memory, len(os.sched_getaffinity(0)),
-            shm_free())
-        # the GPU whose nearest NIC carries its memory to other hosts (transports.cross_host)
-        device_id = cache.regions[0].device_id if nixl_memory != "cpu" else None
         # Each part's end is pushed as it is made; close() ends them in the reverse order (a
         # constructor that fails half way ends those it made): stop and stop accepting, drop
         # each peer, our pushes and WRITEs, then the memory and the agent under them.
         with ExitStack() as stack:
-            self.agent = Agent(o.name or unique_name("prefill"), o.binding,
-                               device_kind=nixl_memory, ucx_threads=threads, device_id=device_id)
+            self.agent, self.ucx_threads_reason = open_agent(o, cache, "prefill")
             stack.callback(self.agent.close)
             self.staging, self.pool, self.registration = coalescing.open_pools(
                 stack, self.agent, cache, o.kv_buffer, o.coalesce, o.staging_blocks)
