@@ -83,6 +83,11 @@ class PrefillPeer:
         self._planner: Planner | None = None  # made at the connect (plan.py)
         self.pace = Pace()  # how fast it has moved requests: how long a wait spins (pace.py)
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
+        # a close runs once, in the thread that claims it: the client's, or one whose send
+        # found the connection gone (the release sender's); the other waits for its end
+        self._close_claim = threading.Lock()
+        self._closing = False
+        self._close_done = threading.Event()
 
     # what its engine says of itself, for reports and results (engines/engine.py)
     engine = property(lambda self: self.mover.name, doc='What moves its requests: "nixl", '
@@ -342,8 +347,20 @@ class PrefillPeer:
         return len(self.port.of(self))
 
     def close(self) -> None:
-        if self.closed:
+        with self._close_claim:
+            claimed, self._closing = not self._closing, True
+        if not claimed:  # another thread closes it, or this one, re-entered through a send
             return
+        try:
+            self._close()
+        finally:
+            self._close_done.set()
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait for a close another thread runs; False if it has not ended in ``timeout``."""
+        return self._close_done.wait(timeout)
+
+    def _close(self) -> None:
         if not self.channel.losing:  # what finished before the close still frees its blocks
             self.releases.flush()
             if not self.broken:
@@ -591,6 +608,9 @@ class DecodeClient:
     def _close_peers(self) -> None:
         for peer in list(self._peers.values()):
             peer.close()
+            if not peer.wait_closed(self.timeout):  # closed by another thread, still going
+                log.error("%s: its close in another thread has not ended after %.1fs; "
+                          "closing the client anyway", peer.name, self.timeout)
 
     def _drain(self) -> None:
         left = self.draining.drain(self.timeout)

@@ -317,8 +317,8 @@ def write_frame(sock: socket.socket, message: dict, timeout: float | None = None
     """Send ``message``; with ``session``, sealed with its MAC (under the caller's send lock:
     the frame count must follow the order frames go out)."""
     data = encode_frame(message, session=session)
-    sock.settimeout(timeout)
     try:
+        sock.settimeout(timeout)  # EBADF once another thread closed the socket
         sock.sendall(data)
     except OSError as exc:
         raise PeerError(f"side channel failed while sending {message.get('type')!r}: "

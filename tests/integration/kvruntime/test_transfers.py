@@ -133,6 +133,49 @@ def test_prefill_killed_mid_transfer_gives_error_not_hang(prefill):
             cache.close()
 
 
+def test_a_peer_closed_by_two_threads_at_once_is_closed_once(prefill, monkeypatch):
+    """The release sender's thread closes a peer whose connection it found gone while the
+    client's close closes it too (CI, after a killed prefill: the second close sent its "bye"
+    on the socket the first had closed and client.close raised EBADF). The first close is held
+    inside its release flush until the second has returned: the second must not run it again."""
+    layout = small(CROSS_LAYER)
+    with prefill([layout]) as (_proc, ports):
+        cache = KVCache.allocate_host(layout)
+        client = DecodeClient(cache, engine="nixl")
+        try:
+            peer = client.connect("127.0.0.1", ports[0])
+            inside, second_returned = threading.Event(), threading.Event()
+            flush, flushes = peer.releases.flush, []
+
+            def held_flush():
+                flushes.append(threading.current_thread().name)
+                if len(flushes) == 1:
+                    inside.set()
+                    second_returned.wait(10)
+                flush()
+
+            monkeypatch.setattr(peer.releases, "flush", held_flush)
+            errors = []
+
+            def first():
+                try:
+                    peer.close()
+                except Exception as exc:  # the test's verdict, not a crash of the thread
+                    errors.append(exc)
+
+            thread = threading.Thread(target=first, name="first-close")
+            thread.start()
+            assert inside.wait(10)
+            peer.close()
+            second_returned.set()
+            thread.join(10)
+            assert errors == [] and flushes == ["first-close"]
+            assert peer.wait_closed(0) and peer.closed
+        finally:
+            client.close()
+            cache.close()
+
+
 def test_restarted_prefill_is_handshaked_again(prefill):
     layout = small(CROSS_LAYER)
     cache = KVCache.allocate_host(layout)
