@@ -18,6 +18,7 @@ from ..errors import KVRuntimeError, NixlError, TransportError
 from ..options import environment
 from . import nics, ucxlog
 from .binding import NixlBinding, as_str, load_nixl
+from .settle import settle
 from .transports import apply_ucx_settings, forced_by_user
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,7 @@ class Agent:
         self.name = name
         self.lock = threading.RLock()
         self._closed = False
+        self.failed_transfers = 0  # its close first settles what they left in UCX (settle.py)
         api = self.binding.api
         # NIXL's progress thread spins on a whole core (measured: 0.9 CPU while idle); on the
         # 2-core hosts this runs on, two spinning processes starve the copies themselves.
@@ -268,6 +270,8 @@ class Agent:
             return
         self._closed = True
         with self.lock:
+            if self.failed_transfers:
+                settle(self)
             self.nixl = None
 
 

@@ -85,9 +85,11 @@ class PostedTransfer:
         except NixlError as exc:
             raise TransferError(f"{op} could not be prepared: {exc}") from exc
         try:
-            self.state = _state(agent.call("transfer", nixl.transfer, self._handle))
+            self.state = self._seen(_state(agent.call("transfer", nixl.transfer, self._handle)))
         except NixlError as exc:
-            self._release()  # never posted: nothing of it is in flight
+            # never posted whole; UCX may hold the pieces posted before the failure (settle.py)
+            self.agent.failed_transfers += 1
+            self._release()
             raise TransferError(f"{op} of {self.nbytes} bytes could not be posted: {exc}"
                                 ) from exc
         self.end = time.perf_counter() if self.state != "PROC" else None
@@ -102,8 +104,13 @@ class PostedTransfer:
                 state = "ERR"
             if state != "PROC":
                 self.end = time.perf_counter()
-                self.state = state
+                self.state = self._seen(state)
         return self.state
+
+    def _seen(self, state: str) -> str:
+        if state == "ERR":  # UCX may still hold some of it (settle.py)
+            self.agent.failed_transfers += 1
+        return state
 
     @property
     def seconds(self) -> float:
