@@ -55,6 +55,12 @@ DECODE_STEPS = COMMON_STEPS + (
     ("kvruntime.engines.choice", None, "choose", "engine choice (+lane probe, +route)"),
     ("kvruntime.engines.coalesce", None, "open_route", "coalesce route (+probe)"),
     ("kvruntime.engines.engine", "SameNodeEngine", "rehearse", "rehearse"),
+    # inside a same-node choice: the proof, then the prefill's memory opened
+    ("kvruntime.engines.samenode", None, "prove_same_node", "same-node proof: token"),
+    ("kvruntime.engines.samenode", None, "prove_peer", "same-node proof: socket's pid"),
+    ("kvruntime.engines.samenode", None, "open_cuda_ipc", "CUDA IPC open (a region)"),
+    ("kvruntime.engines.samenode", "CudaEngine", "__init__", "CUDA engine opened"),
+    ("kvruntime.engines.gather", "BlockGather", "warm", "gather kernel warm"),
     ("kvruntime.decode.client", "PrefillPeer", "start_pull", "start_pull"),
     ("kvruntime.decode.client", "PrefillPeer", "start_push", "start_push"),
     ("kvruntime.decode.client", "PrefillPeer", "_admit", "plan"),
