@@ -138,6 +138,22 @@ def enable_peer_access(device, peer) -> str | None:
     return f"cudaDeviceEnablePeerAccess returned {err}"
 
 
+def context_active(index: int) -> bool | None:
+    """Whether this process holds the primary CUDA context of visible GPU ``index`` already
+    (the driver's cuDevicePrimaryCtxGetState); None when the driver cannot say. Work there
+    then costs no new context (hundreds of MiB of that GPU's memory, tens of ms)."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    if lib.cuDeviceGet(ctypes.byref(device), ctypes.c_int(index)) != 0:
+        return None
+    if lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)) != 0:
+        return None
+    return bool(active.value)
+
+
 class IdUploads:
     """Block id arrays to the device with no allocation and no torch call per request, for
     the work of one stream (``stream``, a torch CUDA stream): ``SLOTS`` pinned host buffers

@@ -43,6 +43,30 @@ def _pairs():
     return [(0, 0), (0, 1)] if torch.cuda.device_count() > 1 else [(0, 0)]
 
 
+def test_prewarm_loads_the_gather_kernel_on_the_other_gpus_whose_context_it_holds():
+    """A same-node peer on another GPU is gathered there: the client's start loads the kernel
+    on every other GPU whose primary context the process holds already, and on no other (no
+    context is made for it)."""
+    import torch
+
+    from kvruntime.engines import gather
+    from kvruntime.host import cudart
+
+    if torch.cuda.device_count() < 2 or not _has_triton():
+        pytest.skip("needs two GPUs and Triton")
+    torch.zeros(1, device="cuda:1")  # this process holds GPU 1's context
+    assert cudart.context_active(1) is True
+    cache = KVCache.allocate_device(small(CROSS_LAYER), "cuda", 0)
+    held = [i for i in range(torch.cuda.device_count()) if cudart.context_active(i)]
+    try:
+        said = gather.prewarm(cache)
+    finally:
+        cache.close()
+    warmed = said.removeprefix("gather kernel ready on ").split(", ")
+    assert warmed == [f"cuda:{i}" for i in [0] + [i for i in held if i != 0]], said
+    assert [i for i in range(torch.cuda.device_count()) if cudart.context_active(i)] == held
+
+
 @pytest.mark.parametrize("ids", _pairs(), ids=lambda p: f"cuda{p[0]}-to-cuda{p[1]}")
 @pytest.mark.parametrize("engine", ["nixl", "samenode"])
 @pytest.mark.parametrize("kind", [CROSS_LAYER, PER_LAYER])
