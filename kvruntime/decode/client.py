@@ -613,10 +613,10 @@ class DecodeClient:
                           "closing the client anyway", peer.name, self.timeout)
 
     def _drain(self) -> None:
-        left = self.draining.drain(self.timeout)
-        if left:  # the agent goes now: its worker's end stops them (nothing of ours lands)
-            log.error("closing with %d failed READ(s) still in flight after %.1fs", left,
-                      self.timeout)
+        left = self.draining.close(self.timeout)
+        if left:  # released: the agent goes with them, and UCX's connections (transfer.py)
+            log.error("closing with %d failed READ(s) still in flight after %.1fs: dropped "
+                      "with the NIXL agent", left, self.timeout)
 
     def __enter__(self):
         return self

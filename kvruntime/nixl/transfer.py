@@ -242,6 +242,24 @@ class Draining:
             time.sleep(0.001)
         return len(self._items)
 
+    def close(self, seconds: float) -> int:
+        """At the owner's close, before its agent's: drain for up to ``seconds``, then release
+        the handles of those still in flight (a peer stalled: a READ over tcp waits for its
+        process), so that the agent is destroyed with its close and UCX's end of the
+        connections goes with it. A handle kept would keep NIXL's agent and its UCX threads
+        alive, and the stalled peer's bytes would land once it resumes, in memory the caller
+        has freed (SIGSEGV in ucp_get_rep_handler; or, reused, another tensor's). Their
+        ``on_end`` is not called: the memory is settled only once the agent is gone. Returns
+        how many were released in flight; they count as failed on their agent (settle.py)."""
+        if not self.drain(seconds):
+            return 0
+        with self._lock:
+            items, self._items = self._items, []
+        for xfer, _on_end, _owner in items:
+            xfer.agent.failed_transfers += 1
+            xfer._release()
+        return len(items)
+
 
 def read_now(agent: Agent, rows: Rows, *, what: str, timeout: float, draining: Draining,
              plan: TransferPlan | None = None, nap: float = 0.0) -> float:

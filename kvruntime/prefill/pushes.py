@@ -155,8 +155,10 @@ class Writes:
             self.registration.forget_peer(agent)
 
     def close(self) -> None:
-        if self._orphans.drain(self.timeout):  # the agent goes now: its worker's end stops them
-            log.error("closing with WRITEs still in flight after %.1fs", self.timeout)
+        left = self._orphans.close(self.timeout)
+        if left:  # released: the agent goes with them, and UCX's connections (transfer.py)
+            log.error("closing with %d WRITE(s) still in flight after %.1fs: dropped with the "
+                      "NIXL agent", left, self.timeout)
 
     # -- posting, polling, answering --------------------------------------------------------------
     def post(self, peer, request: str, plan, deadline: float, split: int = 1,

@@ -16,9 +16,12 @@ a posted READ or WRITE (transfer.py).
 
 import contextlib
 import ctypes
+import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -292,3 +295,53 @@ def test_a_closed_peers_agent_outlives_its_reads_in_flight(prefill, stall, monke
         keep_progressing(client, 0.2)
         assert agent not in client.registration.peers
         canaries.check()
+
+
+# A decode process: pulls once, stops the prefill, has a pull fail in flight, closes its
+# client (drain 1 s) and frees its cache, resumes the prefill and lives on a moment.
+CLOSED_WITH_A_READ_IN_FLIGHT = """
+import json, os, signal, sys, time
+from kvruntime.decode.client import DecodeClient
+from kvruntime.errors import TransferError
+from kvruntime.layout import KVLayout
+from kvruntime.memory import KVCache
+layout, port, pid = KVLayout.from_dict(json.loads(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3])
+cache = KVCache.allocate_host(layout)
+client = DecodeClient(cache, engine="nixl", timeout=1.0)
+peer = client.connect("127.0.0.1", port)
+peer.pull([0], [0], timeout=20)
+os.kill(pid, signal.SIGSTOP)
+try:
+    peer.pull(list(range(64)), list(range(64, 128)), timeout=0.2)
+    sys.exit("the pull from a stopped prefill ended")
+except TransferError:
+    pass
+client.close()
+cache.close()  # the caller frees what it gave the client
+os.kill(pid, signal.SIGCONT)
+time.sleep(2)  # the resumed prefill answers the READ still in flight, if anyone listens
+print("alive")
+"""
+
+
+def test_a_client_closed_with_a_read_in_flight_lets_nothing_land_after(prefill, monkeypatch):
+    """A decode that closes while a READ from a stalled prefill is still in flight (tcp: the
+    READ waits for the prefill's process) gives up at its drain's deadline, and its caller
+    then frees the cache. Before: the READ's handle kept NIXL's agent and its UCX threads
+    alive, the resumed prefill's bytes landed in the freed memory, and the decode died of
+    SIGSEGV in ucp_get_rep_handler (exit -11, every run). The decode runs in its own process:
+    a crash is its exit status, not the test run's."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    with prefill([BIG], seed=13) as (proc, ports):
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+            os.path.abspath(__file__)))))
+        env = {**os.environ, "PYTHONPATH": root}
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", CLOSED_WITH_A_READ_IN_FLIGHT, json.dumps(BIG.to_dict()),
+                 str(ports[0]), str(proc.pid)], env=env, capture_output=True, text=True,
+                timeout=120)
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+    assert done.returncode == 0 and "alive" in done.stdout, (done.returncode,
+                                                            done.stderr[-2000:])
