@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from ..errors import NixlError
+from ..errors import KVRuntimeError, NixlError
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def settle(agent) -> bool:
         if agent.ucx_threads > 0:
             return _threads(agent, agent.ucx_threads)
         return True
-    except NixlError as exc:
+    except KVRuntimeError as exc:  # NIXL's refusal, or no memory for the loopback's buffer
         log.warning("settling UCX's workers before the agent goes: %s", exc)
         return False
 
