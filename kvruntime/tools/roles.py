@@ -221,9 +221,23 @@ def answer(q, timeout: float, what: str, procs) -> dict:
         except queue_mod.Empty:
             dead = [p for p in procs if not p.is_alive()]
             if dead or time.monotonic() > deadline:
+                last = last_word(q)
+                if last is not None:
+                    return last
                 why = (f"{dead[0].name} exited with code {dead[0].exitcode}" if dead
                        else f"no answer within {timeout:.0f}s")
                 return {"ok": False, "error": f"{what}: {why}"}
+
+
+def last_word(q, wait: float = 1.0):
+    """What a process that has just exited put on ``q`` before it did, or None. Its queue's
+    feeder wrote everything into the pipe before the exit, but a wait that ended just before
+    the bytes came, then found the process gone, would report the exit instead of its report
+    (CI: "prefill exited with code 0" where the prefill had reported why it failed)."""
+    try:
+        return q.get(timeout=wait)
+    except queue_mod.Empty:
+        return None
 
 
 def reap(proc, control=None, grace: float = 10.0) -> None:

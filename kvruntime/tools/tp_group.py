@@ -26,6 +26,7 @@ from .roles import (
     device_of,
     digest_command,
     head_digest,
+    last_word,
     prefill_main,
     prefill_pushes,
     prepare_process,
@@ -167,6 +168,10 @@ class RankGroup:
                 reply = self.results.get(timeout=0.2)
             except queue_mod.Empty:
                 dead = [p for p in self._decodes + self._prefills if not p.is_alive()]
+                reply = last_word(self.results) if dead else None
+                if reply is not None:
+                    out[tuple(reply["at"])] = reply
+                    continue
                 if dead or time.monotonic() > deadline:
                     raise RankError(f"{dead[0].name} exited with code {dead[0].exitcode}" if dead
                                     else f"no answer from the decode ranks within {timeout:.0f}s")
