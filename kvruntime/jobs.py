@@ -63,6 +63,10 @@ class Job(Protocol):
     def give_back(self, peer, request_id: str) -> None:
         """It failed and reads nothing any more: the prefill may free the blocks too."""
 
+    def drop(self) -> None:
+        """Still in flight at its owner's close deadline (``transfer.Draining.close``): let
+        go of it before the owner's agent goes."""
+
 
 class Blocking(Job, Protocol):
     """A job that a thread of ours runs (a same-node host copy, a CUDA event): a long wait
@@ -110,6 +114,10 @@ class CopyJob:
     def abort(self) -> bool:
         """A local copy cannot be stopped; True once it has ended (then nothing writes)."""
         return self.poll() != "PROC"
+
+    def drop(self) -> None:
+        """Nothing to let go of: no NIXL handle keeps an agent alive (a GPU gather still
+        queued runs on its stream after the close)."""
 
     def result(self):
         return TransferResult(self.op, self.plan.nbytes, self.seconds, self.plan.num_runs,

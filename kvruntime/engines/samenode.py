@@ -277,6 +277,9 @@ class SharedJob:
     def abort(self) -> bool:
         return self.job.abort()
 
+    def drop(self) -> None:
+        self.job.drop()
+
     def result(self):
         seconds = (self.job.end or time.perf_counter()) - self.start
         return TransferResult(self.job.op, self.plan.nbytes, seconds, self.plan.num_runs,

@@ -13,7 +13,8 @@ measured: a 32 MiB READ released at its 2 ms deadline was written whole into blo
 had reused). So a transfer ends only when UCX says it has: ``abort`` releases the handle of one
 that has ended and otherwise keeps it (False: it may still touch its memory), and ``Draining``
 holds such transfers, polled by their owner's progress until UCX completes them, then released,
-and only then is their memory trusted again (``settled``).
+and only then is their memory trusted again (``settled``). The one exception is the owner's
+close: what is still in flight at its deadline is dropped with the agent (``Draining.close``).
 """
 
 from __future__ import annotations
@@ -106,6 +107,12 @@ class PostedTransfer:
                 self.end = time.perf_counter()
                 self.state = self._seen(state)
         return self.state
+
+    def drop(self) -> None:
+        """Release the handle of a transfer still in flight, at its owner's close, just before
+        its agent goes (``Draining.close``): it counts as failed (settle.py)."""
+        self.agent.failed_transfers += 1
+        self._release()
 
     def _seen(self, state: str) -> str:
         if state == "ERR":  # UCX may still hold some of it (settle.py)
@@ -256,8 +263,7 @@ class Draining:
         with self._lock:
             items, self._items = self._items, []
         for xfer, _on_end, _owner in items:
-            xfer.agent.failed_transfers += 1
-            xfer._release()
+            xfer.drop()
         return len(items)
 
 

@@ -43,7 +43,7 @@ def _assigned_in_init(cls) -> set[str]:
 
 def test_the_protocol_declares_what_the_handle_calls():
     assert set(_protocol_methods(Job)) == {"poll", "finish", "result", "abort", "release",
-                                           "give_back"}
+                                           "give_back", "drop"}
     assert set(Job.__annotations__) == {"engine", "start", "error", "waiting"}
     assert set(_protocol_methods(Blocking)) == {"block"}
 
