@@ -1,6 +1,6 @@
 """A prefill server's one progress thread (server.py starts it, its stop event ends it): our
-WRITEs in flight, staged requests, pushes waiting for their decode, and our UCX worker's
-progress."""
+WRITEs in flight, staged requests, pushes waiting for their decode, new decodes' memory mapped
+(warm.py), and our UCX worker's progress."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ class Progress:
                             "blocks by frame", len(notes), agent)
             try:
                 busy = self.writes.progress()
+                # a new decode's memory mapped by a READ (warm.py), here: not on its connection
+                # thread, which its first frames (a same-node offer) must not wait for; polled
+                # at the idle pace (nothing waits on it)
+                self.writes.warms.progress()
             except Exception:
                 if not self.stop.is_set():
                     log.exception("progressing WRITEs")

@@ -71,8 +71,9 @@ class Writes:
     loop; ``peers_lock`` is the server's, held while a decode's agent is added or removed."""
 
     def __init__(self, agent, registration, cache, *, timeout: float, release, wake,
-                 peers_lock):
+                 peers_lock, warms):
         self.agent = agent
+        self.warms = warms  # decodes' memory mapped at their connect (warm.py)
         self.registration = registration
         self.cache = cache
         self.timeout = timeout
@@ -121,25 +122,28 @@ class Writes:
         list go; one still in flight is kept until UCX ends it. A push of ours (start_push)
         is released once its WRITE has ended, here or then: no answer can reach the decode
         now, and the release is what gives our caller its blocks back."""
-        running, ended = [], []
+        running, ended = [], []  # running: (transfer, request of ours to release or None)
         with self.lock:
             for write in [w for w in self._writes.values() if w.peer is peer]:
                 del self._writes[(peer.agent, write.request)]
                 if not write.xfer.abort():
-                    running.append(write)
+                    running.append((write.xfer, write.request if write.notified else None))
                 elif write.notified:
                     ended.append(write.request)
+        warm = self.warms.drop(peer)  # the READ that maps its memory, if still in flight
+        if warm is not None:
+            running.append((warm, None))
         for request in ended:  # nothing of ours is read by its WRITE any more
             self.release(peer.agent, request)
         if not running:
             self.registration.forget_peer(peer.agent)
             return
-        log.warning("%d push(es) to departed %s still in flight; its agent goes once they "
-                    "end", len(running), peer.agent)
+        log.warning("%d transfer(s) with departed %s still in flight; its agent goes once "
+                    "they end", len(running), peer.agent)
         self._leaving[peer.agent] = len(running)
-        for write in running:
-            self._orphans.add(write.xfer, lambda agent=peer.agent, w=write: self._orphan_ended(
-                agent, w.request if w.notified else None))
+        for xfer, request in running:
+            self._orphans.add(xfer, lambda agent=peer.agent, r=request: self._orphan_ended(
+                agent, r))
 
     def _orphan_ended(self, agent: str, request: str | None = None) -> None:
         """A departed decode's WRITE has ended (UCX completed it); ``request``: a push of
@@ -157,8 +161,9 @@ class Writes:
     def close(self) -> None:
         left = self._orphans.close(self.timeout)
         if left:  # released: the agent goes with them, and UCX's connections (transfer.py)
-            log.error("closing with %d WRITE(s) still in flight after %.1fs: dropped with the "
-                      "NIXL agent", left, self.timeout)
+            log.error("closing with %d transfer(s) still in flight after %.1fs: dropped with "
+                      "the NIXL agent", left, self.timeout)
+        self.warms.close()
 
     # -- posting, polling, answering --------------------------------------------------------------
     def post(self, peer, request: str, plan, deadline: float, split: int = 1,

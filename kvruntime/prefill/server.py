@@ -55,6 +55,7 @@ from ..wire.releases import Released
 from .progress import Progress
 from .pushes import Pushes, Writes
 from .stages import MAX_STAGE_SECONDS, Stages
+from .warm import Warms
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,8 @@ class ServerStats:
     late_pushes: int = 0  # pushes refused because their deadline passed before we read them
     accept_errors: int = 0  # accept() failures (EMFILE, ENFILE, ENOBUFS...) survived
     over_limit: int = 0  # connections closed at once: too many open, or handshaking per address
+    warmed: int = 0  # decodes whose memory our UCX mapped at their connect (warm.py)
+    warm_failed: int = 0  # decodes whose mapping READ failed: their first push maps it
 
     def refuse(self, addr, why: str) -> None:
         self.refused.append((f"{addr[0]}:{addr[1]}", why))
@@ -165,7 +168,8 @@ class PrefillServer:
             # our WRITEs and the pushes they serve (prefill/pushes.py)
             self.writes = Writes(self.agent, self.registration, cache, timeout=o.timeout,
                                  release=self._release, wake=self._work.set,
-                                 peers_lock=self._peers_lock)
+                                 peers_lock=self._peers_lock,
+                                 warms=Warms(self.agent, cache, self.stats))
             stack.callback(self.writes.close)
             self.pushes = Pushes(self.writes, self.stats, self._peers,
                                  staged=self.staging is not None,
@@ -219,6 +223,10 @@ class PrefillServer:
                                                         os.environ, "the decode"))
             peer = admitted[0]
             self.stats.handshakes += 1
+            if self.staging is None and peer.info.kv_buffer != "host_staged":
+                # a decode we may WRITE into: its memory mapped now, not by its first push
+                self.writes.warms.add(peer)
+                self._work.set()
             while not self._stop.is_set():
                 try:
                     message = peer.channel.read(None)

@@ -589,3 +589,34 @@ def test_coalesced_pulls_and_pushes_through_vram_pools_are_bit_exact(prefill, ki
             others = sorted(set(range(96)) - set(dst))
             assert cache.block_digests(others) == [canary] * len(others)
         cache.close()
+
+
+@pytest.mark.parametrize("ids", _pairs(), ids=lambda p: f"cuda{p[0]}-to-cuda{p[1]}")
+def test_a_decodes_vram_is_mapped_by_the_prefill_at_its_connect(ids):
+    """prefill/warm.py on device memory: before any push, the prefill READs a few bytes of
+    each of the decode's regions (so that UCX maps them then, not in the first push's post),
+    in READs of at most BATCH regions; the push after lands bit-exact. Both sides in this
+    process (UCX copies within one process without CUDA IPC): the wait drives the decode's
+    progress too, which across processes the IPC copy would not need."""
+    import math
+    import time
+
+    from kvruntime.prefill import warm
+    from kvruntime.prefill.server import PrefillServer
+
+    layout = small(PER_LAYER)
+    src = KVCache.allocate_device(layout, "cuda", ids[0])
+    dst = KVCache.allocate_device(layout, "cuda", ids[1])
+    src.fill_random(8)
+    with PrefillServer(src, coalesce="never") as server, \
+            DecodeClient(dst, engine="nixl", coalesce="never") as client:
+        peer = client.connect(*server.address)
+        until = time.monotonic() + 30
+        while server.stats.warmed < 1:
+            assert time.monotonic() < until and server.stats.warm_failed == 0
+            client.get_finished()
+            time.sleep(0.002)
+        assert server.writes.warms.reads == math.ceil(layout.num_regions / warm.BATCH)
+        peer.push([1, 2], [5, 6], timeout=30)
+        assert dst.block_digests([5, 6]) == src.block_digests([1, 2])
+    src.close(), dst.close()

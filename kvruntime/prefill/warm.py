@@ -1,0 +1,138 @@
+"""A decode's memory mapped by our UCX at its connect, so that our first WRITE into it costs
+what the later ones do: small READs of its cache's regions into a scratch of ours, posted and
+polled by the progress loop while the decode is still choosing its engine.
+
+UCX maps a peer's memory at the first transfer that touches it, inside the call that posts it:
+over CUDA IPC the peer's handle is opened there (2 x H200: the first 64 MiB push's WRITE took
+2.2 ms to post, later ones 80 µs; the decode's own connect-time probe READ pays the same for
+its pulls, engines/choice.py). A READ is the one transfer that may touch a decode's memory
+before it asks for anything: it writes only our scratch. Each READ maps up to ``BATCH``
+regions, one READ a progress pass, so that other NIXL calls interleave with a cache of many
+regions. A READ that fails is logged, never fatal: the first push pays the mapping then.
+A decode that leaves with one in flight has it kept until UCX ends it (pushes.Writes.drop),
+its agent removed only then, as for its WRITEs.
+
+Only device memory is mapped so (``wanted``): host memory moves by cma or tcp, where UCX maps
+nothing ahead of a WRITE, and a READ of a few bytes goes by active messages that need the
+decode's progress (an idle decode would hold it in flight). The READs are polled at the
+progress loop's idle pace: the push they prepare for is not waiting on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from ..errors import KVRuntimeError
+from ..nixl.registration import Scratch
+from ..nixl.transfer import PostedTransfer, Rows
+
+log = logging.getLogger(__name__)
+
+BATCH = 8  # regions one warming READ maps
+PIECE = Scratch.NBYTES // BATCH  # bytes read of each region, each into its own scratch slice
+
+
+def wanted(ours: str, theirs: str) -> bool:
+    """Whether a decode's memory is mapped at its connect: NIXL memory types, ours and its."""
+    return "VRAM" in (ours, theirs)
+
+
+class Warms:
+    """The decodes whose memory is still to be mapped (``add``), and the READs doing it."""
+
+    def __init__(self, agent, cache, stats):
+        self.agent = agent
+        self.cache = cache
+        self.stats = stats  # the server's: ``warmed``, ``warm_failed``
+        self._lock = threading.Lock()  # held across a post: a drop never meets half a post
+        self._queued: dict[str, tuple] = {}  # decode agent -> (peer, its regions not mapped)
+        self._posted: dict[str, tuple] = {}  # decode agent -> (peer, PostedTransfer)
+        self._scratch: Scratch | None = None
+        self._keep_scratch = False  # a READ into it was dropped in flight: never freed
+        self.reads = 0  # READs posted (tests read it)
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._queued) or bool(self._posted)
+
+    def add(self, peer) -> None:
+        """Map ``peer``'s regions (its handshake's, already checked) at the next passes, if
+        ``wanted``."""
+        if not wanted(self.cache.mem_type, peer.info.mem_type):
+            return
+        regions = [(int(a), int(n), int(d)) for a, n, d in peer.info.regions if int(n) > 0]
+        if regions:
+            with self._lock:
+                self._queued[peer.agent] = (peer, regions)
+
+    def progress(self) -> bool:
+        """Poll the READs in flight, post the next ones; True while any decode is not done."""
+        if not self.pending:
+            return False
+        with self._lock:
+            for agent, (peer, xfer) in list(self._posted.items()):
+                state = xfer.poll()
+                if state == "PROC":
+                    continue
+                xfer.finish()
+                del self._posted[agent]
+                if state != "DONE":
+                    self._give_up(peer, "its READ failed in NIXL")
+                elif agent not in self._queued:
+                    self.stats.warmed += 1
+            for agent, (peer, regions) in list(self._queued.items()):
+                if agent not in self._posted:
+                    self._post(peer, regions)
+            return self.pending
+
+    def _post(self, peer, regions: list) -> None:
+        batch, rest = regions[:BATCH], regions[BATCH:]
+        if rest:
+            self._queued[peer.agent] = (peer, rest)
+        else:
+            del self._queued[peer.agent]
+        try:
+            if self._scratch is None:
+                self._scratch = Scratch(self.agent, self.cache)
+            s = self._scratch
+            local = np.array([[s.address + i * PIECE, min(PIECE, n), s.device_id]
+                              for i, (_a, n, _d) in enumerate(batch)], dtype=np.uint64)
+            remote = np.array([[a, min(PIECE, n), d] for a, n, d in batch], dtype=np.uint64)
+            rows = Rows(local, remote, peer.agent, s.mem_type, peer.info.mem_type)
+            self._posted[peer.agent] = (peer, PostedTransfer(self.agent, "READ", rows=rows))
+            self.reads += 1
+        except (KVRuntimeError, RuntimeError, MemoryError) as exc:  # NIXL's refusal, or no
+            self._give_up(peer, str(exc))  # memory for the scratch (torch's OOM is a RuntimeError)
+
+    def _give_up(self, peer, why: str) -> None:
+        self._queued.pop(peer.agent, None)
+        self.stats.warm_failed += 1
+        log.info("mapping the memory of %s at its connect: %s; its first push maps it",
+                 peer.agent, why)
+
+    def drop(self, peer):
+        """``peer`` left: nothing more is posted for it. Returns its READ if still in flight
+        (the caller keeps it until UCX ends it), else None."""
+        with self._lock:
+            queued = self._queued.get(peer.agent)
+            if queued is not None and queued[0] is peer:
+                del self._queued[peer.agent]
+            posted = self._posted.get(peer.agent)
+            if posted is None or posted[0] is not peer:
+                return None
+            del self._posted[peer.agent]
+            if posted[1].abort():
+                return None
+            self._keep_scratch = True  # its bytes may land there until the agent goes
+            return posted[1]
+
+    def close(self) -> None:
+        """After every decode was dropped (their READs are the caller's then)."""
+        with self._lock:
+            self._queued.clear()
+            if self._scratch is not None and not self._keep_scratch:
+                self._scratch.close()
+            self._scratch = None
