@@ -12,6 +12,11 @@ regions. A READ that fails is logged, never fatal: the first push pays the mappi
 A decode that leaves with one in flight has it kept until UCX ends it (pushes.Writes.drop),
 its agent removed only then, as for its WRITEs.
 
+NIXL's Python call holds the GIL while it posts (a decode's same-node offer, answered by our
+connection thread, waited the 2.0 ms of such a post on 2 x H200): the READs are posted
+``AFTER`` the handshake, once a same-node decode has asked to open our memory, and none is
+posted for such a decode, which copies our pushes itself and is never written into.
+
 Only device memory is mapped so (``wanted``): host memory moves by cma or tcp, where UCX maps
 nothing ahead of a WRITE, and a READ of a few bytes goes by active messages that need the
 decode's progress (an idle decode would hold it in flight). The READs are polled at the
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -32,6 +38,7 @@ from ..nixl.transfer import PostedTransfer, Rows
 log = logging.getLogger(__name__)
 
 BATCH = 8  # regions one warming READ maps
+AFTER = 0.01  # seconds after its handshake a decode's first READ is posted (its offer ~1 ms)
 PIECE = Scratch.NBYTES // BATCH  # bytes read of each region, each into its own scratch slice
 
 
@@ -48,7 +55,8 @@ class Warms:
         self.cache = cache
         self.stats = stats  # the server's: ``warmed``, ``warm_failed``
         self._lock = threading.Lock()  # held across a post: a drop never meets half a post
-        self._queued: dict[str, tuple] = {}  # decode agent -> (peer, its regions not mapped)
+        # decode agent -> (peer, its regions not mapped, monotonic time its first READ is due)
+        self._queued: dict[str, tuple] = {}
         self._posted: dict[str, tuple] = {}  # decode agent -> (peer, PostedTransfer)
         self._scratch: Scratch | None = None
         self._keep_scratch = False  # a READ into it was dropped in flight: never freed
@@ -66,7 +74,7 @@ class Warms:
         regions = [(int(a), int(n), int(d)) for a, n, d in peer.info.regions if int(n) > 0]
         if regions:
             with self._lock:
-                self._queued[peer.agent] = (peer, regions)
+                self._queued[peer.agent] = (peer, regions, time.monotonic() + AFTER)
 
     def progress(self) -> bool:
         """Poll the READs in flight, post the next ones; True while any decode is not done."""
@@ -83,15 +91,18 @@ class Warms:
                     self._give_up(peer, "its READ failed in NIXL")
                 elif agent not in self._queued:
                     self.stats.warmed += 1
-            for agent, (peer, regions) in list(self._queued.items()):
-                if agent not in self._posted:
+            now = time.monotonic()
+            for agent, (peer, regions, due) in list(self._queued.items()):
+                if peer.opened:  # same-node: it copies what we push, nothing is written
+                    del self._queued[agent]
+                elif agent not in self._posted and now >= due:
                     self._post(peer, regions)
             return self.pending
 
     def _post(self, peer, regions: list) -> None:
         batch, rest = regions[:BATCH], regions[BATCH:]
         if rest:
-            self._queued[peer.agent] = (peer, rest)
+            self._queued[peer.agent] = (peer, rest, 0.0)
         else:
             del self._queued[peer.agent]
         try:

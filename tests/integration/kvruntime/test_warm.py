@@ -74,6 +74,25 @@ def test_host_memory_is_not_mapped_ahead():
     src.close(), dst.close()
 
 
+def test_a_same_node_decode_is_not_mapped(mapped, monkeypatch):
+    """A decode that opened our memory (same-node) copies our pushes itself: nothing is read
+    of it. The READ waits ``AFTER`` the handshake for its offer; here the wait is endless, so
+    that only the offer can end the decode's turn in the queue."""
+    monkeypatch.setattr(warm, "AFTER", 3600.0)
+    layout = KVLayout(CROSS_LAYER, 2, 64, 16, 4, 32, "float16")
+    src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
+    src.fill_random(4)
+    with PrefillServer(src, coalesce="never") as server, \
+            DecodeClient(dst, engine="samenode") as client:
+        peer = client.connect(*server.address)
+        warms = server.writes.warms
+        _until(lambda: not warms.pending, what="the same-node decode stayed queued")
+        assert warms.reads == 0 and server.stats.warmed == 0
+        peer.pull([3], [3], timeout=20)
+        assert dst.block_digests([3]) == src.block_digests([3])
+    src.close(), dst.close()
+
+
 def test_a_host_staged_decode_is_not_mapped(mapped):
     """A host-staged pair moves everything through the pools: the prefill never WRITEs into
     the decode, and reads nothing of it."""
