@@ -12,10 +12,11 @@ regions. A READ that fails is logged, never fatal: the first push pays the mappi
 A decode that leaves with one in flight has it kept until UCX ends it (pushes.Writes.drop),
 its agent removed only then, as for its WRITEs.
 
-NIXL's Python call holds the GIL while it posts (a decode's same-node offer, answered by our
-connection thread, waited the 2.0 ms of such a post on 2 x H200): the READs are posted
-``AFTER`` the handshake, once a same-node decode has asked to open our memory, and none is
-posted for such a decode, which copies our pushes itself and is never written into.
+The READs are posted ``AFTER`` the handshake, once a same-node decode has asked to open our
+memory, and none is posted for such a decode, which copies our pushes itself and is never
+written into: so nothing of them competes with its connect. (On one 2 x H200 host our answer
+to a same-node offer took 2.0 ms beside such a post, which NIXL's Python call may make while
+holding the GIL; on another it took 1.9 ms with no post at all: the wait is not proved.)
 
 Only device memory is mapped so (``wanted``): host memory moves by cma or tcp, where UCX maps
 nothing ahead of a WRITE, and a READ of a few bytes goes by active messages that need the
