@@ -14,9 +14,10 @@ its agent removed only then, as for its WRITEs.
 
 The READs are posted ``AFTER`` the handshake, once a same-node decode has asked to open our
 memory, and none is posted for such a decode, which copies our pushes itself and is never
-written into: so nothing of them competes with its connect. (On one 2 x H200 host our answer
-to a same-node offer took 2.0 ms beside such a post, which NIXL's Python call may make while
-holding the GIL; on another it took 1.9 ms with no post at all: the wait is not proved.)
+written into: so nothing of them competes with its connect for the agent's lock or the host's
+cores. (On one 2 x H200 host our answer to a same-node offer took 2.0 ms beside such a post, on
+another 1.9 ms with no post at all; NIXL 1.4.0's binding releases the GIL while it posts: that
+the answer waited for the post is not borne out.)
 
 Only device memory is mapped so (``wanted``): host memory moves by cma or tcp, where UCX maps
 nothing ahead of a WRITE, and a READ of a few bytes goes by active messages that need the
