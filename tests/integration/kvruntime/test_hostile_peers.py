@@ -60,21 +60,23 @@ def test_listener_survives_a_connection_flood_past_its_fd_limit():
                 for fd in held:
                     os.close(fd)
                 held.clear()
-            print("accept_errors", server.stats.accept_errors, flush=True)
+            print("accept_errors", server.stats.accept_errors, server.stats.connections,
+                  len(server.listener.conns), flush=True)
         print("accept_errors", server.stats.accept_errors, flush=True)
         server.close()
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
 
-    def ask(what: str) -> int:
+    def ask(what: str) -> tuple:
+        """(accept errors, connections accepted, connections open) of the prefill."""
         proc.stdin.write(what + "\n")
         proc.stdin.flush()
         line = ""
         while not line.startswith("accept_errors"):  # NIXL logs to stdout too
             line = proc.stdout.readline()
             assert line, "the prefill process ended"
-        return int(line.split()[1])
+        return tuple(int(n) for n in line.split()[1:])
 
     flood = []
     try:
@@ -89,13 +91,24 @@ def test_listener_survives_a_connection_flood_past_its_fd_limit():
             except OSError:
                 break
         until = time.monotonic() + 60
-        while ask("stats") == 0:  # held open until its accept has failed
+        while ask("stats")[0] == 0:  # held open until its accept has failed
             assert time.monotonic() < until, "the prefill never reached its fd limit"
             time.sleep(0.05)
+        flooded = len(flood)  # each one established: accepted, or queued to be
         for s in flood:
             s.close()
         flood.clear()
-        assert ask("release") > 0  # it did hit the limit; the descriptors it held go back
+        assert ask("release")[0] > 0  # it did hit the limit; the descriptors it held go back
+        # Every flood connection accepted and hung up before the decode comes: those still
+        # queued took descriptors again as they were accepted, and a decode's connect among
+        # them met the limit (CI of 516b818: the prefill's UCX could not open the decode's
+        # shared memory, EMFILE, and the pull timed out)
+        while True:
+            _errors, accepted, open_now = ask("stats")
+            if accepted >= flooded and open_now == 0:
+                break
+            assert time.monotonic() < until + 60, "the flood was never drained"
+            time.sleep(0.05)
         cache = KVCache.allocate_host(LAYOUT)
         with DecodeClient(cache, secret=b"k", engine="nixl", timeout=10) as client:
             peer = client.connect("127.0.0.1", port, timeout=20)
