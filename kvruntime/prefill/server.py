@@ -224,9 +224,9 @@ class PrefillServer:
             peer = admitted[0]
             self.stats.handshakes += 1
             if self.staging is None and peer.info.kv_buffer != "host_staged":
-                # a decode we may WRITE into: its memory mapped now, not by its first push
+                # a decode we may WRITE into: its memory mapped soon (by the progress loop's
+                # idle passes, warm.AFTER from now), not by its first push
                 self.writes.warms.add(peer)
-                self._work.set()
             while not self._stop.is_set():
                 try:
                     message = peer.channel.read(None)
