@@ -146,8 +146,8 @@ class Writes:
                 agent, r))
 
     def _orphan_ended(self, agent: str, request: str | None = None) -> None:
-        """A departed decode's WRITE has ended (UCX completed it); ``request``: a push of
-        ours, released now that its WRITE reads our blocks no more."""
+        """A departed decode's WRITE, or mapping READ (warm.py), has ended (UCX completed it);
+        ``request``: a push of ours, released now that its WRITE reads our blocks no more."""
         if request is not None:
             self.release(agent, request)
         with self._peers_lock:
