@@ -28,7 +28,6 @@ class TransferResult(NamedTuple):
     runs: int
     descriptors: int  # what kvruntime asked for: runs x regions (x split pieces)
     nixl_descriptors: int | None  # what NIXL posted after merging, when telemetry exists
-    peer_seconds: float | None = None  # push: the prefill's own WRITE time (no side channel)
     engine: str = "nixl"  # which engine moved the bytes ("nixl", or a same-node engine)
     coalesced: bool = False  # a NIXL request moved through the staging pools (coalesce.py)
     coalesce_reason: str | None = None  # why it was, or was not (None: not a NIXL choice)

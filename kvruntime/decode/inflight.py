@@ -57,7 +57,7 @@ class TransferHandle:
         self._error: KVRuntimeError | None = None
         self.lock = threading.Lock()
         self._xfer: Job | None = None  # the copy that moves it (jobs.py); None: a push's WRITE
-        self._reply: dict | None = None  # push: the prefill's "pushed" frame
+        self._reply: dict | None = None  # push: the "pushed" notification of its WRITE
         # whether progress needs the side channel (a push, a staged copy); a READ or a
         # same-node copy moves by polling its own transfer alone
         self.uses_peer = op == "push"
@@ -386,21 +386,18 @@ def _wait_settled(handle: TransferHandle, timeout: float) -> bool:
 
 
 def _push_result(handle: TransferHandle, reply: dict) -> TransferResult:
-    """A push's result from the prefill's "pushed" ``reply``: timed from the caller's start,
-    or for one the prefill started, from its start to the reply's arrival (wall clocks)."""
+    """A push's result from its WRITE's "pushed" notification (``reply``): timed from the
+    caller's start, or for one the prefill started, from its start to the notification's
+    arrival (wall clocks). What NIXL posted is not known here (None)."""
     posted = _seconds(reply.get("posted")) if handle.by_prefill else None
     seconds = (max(handle._arrived - posted, 1e-9) if posted is not None else
                time.perf_counter() - handle.started)
     plan = handle.plan
-    return TransferResult("WRITE", handle.nbytes, seconds, plan.num_runs,
-                          int(reply.get("descriptors") or plan.descriptor_count),
-                          _int_or_none(reply.get("nixl_descriptors")),
-                          _seconds(reply.get("seconds")))
+    descriptors = reply.get("descriptors")
+    if not isinstance(descriptors, int) or isinstance(descriptors, bool) or descriptors < 1:
+        descriptors = plan.descriptor_count
+    return TransferResult("WRITE", handle.nbytes, seconds, plan.num_runs, descriptors, None)
 
 
 def _seconds(value) -> float | None:
     return float(value) if isinstance(value, (int, float)) and value > 0 else None
-
-
-def _int_or_none(value) -> int | None:
-    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None

@@ -3,11 +3,12 @@
 (``PrefillServer.start_push``).
 
 Over NIXL the prefill WRITEs them with a notification, which finishes the handle here
-(``on_notif``, its MAC checked). To a same-node decode it sends their ids instead (a "ready"
-frame, or a record in its ring read first) and the decode copies them out of its memory itself,
-as a pull (``copy_ready``); so does a coalesced NIXL decode (coalesce.py chose the pools at
-``expect``), which has them staged and READs them through both pools as a pull (staged.py):
-all the pools' rules (deadlines, units given back, no scatter after a failure) are a pull's.
+(``on_notif``, its MAC checked), as it finishes a push we ask for (``ask``). To a same-node
+decode it sends their ids instead (a "ready" frame, or a record in its ring read first) and the
+decode copies them out of its memory itself, as a pull (``copy_ready``); so does a coalesced
+NIXL decode (coalesce.py chose the pools at ``expect``), which has them staged and READs them
+through both pools as a pull (staged.py): all the pools' rules (deadlines, units given back,
+no scatter after a failure) are a pull's.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def expect(peer, dst_blocks, request_id: str | None, timeout: float,
 
 def ask(peer, handle: TransferHandle, split: int) -> TransferHandle:
     """``start_push`` over NIXL, not coalesced: a "push" frame asks the prefill to WRITE the
-    blocks; the handle waits for its answer."""
+    blocks; the handle waits for the WRITE's notification (a "push_failed" frame if it
+    fails)."""
     plan, request_id, timeout = handle.plan, handle.request_id, handle.timeout
     src, dst = plan.block_ids()
     peer.channel.expect(handle)
@@ -126,15 +128,15 @@ def ready_plan(planner: Planner, named: TransferPlan, message: dict) -> Transfer
 
 
 def on_notif(peer, raw) -> str | None:
-    """A NIXL notification from this peer's agent: a push of its own that has landed.
-    Returns why it was ignored, if it was."""
+    """A NIXL notification from this peer's agent: a push's WRITE that has landed, one we
+    asked for or one it started. Returns why it was ignored, if it was."""
     try:
         message = frames.parse_notif(raw, peer.channel.session)
     except KVRuntimeError as exc:
         return str(exc)
     request = message.get("request")
     handle = peer.channel.pending.get(request) if isinstance(request, str) else None
-    if not messages.PUSHED.is_(message) or handle is None or not handle.by_prefill:
+    if not messages.PUSHED.is_(message) or handle is None or handle.op != "push":
         return (f"an unexpected {str(message.get('type'))[:40]!r} notification (request "
                 f"{str(request)[:80]!r})")
     handle.on_reply(message)

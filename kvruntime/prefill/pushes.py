@@ -1,12 +1,14 @@
 """The prefill's pushes: WRITEs into a decode's cache, the ones it asks for and the ones we start.
 
 A push the decode asks for (a "push" frame) is posted by the connection thread, which goes back
-to reading; ``progress`` (the server's progress loop) polls the WRITEs and answers each
-(``pushed`` or ``push_failed``) when it ends. A push we start (``start_push``, as an engine
-does once a request's KV is computed) goes into blocks the decode named beforehand (an
-"expect" frame): a WRITE with a NIXL notification, the decode's only answer, or to a same-node
-decode that opened our memory, a "ready" with our ids for it to copy. A push started before its
-decode named the blocks waits (an offer) until one does, or its deadline.
+to reading. A push we start (``start_push``, as an engine does once a request's KV is computed)
+goes into blocks the decode named beforehand (an "expect" frame), or to a same-node decode that
+opened our memory as a "ready" with our ids for it to copy. A push started before its decode
+named the blocks waits (an offer) until one does, or its deadline. Every WRITE carries a NIXL
+notification, a "pushed" sealed with the session's key: that is the decode's answer when it
+lands, with no frame or wake-up of ours on its way (protocol 13). ``progress`` (the server's
+progress loop) polls the WRITEs: one that ended releases its request, one that failed is
+answered by a ``push_failed`` frame.
 
 A WRITE once posted cannot be stopped (UCX cancels no RMA, transfer.py): one still running at
 its deadline, at a cancel, or when its decode leaves is polled until UCX ends it and only then
@@ -44,7 +46,7 @@ class _Write:
     xfer: PostedTransfer
     deadline: float  # monotonic: the decode's deadline, or our own timeout if sooner (a
     # WRITE past it runs on, as nothing stops a posted WRITE, and is answered when it ends)
-    notified: bool = False  # ours (start_push): its notification tells the decode, not a frame
+    ours: bool = False  # we started it (start_push): released even when it fails
 
 
 @dataclass
@@ -127,8 +129,8 @@ class Writes:
             for write in [w for w in self._writes.values() if w.peer is peer]:
                 del self._writes[(peer.agent, write.request)]
                 if not write.xfer.abort():
-                    running.append((write.xfer, write.request if write.notified else None))
-                elif write.notified:
+                    running.append((write.xfer, write.request if write.ours else None))
+                elif write.ours:
                     ended.append(write.request)
         warm = self.warms.drop(peer)  # the READ that maps its memory, if still in flight
         if warm is not None:
@@ -167,10 +169,11 @@ class Writes:
 
     # -- posting, polling, answering --------------------------------------------------------------
     def post(self, peer, request: str, plan, deadline: float, split: int = 1,
-             notify: dict | None = None) -> None:
-        """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight; ``notify``:
-        the "pushed" that is a push of our own's only answer, sent as the WRITE's NIXL
-        notification with the descriptors it posts (mixed TP: a token row's heads each)."""
+             posted: float | None = None) -> None:
+        """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight. Its NIXL
+        notification is the decode's answer: a "pushed" with the descriptors it posts (mixed
+        TP: a token row's heads each), and for a push we started (``posted``: the wall clock
+        of its ``start_push``), when it started."""
         s, rows = peer.head_slice, None
         if s is not None:  # mixed TP, direct: the decode rank's heads of each token row
             src_ids, dst_ids = plan.block_ids()
@@ -178,10 +181,10 @@ class Writes:
                                   src_ids, s.src),
                         head_rows(peer.info.layout, peer.info.regions, dst_ids, s.dst),
                         peer.agent, self.cache.mem_type, peer.info.mem_type)
-        notif = b""
-        if notify is not None:
-            notify["descriptors"] = len(rows.local) if rows is not None else plan.descriptor_count
-            notif = frames.encode_notif(notify, peer.info.session)
+        notify = messages.PUSHED.build(
+            request=request, descriptors=len(rows.local) if rows is not None else
+            plan.descriptor_count, **({} if posted is None else {"posted": posted}))
+        notif = frames.encode_notif(notify, peer.info.session)
         with self.lock:
             if (peer.agent, request) in self._writes:
                 raise KVRuntimeError(f"request {request!r} is already in flight")
@@ -190,7 +193,7 @@ class Writes:
                 remote_dlist=self.registration.peer_dlist(peer.agent), rows=rows, notif=notif,
                 split=split)
             self._writes[(peer.agent, request)] = _Write(peer, request, xfer, deadline,
-                                                         bool(notif))
+                                                         posted is not None)
             self._spin_until = max(self._spin_until, xfer.start + self._pace.spin_seconds(
                 "WRITE", xfer.nbytes))
         # a WRITE done as it was posted (host memory by cma, copied in the call) is answered
@@ -245,23 +248,17 @@ class Writes:
             log.error("%s", exc)
 
     def _end_write(self, write: "_Write", error: str | None) -> None:
-        """Answer a WRITE that ended well (error None) or in error; called under _writes_lock."""
+        """A WRITE that ended well (error None: the decode has its notification, and the
+        blocks may be freed) or in error (answered by frame); under _writes_lock."""
         del self._writes[(write.peer.agent, write.request)]
         if error is None:
             self._pace.seen("WRITE", write.xfer.nbytes, write.xfer.seconds)
-        if error is None and write.notified:  # the decode has its notification
             self.release(write.peer.agent, write.request)
             return
-        if error is None:
-            result = write.xfer.result()
-            self.release(write.peer.agent, write.request)  # the blocks may be freed
-            reply = messages.PUSHED.build(request=write.request, nbytes=result.nbytes,
-                                          seconds=result.seconds, descriptors=result.descriptors,
-                                          nixl_descriptors=result.nixl_descriptors)
-        else:  # it ended in error (UCX completed it): nothing more of it lands
-            reply = messages.PUSH_FAILED.build(request=write.request, error=error)
-            if write.notified:  # ours: nothing reads the caller's blocks now
-                self.release(write.peer.agent, write.request)
+        # it ended in error (UCX completed it): nothing more of it lands
+        reply = messages.PUSH_FAILED.build(request=write.request, error=error)
+        if write.ours:  # nothing reads the caller's blocks now
+            self.release(write.peer.agent, write.request)
         try:
             write.peer.send(reply, self.timeout)
         except KVRuntimeError as exc:
@@ -320,7 +317,7 @@ class Pushes:
     def start_write(self, peer, message: dict) -> None:
         """Post the WRITE a push asks for, unless its deadline has passed: a decode that gave
         up on the request may already have reused the blocks (a stalled prefill reads the
-        request late). The progress loop finishes it and answers."""
+        request late). Its notification answers; the progress loop finishes it."""
         request = frames.field(message, "request", str)
         if "runs" in message:  # a few runs instead of many ids: planned from them, not again
             runs, src, dst = frames.runs_field(message, "runs"), None, None
@@ -443,8 +440,7 @@ class Pushes:
                 peer.readied.discard(request)  # our caller's blocks again: start_push raises
                 raise
             return
-        self.writes.post(peer, request, plan, deadline, 1,
-                         messages.PUSHED.build(request=request, posted=posted))
+        self.writes.post(peer, request, plan, deadline, 1, posted)
 
     def _push_failed(self, peer, request: str, error: str, release: bool) -> None:
         """A push of ours that will not be written: the decode hears why; ``release``: blocks

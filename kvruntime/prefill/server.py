@@ -5,22 +5,23 @@ cancel, digests) until the peer leaves. Any bad frame closes *that* connection a
 peer's agent, prepared list and WRITEs in flight; the server keeps serving the others.
 
 Pushes are asynchronous here too: the connection thread posts the WRITE and goes back to
-reading, so one decode can keep many pushes in flight; a progress thread polls the WRITEs and
-answers each (``pushed`` or ``push_failed``) when it ends. Released request ids, per decode
-agent, come from the decodes' release frames (pulls and same-node copies) and from our own
-WRITEs that ended (pushes).
+reading, so one decode can keep many pushes in flight. Every WRITE carries a NIXL notification
+(a "pushed", sealed with the session's key) that is the decode's answer: nothing crosses the
+side channel between the post and the data's arrival, and no thread of ours wakes for it. A
+progress thread polls the WRITEs: one that ended releases its request, one that failed is
+answered by a ``push_failed`` frame. Released request ids, per decode agent, come from the
+decodes' release frames (pulls and same-node copies) and from our own WRITEs that ended
+(pushes).
 
 A push can also be ours to start, as an engine does once a request's KV is computed: the
-decode names the blocks beforehand (an ``expect`` frame), ``start_push`` posts the WRITE with a
-NIXL notification, and the notification is the decode's only answer: nothing crosses the side
-channel between our start and the data's arrival. That is the one NIXL notification kvruntime
-sends: one on a READ would keep it from completing until the other side's UCX worker
-progressed, and a push the decode asks for is answered by a frame. A push
-whose deadline (the decode's wall clock) has passed when it is read is refused. A WRITE once
-posted cannot be stopped (UCX cancels no RMA, transfer.py): one still running at its deadline,
-at a cancel, or when its decode leaves is polled until UCX ends it and only then answered
-(``pushed``: it landed late; ``push_failed``: it ended in error), which is what settles the
-decode's failed request; a departed decode's agent is removed once its WRITEs have ended.
+decode names the blocks beforehand (an ``expect`` frame) and ``start_push`` posts the WRITE.
+Pushes are the one use kvruntime has for NIXL notifications: one on a READ would keep it from
+completing until the other side's UCX worker progressed. A push whose deadline (the decode's
+wall clock) has passed when it is read is refused. A WRITE once posted cannot be stopped (UCX
+cancels no RMA, transfer.py): one still running at its deadline, at a cancel, or when its
+decode leaves is polled until UCX ends it, and its answer (the notification: it landed late;
+``push_failed``: it ended in error) is what settles the decode's failed request; a departed
+decode's agent is removed once its WRITEs have ended.
 """
 
 from __future__ import annotations

@@ -232,7 +232,7 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
     t = time.perf_counter()
     res0 = move(src, dst, **opts)  # warm-up: the first request of its kind on this connection
     first_us = (time.perf_counter() - t) * 1e6
-    rates, refs, lats, peer_rates, bare, res = [], [], [], [], [], None
+    rates, refs, lats, bare, res = [], [], [], [], None
     bare_one = None
     if cfg.bare and peer.mover.reads_direct and op == "pull" and not res0.coalesced:
         bare_one = lambda: _bare_read(peer, src, dst, split)  # noqa: E731
@@ -246,8 +246,6 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
             bare.append(bare_one() * 1e6)
         res = move(src, dst, **opts)
         rates.append(res.gbps)
-        if res.peer_seconds:
-            peer_rates.append(res.nbytes / res.peer_seconds / 1e9)
         lats.append(res.seconds * 1e6)
         if bare_one is not None and not i % 2:
             bare.append(bare_one() * 1e6)
@@ -271,8 +269,6 @@ def _measure(cfg, peer, cache, layout, reference, rnd, op, pattern, size, split,
         "ratio_pairs_median": round(statistics.median(pairs), 3),
         # spread over the iterations (hosts are noisy)
         "spread": {"gbps": spread(rates), "ref_gbps": spread(refs), "ratio_pairs": spread(pairs)},
-        # push: the prefill's WRITE alone, without the side channel
-        "peer_gbps": round(statistics.median(peer_rates), 3) if peer_rates else None,
     }
     local = getattr(reference, "local_gbps", lambda n: None)(count * layout.block_bytes)
     if local is not None:

@@ -2,11 +2,12 @@
 frame count on every frame after the handshake) costs a request, beside the frames' own
 encoding and parsing measured in the same run.
 
-A push the decode asks for is two frames: its "push" (block ids, packed) out and the prefill's
-"pushed" reply back; a pull's release is a share of one frame, so the push is the larger case.
-Each frame is sealed by its sender and checked by its reader: the MAC's cost per request is
-those four calls, timed without sockets (a socket's round trip is ~10x longer and its noise
-would hide them); the reference is the same two frames encoded and parsed without a session.
+A push the decode asks for is a frame and a notification (protocol 13): its "push" (block
+ids, packed) out, and its WRITE's "pushed" NIXL notification back, sealed with the session's
+notification key; a pull's release is a share of one frame, so the push is the larger case.
+Each is sealed by its sender and checked by its reader: the MAC's cost per request is those
+four calls, timed without sockets (a socket's round trip is ~10x longer and its noise would
+hide them); the reference is the same two messages encoded and parsed without a session.
 Rounds alternate, so the host's noise falls on both alike; medians of the rounds, and their
 minimums (the quietest round).
 
@@ -24,23 +25,23 @@ import time
 from .cli import Parser
 
 
-def _per_request(payloads, sessions, requests: int) -> float:
-    """Seconds per request: both frames sealed and checked (``sessions``), or encoded and
-    parsed (None)."""
+def _per_request(frame, notif, sessions, requests: int) -> float:
+    """Seconds per request: the frame and the notification sealed and checked
+    (``sessions``), or encoded and parsed (None)."""
     from ..wire import frames
 
     t0 = time.perf_counter()
     if sessions is None:
         for _ in range(requests):
-            for message in payloads:
+            for message in (frame, notif):
                 frames.parse_payload(frames._payload(message))
     else:
         sender, reader = sessions
-        wire = [frames._payload(m) for m in payloads]
+        out, back = frames._payload(frame), frames._payload(notif)
         t0 = time.perf_counter()
         for _ in range(requests):
-            for payload in wire:
-                reader.check(sender.seal(payload))
+            reader.check(sender.seal(out))
+            sender.check_notif(reader.seal_notif(back))
     return (time.perf_counter() - t0) / requests
 
 
@@ -50,18 +51,18 @@ def measure(n_ids: int, requests: int, rounds: int) -> dict:
     from ..wire import frames
 
     packed = frames.pack_ids(np.arange(n_ids, dtype=np.int64))
-    messages = [{"type": "push", "request": "1234-56", "src": packed, "dst": packed,
-                 "timeout": 5.0, "deadline": 1764150000.123456, "split": 1},
-                {"type": "pushed", "request": "1234-56", "nbytes": 65536 * n_ids,
-                 "seconds": 0.000123, "descriptors": 1, "nixl_descriptors": 1}]
+    frame = {"type": "push", "request": "1234-56", "src": packed, "dst": packed,
+             "timeout": 5.0, "deadline": 1764150000.123456, "split": 1}
+    notif = {"type": "pushed", "request": "1234-56", "descriptors": 1}
+    messages = [frame, notif]
     plain, mac = [], []
     for _ in range(rounds):
         key = os.urandom(32)
-        mac.append(_per_request(messages, (frames.Session(key, key),
-                                           frames.Session(key, key)), requests))
-        plain.append(_per_request(messages, None, requests))
+        mac.append(_per_request(frame, notif, (frames.Session(key, key),
+                                               frames.Session(key, key)), requests))
+        plain.append(_per_request(frame, notif, None, requests))
     p, m = statistics.median(plain) * 1e6, statistics.median(mac) * 1e6
-    return {"ids": n_ids, "frames_per_request": len(messages),
+    return {"ids": n_ids, "messages_per_request": len(messages),
             "frame_bytes": [len(frames._payload(x)) for x in messages],
             "mac_us_per_request": round(m, 2), "encode_parse_us_per_request": round(p, 2),
             # the quietest round: what the calls cost when no other process takes the core

@@ -19,12 +19,12 @@ both directions, one GPU and two::
 
 Measured on the 2-core CPU host (host memory, cma, 64 MiB, coalesce never; the WRITE is done
 inside its post there): a pull is plan 0.33 ms, READ 6.4 (two descriptors over the decode's
-two UCX threads), 0.18 after; the push it is beside is plan 0.17, the request frame's crossing
-0.28, the prefill's parse and plan 0.20, the WRITE 6.8 (one descriptor: the prefill's agent
-has no UCX threads), the answer 0.22 out and 0.12 across, 0.08 after. Per request both make
-one prepared transfer (make_prepped_xfer + transfer: lists prepared once a peer, no
-registration or metadata load); the push adds the two frames, two thread wake-ups, and on a
-device (WRITE not done in its post) the prefill's progress loop seeing it end.
+two UCX threads), 0.18 after; the push it is beside (protocol 12, its answer a frame) was plan
+0.17, the request frame's crossing 0.28, the prefill's parse and plan 0.20, the WRITE 6.8 (one
+descriptor: the prefill's agent has no UCX threads), the answer 0.22 out and 0.12 across, 0.08
+after. Per request both make one prepared transfer (make_prepped_xfer + transfer: lists
+prepared once a peer, no registration or metadata load); since protocol 13 the push adds one
+frame and its wake-up, and its WRITE's NIXL notification is its answer.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ DECODE_STEPS = COMMON_STEPS + (
     ("kvruntime.decode.client", "PrefillPeer", "_admit", "plan"),
     ("kvruntime.wire.channel", "PeerChannel", "send", "frame out"),
     ("kvruntime.wire.channel", "PeerChannel", "dispatch", "frame in"),
+    ("kvruntime.decode.pushes", None, "on_notif", "notification in"),
     ("kvruntime.decode.inflight", "TransferHandle", "wait", "wait"),
 )
 PREFILL_STEPS = COMMON_STEPS + (
@@ -76,7 +77,7 @@ PREFILL_STEPS = COMMON_STEPS + (
     ("kvruntime.prefill.server", "PrefillServer", "_handle", "handle frame"),
     ("kvruntime.prefill.pushes", "Pushes", "start_write", "start_write"),
     ("kvruntime.prefill.pushes", "Writes", "post", "post WRITE"),
-    ("kvruntime.prefill.pushes", "Writes", "_end_write", "answer WRITE"),
+    ("kvruntime.prefill.pushes", "Writes", "_end_write", "WRITE ended"),
     ("kvruntime.prefill.pushes", "Writes", "_check_lanes", "lane check"),
 )
 # NIXL calls of the progress loops' idle polling: counted, not listed one by one
@@ -171,7 +172,9 @@ def timeline(events: list, t0: float, t1: float) -> dict:
 
 # A request's phases: (name, from, to), each end a (side, step, "start" | "end", which): the
 # first or last such step of the request. A push asked by the decode crosses the side channel
-# twice; a pull crosses it not at all (its release goes later, batched).
+# once, and its WRITE's notification comes back (protocol 13); a pull crosses it not at all
+# (its release goes later, batched). The prefill's own sight of the WRITE's end is beside the
+# phases (it answers nothing then), not one of them.
 PHASES = {
     "push": (
         ("decode: plan", None, ("decode", "frame out", "start", "first")),
@@ -179,13 +182,12 @@ PHASES = {
          ("prefill", "handle frame", "start", "first")),
         ("prefill: parse, plan, prepare", ("prefill", "handle frame", "start", "first"),
          ("prefill", "nixl transfer", "start", "first")),
-        ("WRITE: posted to seen done", ("prefill", "nixl transfer", "start", "first"),
-         ("prefill", "answer WRITE", "start", "first")),
-        ("prefill: answer frame out", ("prefill", "answer WRITE", "start", "first"),
-         ("prefill", "frame out", "end", "last")),
-        ("answer frame to the decode", ("prefill", "frame out", "end", "last"),
-         ("decode", "frame in", "start", "last")),
-        ("decode: finish", ("decode", "frame in", "start", "last"), None)),
+        ("WRITE: posted to its notification in", ("prefill", "nixl transfer", "start", "first"),
+         ("decode", "notification in", "start", "last")),
+        ("decode: finish", ("decode", "notification in", "start", "last"), None),
+        ("(beside) WRITE: posted to seen done by the prefill",
+         ("prefill", "nixl transfer", "start", "first"), ("prefill", "WRITE ended", "start",
+                                                          "first"))),
     "pull": (
         ("decode: plan, prepare", None, ("decode", "nixl transfer", "start", "first")),
         ("READ: posted to seen done", ("decode", "nixl transfer", "start", "first"),

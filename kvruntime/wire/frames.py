@@ -55,7 +55,9 @@ HEADER = struct.Struct(">4sI")
 #     NIXL notification a MAC of its own (Session).
 # 12: the hello and each side's info carry the application's descriptor ("app": a flat object
 #     of scalars, or null, app.py), which must match as the layout must.
-PROTOCOL_VERSION = 12
+# 13: a push the decode asks for is answered as one the prefill starts: by its WRITE's NIXL
+#     notification (a "pushed"), never a frame; a frame answers only a push that failed.
+PROTOCOL_VERSION = 13
 MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -118,7 +120,7 @@ class Session:
         # keyed once: a copy of a keyed hasher costs ~0.2 µs, keying one ~1 µs (2-core host)
         self._send_key, self._recv_key = (hashlib.blake2b(key=k, digest_size=MAC_BYTES)
                                           for k in (send_key, recv_key))
-        # NIXL notifications (a push the prefill starts) travel beside the frames, unordered
+        # NIXL notifications (a push's WRITE landed) travel beside the frames, unordered
         # with them: keys of their own, no count (the request id they name is what they match)
         self._notif_send, self._notif_recv = (
             hashlib.blake2b(key=k, digest_size=MAC_BYTES, person=b"kvr-notif")

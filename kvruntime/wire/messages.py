@@ -81,9 +81,8 @@ DIGESTS = Message("digests", EITHER, ("request",), ("blocks", "digests"),
 BYE = Message("bye", DECODE, (), (), "the decode closes")
 
 # -- answers a prefill sends ------------------------------------------------------------------
-PUSHED = Message("pushed", PREFILL, ("request",),
-                 ("nbytes", "seconds", "descriptors", "nixl_descriptors", "posted"),
-                 "a push's WRITE landed (a frame, or the notification of one we started)")
+PUSHED = Message("pushed", PREFILL, ("request",), ("descriptors", "posted"),
+                 "a push's WRITE landed (its NIXL notification, never a frame)")
 PUSH_FAILED = Message("push_failed", PREFILL, ("request", "error"), (), "a push was not written")
 CANCELLED = Message("cancelled", PREFILL, ("request", "state"), (), "a cancel's answer")
 READY_IDS = Message("ready", PREFILL, ("request", "posted"), ("src", "src_spans", "ring"),
@@ -102,5 +101,5 @@ CATALOG = (HELLO, CHALLENGE, AUTH, WELCOME, INFO, READY, ERROR, PUSH, EXPECT, CA
 REQUESTS = {m.type: m for m in (PUSH, EXPECT, CANCEL, SAMENODE, STAGE, UNSTAGE, POOL,
                                 RELEASE, DIGESTS, BYE)}
 # Answers that go to the handle of their request (the decode's channel.py).
-HANDLE_REPLIES = frozenset(m.type for m in (PUSHED, PUSH_FAILED, CANCELLED, STAGED,
+HANDLE_REPLIES = frozenset(m.type for m in (PUSH_FAILED, CANCELLED, STAGED,
                                             STAGE_FAILED, STAGE_QUEUED, READY_IDS))

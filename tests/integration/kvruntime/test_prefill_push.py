@@ -190,9 +190,9 @@ def test_two_decodes_naming_one_request_need_the_peer_said():
 
 
 def test_forged_notifications_finish_nothing(pair, caplog):
-    """A notification is input from the peer: junk, an unknown request, or a "pushed" for a
-    push the decode asked for (answered by frame) is logged and ignored; only the prefill's
-    own WRITE finishes an expected push."""
+    """A notification is input from the peer: junk, an unknown request, a "staged", or one
+    without the session's MAC is logged and ignored; only the prefill's own WRITE finishes an
+    expected push."""
     server, client, peer, src, dst = pair
     handle = peer.expect_push([50], request_id="real", timeout=20)
     _wait_expected(server, "real")

@@ -1,7 +1,10 @@
 """Frames after the handshake are authenticated: an on-path relay process without the secret
-rewrites block ids in a push, forges a "pushed" reply, or replays one, and each time the side
-that reads the frame refuses it, the connection ends and its requests fail, with nothing
-written where the relay pointed. Real NIXL agents and a relay process between them.
+rewrites block ids in a push, forges a "pushed" reply, or replays an earlier genuine answer of
+the prefill's in its place, and each time the side that reads the frame refuses it, the
+connection ends and its requests fail, with nothing written where the relay pointed. Real NIXL
+agents and a relay process between them. (Since protocol 13 a push's success comes as its
+WRITE's NIXL notification, which does not cross the relay; a "pushed" frame is forged, the
+replayed answer is a "digests".)
 
 Before (protocol 10): the decode reported every such push OK, with the wrong blocks written or
 nothing written at all."""
@@ -74,7 +77,7 @@ RELAY = textwrap.dedent(r'''
                     elif s is a and kind == "push" and mode == "replay" and replies:
                         a.sendall(replies[0])  # the first push's genuine, sealed answer
                         continue
-                    elif s is b and kind == "pushed":
+                    elif s is b and kind == "digests":
                         replies.append(data)
                 other.sendall(data)
     except (EOFError, OSError):
@@ -122,7 +125,7 @@ def test_a_relay_cannot_rewrite_forge_or_replay_frames(relay, mode):
         assert peer.engine == "nixl", peer.engine_reason
         assert "does not hold the side channel's other end" in peer.engine_reason
         if mode == "replay":
-            peer.push([1], [1], timeout=10)  # genuine: its answer is what the relay replays
+            peer.digests([1])  # genuine: its answer is what the relay replays
         with pytest.raises(KVRuntimeError) as err:
             peer.push([3, 4], [10, 11], timeout=10)
         assert "MAC" in str(err.value) or "closed" in str(err.value), err.value
