@@ -95,8 +95,15 @@ class Listener:
                 self.handshaking.pop(host, None)
 
     def hang_up(self, sock: socket.socket) -> None:
-        self.conns.discard(sock)
-        close_gracefully(sock)
+        """Close ``sock`` (gracefully: up to its linger), and only then stop counting it: a
+        connection is counted while it holds its descriptor, so that ``conns`` says how many
+        of them the server holds. (Before, it was uncounted first: a connection flood's tail,
+        still lingering, looked gone, and a decode that connected then met the fd limit in
+        the prefill's UCX.)"""
+        try:
+            close_gracefully(sock)
+        finally:
+            self.conns.discard(sock)
 
     def close(self) -> None:
         """Stop accepting, end every connection's reads, and join the threads (5 s at most)."""
