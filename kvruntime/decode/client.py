@@ -438,10 +438,11 @@ class DecodeClient:
             if self.prewarmed is not None:
                 log.info("%s: %s in %.0f ms", self.agent.name, self.prewarmed,
                          (time.perf_counter() - start) * 1e3)
+            # a direct cache's scratch is the prefill's to WRITE at our connect (warm.py)
             self.info = PeerInfo(registered.layout, self.agent.name, self.agent.metadata(),
                                  self.registration.region_triples(), registered.mem_type,
                                  o.kv_buffer, cache.layout if self.staging else None, o.tp_rank,
-                                 o.app)
+                                 o.app, None if self.staging else self._probe.triple)
             self._teardown = stack.pop_all()
 
     def connect(self, host: str, port: int, timeout: float | None = None) -> PrefillPeer:

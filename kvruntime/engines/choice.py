@@ -142,19 +142,26 @@ def check_engine_heads(peer, engine, reason: str, required: bool):
 class LaneProbe:
     """Device memory over NIXL: READ a few bytes of a peer's cache into our scratch, so that
     UCX selects (and logs, ucxlog.py) the protocol this pair's memory takes, then refuse a
-    device-memory lane on TCP — before any KV moves, never silently. One per client."""
+    device-memory lane on TCP — before any KV moves, never silently. One per client.
+
+    Its scratch is registered at once, before the client's NIXL metadata is taken: a prefill
+    WRITEs into it at our connect (``triple``, in our handshake's info; prefill/warm.py)."""
 
     def __init__(self, agent, cache, *, draining, timeout: float):
         self.agent = agent
         self.cache = cache
         self.draining = draining  # the client's: a probe still in flight is released there
         self.timeout = timeout
-        self._scratch: Scratch | None = None  # the probe's destination (registration.py)
+        self._scratch = Scratch(agent, cache)  # the probe's destination (registration.py)
+
+    @property
+    def triple(self) -> tuple[int, int, int]:
+        """Our scratch as (address, length, device id), for the handshake's info."""
+        s = self._scratch
+        return (s.address, Scratch.NBYTES, s.device_id)
 
     def check(self, peer) -> list:
         """Probe ``peer``'s lanes; returns them (UCX's protocols of our agent, ucxlog.py)."""
-        if self._scratch is None:
-            self._scratch = Scratch(self.agent, self.cache)
         address, _length, device = peer.info.regions[0]
         n = Scratch.NBYTES
         rows = Rows(self._scratch.descriptor(n),
@@ -168,5 +175,4 @@ class LaneProbe:
         return self.agent.lanes()
 
     def close(self) -> None:
-        if self._scratch is not None:
-            self._scratch.close()
+        self._scratch.close()

@@ -46,8 +46,8 @@ class Progress:
                     self.pushes.expire()
                 if self.stages.queued:
                     self.stages.serve()
-                # our UCX worker's progress (WRITEs in flight, peers' requests); nothing of
-                # ours sends notifications (protocol 6), so any that come are only logged
+                # our UCX worker's progress (WRITEs in flight, peers' requests); decodes send
+                # no notifications (only our pushes carry them), so any that come are logged
                 notifs = self.agent.call("get_new_notifs", self.agent.nixl.get_new_notifs)
             except Exception as exc:
                 if not self.stop.is_set():

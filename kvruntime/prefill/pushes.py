@@ -132,7 +132,7 @@ class Writes:
                     running.append((write.xfer, write.request if write.ours else None))
                 elif write.ours:
                     ended.append(write.request)
-        warm = self.warms.drop(peer)  # the READ that maps its memory, if still in flight
+        warm = self.warms.drop(peer)  # the READ or WRITE that maps its memory, if in flight
         if warm is not None:
             running.append((warm, None))
         for request in ended:  # nothing of ours is read by its WRITE any more

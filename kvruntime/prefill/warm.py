@@ -1,6 +1,7 @@
 """A decode's memory mapped by our UCX at its connect, so that our first WRITE into it costs
-what the later ones do: small READs of its cache's regions into a scratch of ours, posted and
-polled by the progress loop while the decode is still choosing its engine.
+what the later ones do: small READs of its cache's regions into a scratch of ours, then a small
+WRITE into the scratch it named in its handshake, posted and polled by the progress loop while
+the decode is still choosing its engine.
 
 UCX maps a peer's memory at the first transfer that touches it, inside the call that posts it:
 over CUDA IPC the peer's handle is opened there (2 x H200: the first 64 MiB push's WRITE took
@@ -11,6 +12,22 @@ regions, one READ a progress pass, so that other NIXL calls interleave with a ca
 regions. A READ that fails is logged, never fatal: the first push pays the mapping then.
 A decode that leaves with one in flight has it kept until UCX ends it (pushes.Writes.drop),
 its agent removed only then, as for its WRITEs.
+
+The READs open the decode's memory. A first push still paid more after them (2 x H200, 64 MiB,
+by the timeline: our plan of its blocks ~250 µs, the WRITE's post and first poll ~900 µs more
+than a later push's), and a READ is not a put: UCX chooses its protocol per operation, memory
+kind and device the first time one is made. A READ's few bytes cannot be written back (the
+decode may be writing that block meanwhile), so a direct decode registers a scratch of its own
+cache's memory kind and device (engines/choice.LaneProbe) and names it in its info; after the
+READs we WRITE a few bytes of ours into it, and make our plan of its blocks
+(``peer.planner``). Measured on 2 x H200 (64 MiB, a push after a pull, two runs each, the READs
+alone before): the first push 1406-1423 µs -> 1143-1173 µs; what it pays beyond a later push
+(~400-700 µs) is not accounted for.
+
+The WRITE carries no notification: one would keep it in flight until the decode's worker
+progressed (the notification's active message), and a decode that is busy connecting, or
+closes and connects again at once, may not (measured: a bench's ten handshakes in a row left
+one in flight, and the decode's reconnect was refused).
 
 The READs are posted ``AFTER`` the handshake, once a same-node decode has asked to open our
 memory, and none is posted for such a decode, which copies our pushes itself and is never
@@ -50,36 +67,41 @@ def wanted(ours: str, theirs: str) -> bool:
 
 
 class Warms:
-    """The decodes whose memory is still to be mapped (``add``), and the READs doing it."""
+    """The decodes whose memory is still to be mapped (``add``), and the READs and WRITEs doing
+    it."""
 
     def __init__(self, agent, cache, stats):
         self.agent = agent
         self.cache = cache
         self.stats = stats  # the server's: ``warmed``, ``warm_failed``
         self._lock = threading.Lock()  # held across a post: a drop never meets half a post
-        # decode agent -> (peer, its regions not mapped, monotonic time its first READ is due)
+        # decode agent -> (peer, its regions not mapped, its scratch not written yet or None,
+        # monotonic time its first transfer is due)
         self._queued: dict[str, tuple] = {}
         self._posted: dict[str, tuple] = {}  # decode agent -> (peer, PostedTransfer)
         self._scratch: Scratch | None = None
         self._keep_scratch = False  # a READ into it was dropped in flight: never freed
         self.reads = 0  # READs posted (tests read it)
+        self.writes = 0  # WRITEs posted into decodes' scratches
 
     @property
     def pending(self) -> bool:
         return bool(self._queued) or bool(self._posted)
 
     def add(self, peer) -> None:
-        """Map ``peer``'s regions (its handshake's, already checked) at the next passes, if
-        ``wanted``."""
+        """Map ``peer``'s regions and write its scratch (its handshake's, already checked) at
+        the next passes, if ``wanted``."""
         if not wanted(self.cache.mem_type, peer.info.mem_type):
             return
         regions = [(int(a), int(n), int(d)) for a, n, d in peer.info.regions if int(n) > 0]
-        if regions:
+        if regions or peer.info.scratch is not None:
             with self._lock:
-                self._queued[peer.agent] = (peer, regions, time.monotonic() + AFTER)
+                self._queued[peer.agent] = (peer, regions, peer.info.scratch,
+                                            time.monotonic() + AFTER)
 
     def progress(self) -> bool:
-        """Poll the READs in flight, post the next ones; True while any decode is not done."""
+        """Poll the transfers in flight, post the next ones; True while any decode is not
+        done."""
         if not self.pending:
             return False
         with self._lock:
@@ -90,33 +112,53 @@ class Warms:
                 xfer.finish()
                 del self._posted[agent]
                 if state != "DONE":
-                    self._give_up(peer, "its READ failed in NIXL")
+                    self._give_up(peer, f"its {xfer.op} failed in NIXL")
                 elif agent not in self._queued:
                     self.stats.warmed += 1
             now = time.monotonic()
-            for agent, (peer, regions, due) in list(self._queued.items()):
+            for agent, (peer, regions, scratch, due) in list(self._queued.items()):
                 if peer.opened:  # same-node: it copies what we push, nothing is written
                     del self._queued[agent]
                 elif agent not in self._posted and now >= due:
-                    self._post(peer, regions)
+                    self._post(peer, regions, scratch, first=due > 0)
             return self.pending
 
-    def _post(self, peer, regions: list) -> None:
-        batch, rest = regions[:BATCH], regions[BATCH:]
-        if rest:
-            self._queued[peer.agent] = (peer, rest, 0.0)
+    def _post(self, peer, regions: list, scratch, first: bool) -> None:
+        """``peer``'s next transfer: a READ of up to ``BATCH`` of its ``regions``, and once they
+        are all read, the WRITE into its ``scratch``."""
+        if regions:
+            batch, regions, write = regions[:BATCH], regions[BATCH:], None
+        else:
+            batch, write, scratch = None, scratch, None
+        if regions or scratch is not None:
+            self._queued[peer.agent] = (peer, regions, scratch, 0.0)
         else:
             del self._queued[peer.agent]
         try:
+            if first:  # our plan of its blocks, made now rather than in its first push
+                peer.planner(self.cache.layout)
             if self._scratch is None:
                 self._scratch = Scratch(self.agent, self.cache)
             s = self._scratch
-            local = np.array([[s.address + i * PIECE, min(PIECE, n), s.device_id]
-                              for i, (_a, n, _d) in enumerate(batch)], dtype=np.uint64)
-            remote = np.array([[a, min(PIECE, n), d] for a, n, d in batch], dtype=np.uint64)
+            if batch is not None:
+                local = np.array([[s.address + i * PIECE, min(PIECE, n), s.device_id]
+                                  for i, (_a, n, _d) in enumerate(batch)], dtype=np.uint64)
+                remote = np.array([[a, min(PIECE, n), d] for a, n, d in batch],
+                                  dtype=np.uint64)
+                op, notif = "READ", b""
+            else:
+                address, length, device = write
+                n = min(PIECE, length)
+                local = np.array([[s.address, n, s.device_id]], dtype=np.uint64)
+                remote = np.array([[address, n, device]], dtype=np.uint64)
+                op, notif = "WRITE", b""
             rows = Rows(local, remote, peer.agent, s.mem_type, peer.info.mem_type)
-            self._posted[peer.agent] = (peer, PostedTransfer(self.agent, "READ", rows=rows))
-            self.reads += 1
+            self._posted[peer.agent] = (peer, PostedTransfer(self.agent, op, rows=rows,
+                                                             notif=notif))
+            if op == "READ":
+                self.reads += 1
+            else:
+                self.writes += 1
         except (KVRuntimeError, RuntimeError, MemoryError) as exc:  # NIXL's refusal, or no
             self._give_up(peer, str(exc))  # memory for the scratch (torch's OOM is a RuntimeError)
 

@@ -56,7 +56,9 @@ HEADER = struct.Struct(">4sI")
 # 12: the hello and each side's info carry the application's descriptor ("app": a flat object
 #     of scalars, or null, app.py), which must match as the layout must.
 # 13: a push the decode asks for is answered as one the prefill starts: by its WRITE's NIXL
-#     notification (a "pushed"), never a frame; a frame answers only a push that failed.
+#     notification (a "pushed"), never a frame; a frame answers only a push that failed. A
+#     direct decode's info names a registered scratch ("scratch") that the prefill WRITEs at
+#     its connect (prefill/warm.py).
 PROTOCOL_VERSION = 13
 MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")

@@ -63,6 +63,9 @@ class PeerInfo:
     device_layout: KVLayout | None = None
     tp_rank: int = 0  # this side's rank among cache_layout.tp_size
     app: dict | None = field(default=None, hash=False)  # the application's descriptor (app.py)
+    # a decode's registered scratch (address, length, device id) of its cache's memory kind:
+    # the prefill may WRITE into it at connect (prefill/warm.py); None: none (a prefill's info)
+    scratch: tuple[int, int, int] | None = None
     # the connection's frame keys, set on the info a handshake returns (never sent)
     session: frames.Session | None = field(default=None, compare=False, repr=False)
 
@@ -82,6 +85,7 @@ class PeerInfo:
             "device_layout": self.device_layout.to_dict() if self.device_layout else None,
             "tp_rank": self.tp_rank,
             "app": self.app,
+            "scratch": list(self.scratch) if self.scratch is not None else None,
         }
 
     @classmethod
@@ -128,7 +132,23 @@ class PeerInfo:
             raise FrameError(f"peer tp_rank {tp_rank!r} is not within 0..{tp_size - 1}")
         app = _app(data.get("app"))
         return cls(layout, agent, frames.unb64(data.get("metadata"), "metadata"),
-                   tuple(out), mem_type, kv_buffer, device_layout, tp_rank, app)
+                   tuple(out), mem_type, kv_buffer, device_layout, tp_rank, app,
+                   _scratch(data.get("scratch")))
+
+
+MAX_SCRATCH = 4096  # bytes of a peer's scratch we would write at most
+
+
+def _scratch(data: object) -> tuple[int, int, int] | None:
+    """A peer's scratch: None, or [address, length, device] with 1 <= length <= MAX_SCRATCH."""
+    if data is None:
+        return None
+    if (not isinstance(data, list) or len(data) != 3
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in data)
+            or not 1 <= data[1] <= MAX_SCRATCH):
+        raise FrameError(f"peer scratch {str(data)[:80]} is not [address, length (1 to "
+                         f"{MAX_SCRATCH}), device]")
+    return tuple(data)
 
 
 def _app(data: object) -> dict | None:

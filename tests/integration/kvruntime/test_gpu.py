@@ -595,7 +595,8 @@ def test_coalesced_pulls_and_pushes_through_vram_pools_are_bit_exact(prefill, ki
 def test_a_decodes_vram_is_mapped_by_the_prefill_at_its_connect(ids):
     """prefill/warm.py on device memory: before any push, the prefill READs a few bytes of
     each of the decode's regions (so that UCX maps them then, not in the first push's post),
-    in READs of at most BATCH regions; the push after lands bit-exact. Both sides in this
+    in READs of at most BATCH regions, then WRITEs into the decode's scratch (UCX's put
+    chosen then); the push after lands bit-exact. Both sides in this
     process (UCX copies within one process without CUDA IPC): the wait drives the decode's
     progress too, which across processes the IPC copy would not need."""
     import math
@@ -617,6 +618,7 @@ def test_a_decodes_vram_is_mapped_by_the_prefill_at_its_connect(ids):
             client.get_finished()
             time.sleep(0.002)
         assert server.writes.warms.reads == math.ceil(layout.num_regions / warm.BATCH)
+        assert server.writes.warms.writes == 1  # the decode's scratch, in its VRAM
         peer.push([1, 2], [5, 6], timeout=30)
         assert dst.block_digests([5, 6]) == src.block_digests([1, 2])
     src.close(), dst.close()

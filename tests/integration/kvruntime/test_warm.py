@@ -5,9 +5,10 @@ push's WRITE paid (2.2 ms of a 64 MiB push on 2 x H200), and only device memory 
 that the same READs of the decode's regions are posted and polled by the prefill's progress
 loop (a few bytes of host memory go by active messages, so the decode's progress is driven
 while they wait, as a GPU's IPC copy would not need). They check that every region is read
-once, in READs of at most ``BATCH`` regions; that host memory and a decode the prefill never
-writes into are not read; and that a READ still in flight when the server closes goes with
-the agent, as a WRITE does. tests/integration/kvruntime/test_gpu.py checks a CUDA pair."""
+once, in READs of at most ``BATCH`` regions, then the decode's scratch written once; that
+host memory and a decode the prefill never writes into are not read; and that a READ still in
+flight when the server closes goes with the agent, as a WRITE does.
+tests/integration/kvruntime/test_gpu.py checks a CUDA pair."""
 
 import logging
 import math
@@ -39,24 +40,30 @@ def mapped(monkeypatch):
 
 
 @pytest.mark.parametrize("kind,layers", [(CROSS_LAYER, 2), (PER_LAYER, 10)])
-def test_a_decode_we_may_write_into_is_mapped_at_its_connect(mapped, kind, layers):
+def test_a_decode_we_may_write_into_is_mapped_at_its_connect(mapped, kind, layers, caplog):
+    """Each region read once, then one WRITE into the scratch the decode named (its cache's
+    blocks untouched), with no notification."""
     layout = KVLayout(kind, layers, 64, 16, 4, 32, "float16")
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
     src.fill_random(5)
     dst.fill_value(0)
-    with PrefillServer(src, coalesce="never") as server, \
+    with caplog.at_level(logging.WARNING, logger="kvruntime"), \
+            PrefillServer(src, coalesce="never") as server, \
             DecodeClient(dst, engine="nixl", coalesce="never") as client:
         peer = client.connect(*server.address)
+        assert peer.info.scratch is None and client.info.scratch is not None
         # before any request: the prefill reads each of the decode's regions once
         _until(lambda: client.get_finished() is not None and server.stats.warmed == 1,
                what="the decode was never mapped")
         reads = math.ceil(layout.num_regions / warm.BATCH)
         assert server.writes.warms.reads == reads and reads == (1 if layers == 2 else 3)
+        assert server.writes.warms.writes == 1
         assert server.stats.warm_failed == 0 and not server.writes.warms.pending
         assert dst.block_digests(range(64)) == [dst.block_digests([0])[0]] * 64  # read only
         peer.push([1, 2, 3], [7, 8, 9], timeout=20)
         assert dst.block_digests([7, 8, 9]) == src.block_digests([1, 2, 3])
     assert server.writes.warms.reads == reads  # one connect, one mapping
+    assert "notification" not in caplog.text, caplog.text
     src.close(), dst.close()
 
 

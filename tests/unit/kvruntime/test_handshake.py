@@ -271,3 +271,17 @@ def test_a_bad_descriptor_is_refused_where_it_is_made_and_where_it_arrives(app, 
     wire["app"] = app
     with pytest.raises(FrameError, match=why):
         PeerInfo.from_dict(wire)
+
+
+@pytest.mark.parametrize("scratch", [[1, 2], [1, 0, 0], [1, 4097, 0], [1, -1, 0], [1, True, 0],
+                                     "1,256,0", [1, 256.0, 0]])
+def test_a_bad_scratch_is_refused_where_it_arrives(scratch):
+    """A decode's scratch (protocol 13) is written by the prefill at its connect: [address,
+    length 1 to MAX_SCRATCH, device], all non-negative integers, or null."""
+    wire = info("d").to_dict()
+    assert wire["scratch"] is None and PeerInfo.from_dict(wire).scratch is None
+    wire["scratch"] = [4096, 256, 1]
+    assert PeerInfo.from_dict(wire).scratch == (4096, 256, 1)
+    wire["scratch"] = scratch
+    with pytest.raises(FrameError, match="peer scratch"):
+        PeerInfo.from_dict(wire)
