@@ -45,6 +45,13 @@ def test_listener_survives_a_connection_flood_past_its_fd_limit():
         cache.fill_random(5)
         server = PrefillServer(cache, secret=b"k", timeout=1.0, max_connections=1000,
                                max_handshaking_per_address=1000)
+        # UCX's first progress passes open files of this process (its first keepalive round:
+        # an active message to NIXL's endpoint to itself attaches our own shared memory,
+        # /proc/<pid>/fd/N, and reads /proc/<pid>/stat), from the server's progress thread as
+        # it starts: made now, while descriptors are free. At the limit they failed, and the
+        # decode's pull later timed out (CI, 1 run in ~20 under load; strace showed the opens).
+        for _ in range(3):
+            server.agent.call("get_new_notifs", server.agent.nixl.get_new_notifs)
         def fds():  # a listing takes a descriptor: at the limit, none is free for it
             try:
                 return len(os.listdir("/proc/self/fd"))
