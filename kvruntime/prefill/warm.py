@@ -80,7 +80,7 @@ class Warms:
         self._queued: dict[str, tuple] = {}
         self._posted: dict[str, tuple] = {}  # decode agent -> (peer, PostedTransfer)
         self._scratch: Scratch | None = None
-        self._keep_scratch = False  # a READ into it was dropped in flight: never freed
+        self._keep_scratch = False  # a transfer of it was dropped in flight: never freed
         self.reads = 0  # READs posted (tests read it)
         self.writes = 0  # WRITEs posted into decodes' scratches
 
@@ -135,7 +135,7 @@ class Warms:
         else:
             del self._queued[peer.agent]
         try:
-            if first:  # our plan of its blocks, made now rather than in its first push
+            if first:  # (its first post) our plan of its blocks, not in its first push
                 peer.planner(self.cache.layout)
             if self._scratch is None:
                 self._scratch = Scratch(self.agent, self.cache)
@@ -145,16 +145,15 @@ class Warms:
                                   for i, (_a, n, _d) in enumerate(batch)], dtype=np.uint64)
                 remote = np.array([[a, min(PIECE, n), d] for a, n, d in batch],
                                   dtype=np.uint64)
-                op, notif = "READ", b""
+                op = "READ"
             else:
                 address, length, device = write
                 n = min(PIECE, length)
                 local = np.array([[s.address, n, s.device_id]], dtype=np.uint64)
                 remote = np.array([[address, n, device]], dtype=np.uint64)
-                op, notif = "WRITE", b""
+                op = "WRITE"  # no notification (module doc)
             rows = Rows(local, remote, peer.agent, s.mem_type, peer.info.mem_type)
-            self._posted[peer.agent] = (peer, PostedTransfer(self.agent, op, rows=rows,
-                                                             notif=notif))
+            self._posted[peer.agent] = (peer, PostedTransfer(self.agent, op, rows=rows))
             if op == "READ":
                 self.reads += 1
             else:
