@@ -149,7 +149,7 @@ class Warms:
             else:
                 address, length, device = write
                 n = min(PIECE, length)
-                local = np.array([[s.address, n, s.device_id]], dtype=np.uint64)
+                local = s.descriptor(n)
                 remote = np.array([[address, n, device]], dtype=np.uint64)
                 op = "WRITE"  # no notification (module doc)
             rows = Rows(local, remote, peer.agent, s.mem_type, peer.info.mem_type)
