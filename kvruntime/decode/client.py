@@ -83,6 +83,9 @@ class PrefillPeer:
         self._planner: Planner | None = None  # made at the connect (plan.py)
         self.pace = Pace()  # how fast it has moved requests: how long a wait spins (pace.py)
         self.head_slice = None  # mixed TP: which of its heads go to which of ours (tp.py)
+        # each push over NIXL is numbered in its frame, and its notification must name the
+        # number: a replayed notification of an earlier request of the same id names another
+        self.push_numbers = itertools.count(1)
         # a close runs once, in the thread that claims it: the client's, or one whose send
         # found the connection gone (the release sender's); the other waits for its end
         self._close_claim = threading.Lock()

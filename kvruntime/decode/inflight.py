@@ -58,6 +58,8 @@ class TransferHandle:
         self.lock = threading.Lock()
         self._xfer: Job | None = None  # the copy that moves it (jobs.py); None: a push's WRITE
         self._reply: dict | None = None  # push: the "pushed" notification of its WRITE
+        # push: the number its "push" or "expect" frame gave it, which its notification names
+        self.number: int | None = None
         # whether progress needs the side channel (a push, a staged copy); a READ or a
         # same-node copy moves by polling its own transfer alone
         self.uses_peer = op == "push"

@@ -3,7 +3,9 @@
 (``PrefillServer.start_push``).
 
 Over NIXL the prefill WRITEs them with a notification, which finishes the handle here
-(``on_notif``, its MAC checked), as it finishes a push we ask for (``ask``). To a same-node
+(``on_notif``, its MAC checked, and the push's number: each "expect" or "push" frame numbers its
+push, and the notification must name it, so that one replayed from an earlier push of the same
+request id finishes nothing), as it finishes a push we ask for (``ask``). To a same-node
 decode it sends their ids instead (a "ready" frame, or a record in its ring read first) and the
 decode copies them out of its memory itself, as a pull (``copy_ready``); so does a coalesced
 NIXL decode (coalesce.py chose the pools at ``expect``), which has them staged and READs them
@@ -43,8 +45,10 @@ def expect(peer, dst_blocks, request_id: str | None, timeout: float,
     copy = peer.mover.expect(peer, handle)  # how the prefill is to deliver (engines/engine.py)
     peer.channel.expect(handle)
     peer.port.track(handle)
+    handle.number = next(peer.push_numbers)
     peer.send(messages.EXPECT.build(request=request_id, dst=frames.pack_ids(plan.block_ids()[0]),
-                                    timeout=timeout, deadline=time.time() + timeout, **copy))
+                                    number=handle.number, timeout=timeout,
+                                    deadline=time.time() + timeout, **copy))
     return handle
 
 
@@ -62,8 +66,9 @@ def ask(peer, handle: TransferHandle, split: int) -> TransferHandle:
         blocks = {"runs": frames.pack_runs(plan.run_src, plan.run_dst, plan.run_count)}
     else:
         blocks = {"src": frames.pack_ids(src), "dst": frames.pack_ids(dst)}
-    peer.send(messages.PUSH.build(request=request_id, **blocks, timeout=timeout,
-                                  deadline=time.time() + timeout, split=split))
+    handle.number = next(peer.push_numbers)
+    peer.send(messages.PUSH.build(request=request_id, **blocks, number=handle.number,
+                                  timeout=timeout, deadline=time.time() + timeout, split=split))
     return handle
 
 
@@ -139,6 +144,9 @@ def on_notif(peer, raw) -> str | None:
     if not messages.PUSHED.is_(message) or handle is None or handle.op != "push":
         return (f"an unexpected {str(message.get('type'))[:40]!r} notification (request "
                 f"{str(request)[:80]!r})")
+    if message.get("number") != handle.number:  # sealed by the prefill, but not for this push
+        return (f"a notification of an earlier push of request {request[:80]!r} (number "
+                f"{str(message.get('number'))[:24]}, this one's is {handle.number}): replayed")
     handle.on_reply(message)
     return None
 

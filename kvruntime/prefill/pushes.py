@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import KVRuntimeError
+from ..errors import FrameError, KVRuntimeError
 from ..nixl.transfer import Draining, PostedTransfer, Rows
 from ..pace import Pace
 from ..plan import Planner, make_plan
@@ -53,6 +53,7 @@ class _Write:
 class _Expected:  # a decode's blocks for a request we will push (its "expect" frame)
     dst: object  # int64 ids, checked against its layout
     deadline: float  # monotonic: the decode's deadline
+    number: int  # its frame's push number, which the WRITE's notification names
     copies: bool = False  # it copies them itself once we say "ready" (same-node, or pooled)
 
 
@@ -64,6 +65,14 @@ class _Offer:  # a push started before any decode expected it: posted when one d
     posted: float  # wall clock of the start_push call (the decode times the push from it)
 
 
+def push_number(message: dict) -> int:
+    """A "push" or "expect" frame's number (messages.py), which its WRITE's notification
+    names: a positive integer below 2**63."""
+    number = frames.field(message, "number", int)
+    if not 0 < number < 1 << 63:
+        raise FrameError(f"{message.get('type')!r} frame field 'number' must be a positive "
+                         f"integer below 2**63, got {str(number)[:24]}")
+    return number
 
 
 class Writes:
@@ -168,12 +177,13 @@ class Writes:
         self.warms.close()
 
     # -- posting, polling, answering --------------------------------------------------------------
-    def post(self, peer, request: str, plan, deadline: float, split: int = 1,
+    def post(self, peer, request: str, number: int, plan, deadline: float, split: int = 1,
              posted: float | None = None) -> None:
         """Post a WRITE of ``plan`` into ``peer``'s cache and keep it in flight. Its NIXL
-        notification is the decode's answer: a "pushed" with the descriptors it posts (mixed
-        TP: a token row's heads each), and for a push we started (``posted``: the wall clock
-        of its ``start_push``), when it started."""
+        notification is the decode's answer: a "pushed" naming the push's ``number`` (its
+        frame's), with the descriptors it posts (mixed TP: a token row's heads each), and for
+        a push we started (``posted``: the wall clock of its ``start_push``), when it
+        started."""
         s, rows = peer.head_slice, None
         if s is not None:  # mixed TP, direct: the decode rank's heads of each token row
             src_ids, dst_ids = plan.block_ids()
@@ -182,7 +192,7 @@ class Writes:
                         head_rows(peer.info.layout, peer.info.regions, dst_ids, s.dst),
                         peer.agent, self.cache.mem_type, peer.info.mem_type)
         notify = messages.PUSHED.build(
-            request=request, descriptors=len(rows.local) if rows is not None else
+            request=request, number=number, descriptors=len(rows.local) if rows is not None else
             plan.descriptor_count, **({} if posted is None else {"posted": posted}))
         notif = frames.encode_notif(notify, peer.info.session)
         with self.lock:
@@ -319,6 +329,7 @@ class Pushes:
         up on the request may already have reused the blocks (a stalled prefill reads the
         request late). Its notification answers; the progress loop finishes it."""
         request = frames.field(message, "request", str)
+        number = push_number(message)
         if "runs" in message:  # a few runs instead of many ids: planned from them, not again
             runs, src, dst = frames.runs_field(message, "runs"), None, None
         else:
@@ -340,7 +351,8 @@ class Pushes:
         try:
             planner = peer.planner(self.cache.layout)
             plan = planner.plan(src, dst) if runs is None else planner.plan_runs(*runs)
-            self.writes.post(peer, request, plan, time.monotonic() + min(left, timeout), split)
+            self.writes.post(peer, request, number, plan, time.monotonic() + min(left, timeout),
+                             split)
         except KVRuntimeError as exc:
             peer.send(messages.PUSH_FAILED.build(request=request, error=str(exc)), self.timeout)
 
@@ -379,7 +391,8 @@ class Pushes:
             self._unname(dst_peer, request)
         deadline = min(expected.deadline, time.monotonic() + timeout)
         try:
-            self._push_now(dst_peer, request, plan, deadline, posted, expected.copies)
+            self._push_now(dst_peer, request, expected.number, plan, deadline, posted,
+                           expected.copies)
         except KVRuntimeError as exc:  # raised: our blocks are the caller's, not released
             self._push_failed(dst_peer, request, str(exc), release=False)
             raise
@@ -418,7 +431,7 @@ class Pushes:
                                  f"{len(expected.dst)}")
         return plan
 
-    def _push_now(self, peer, request: str, plan, deadline: float, posted: float,
+    def _push_now(self, peer, request: str, number: int, plan, deadline: float, posted: float,
                   copies: bool) -> None:
         """Our blocks for ``request`` go to ``peer`` now: a same-node decode that asked to copy
         them (``copies``) gets their ids, as spans (first id, count) where those are fewer,
@@ -440,7 +453,7 @@ class Pushes:
                 peer.readied.discard(request)  # our caller's blocks again: start_push raises
                 raise
             return
-        self.writes.post(peer, request, plan, deadline, 1, posted)
+        self.writes.post(peer, request, number, plan, deadline, 1, posted)
 
     def _push_failed(self, peer, request: str, error: str, release: bool) -> None:
         """A push of ours that will not be written: the decode hears why; ``release``: blocks
@@ -457,6 +470,7 @@ class Pushes:
         already started that push, else kept until ``start_push`` or its deadline."""
         request = frames.field(message, "request", str)
         dst = frames.ids_field(message, "dst")
+        number = push_number(message)
         timeout = float(frames.field(message, "timeout", (int, float)))
         left = float(frames.field(message, "deadline", (int, float))) - time.time()
         # the decode copies them itself once we say "ready": same-node, or through the pools
@@ -484,16 +498,16 @@ class Pushes:
                     raise KVRuntimeError(f"request {request!r} is already in flight")
                 offer = self._offers.get(request)
                 if offer is None or offer.agent not in (None, peer.agent):
-                    self._name(peer, request, _Expected(dst, deadline, copies))
+                    self._name(peer, request, _Expected(dst, deadline, number, copies))
                     self._wake()  # the progress loop expires it
                     return
                 taken = self._offers.pop(request)
             if len(taken.src) != len(dst):
                 raise KVRuntimeError(f"{len(dst)} blocks named, but the prefill pushes "
                                      f"{len(taken.src)}")
-            plan = self._push_plan(peer, taken.src, _Expected(dst, deadline, copies))
-            self._push_now(peer, request, plan, min(deadline, taken.deadline), taken.posted,
-                           copies)
+            plan = self._push_plan(peer, taken.src, _Expected(dst, deadline, number, copies))
+            self._push_now(peer, request, number, plan, min(deadline, taken.deadline),
+                           taken.posted, copies)
         except KVRuntimeError as exc:
             self._push_failed(peer, request, str(exc), release=taken is not None)
 

@@ -48,13 +48,13 @@ def _per_request(frame, notif, sessions, requests: int) -> float:
 def measure(n_ids: int, requests: int, rounds: int) -> dict:
     import numpy as np
 
-    from ..wire import frames
+    from ..wire import frames, messages
 
     packed = frames.pack_ids(np.arange(n_ids, dtype=np.int64))
-    frame = {"type": "push", "request": "1234-56", "src": packed, "dst": packed,
-             "timeout": 5.0, "deadline": 1764150000.123456, "split": 1}
-    notif = {"type": "pushed", "request": "1234-56", "descriptors": 1}
-    messages = [frame, notif]
+    frame = messages.PUSH.build(request="1234-56", src=packed, dst=packed, number=4321,
+                                timeout=5.0, deadline=1764150000.123456, split=1)
+    notif = messages.PUSHED.build(request="1234-56", number=4321, descriptors=1)
+    sent = [frame, notif]
     plain, mac = [], []
     for _ in range(rounds):
         key = os.urandom(32)
@@ -62,8 +62,8 @@ def measure(n_ids: int, requests: int, rounds: int) -> dict:
                                                frames.Session(key, key)), requests))
         plain.append(_per_request(frame, notif, None, requests))
     p, m = statistics.median(plain) * 1e6, statistics.median(mac) * 1e6
-    return {"ids": n_ids, "messages_per_request": len(messages),
-            "frame_bytes": [len(frames._payload(x)) for x in messages],
+    return {"ids": n_ids, "messages_per_request": len(sent),
+            "frame_bytes": [len(frames._payload(x)) for x in sent],
             "mac_us_per_request": round(m, 2), "encode_parse_us_per_request": round(p, 2),
             # the quietest round: what the calls cost when no other process takes the core
             "mac_us_per_request_min": round(min(mac) * 1e6, 2),

@@ -59,7 +59,10 @@ HEADER = struct.Struct(">4sI")
 #     notification (a "pushed"), never a frame; a frame answers only a push that failed. A
 #     direct decode's info names a registered scratch ("scratch") that the prefill WRITEs at
 #     its connect (prefill/warm.py).
-PROTOCOL_VERSION = 13
+# 14: each "push" and "expect" frame numbers its push ("number", one count a connection), and
+#     its WRITE's notification names that number: a notification replayed from an earlier push
+#     of the same request id (ids are the caller's and may come again) finishes nothing.
+PROTOCOL_VERSION = 14
 MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")
 DEFAULT_MAX_FRAME = 16 * 1024 * 1024
@@ -123,7 +126,8 @@ class Session:
         self._send_key, self._recv_key = (hashlib.blake2b(key=k, digest_size=MAC_BYTES)
                                           for k in (send_key, recv_key))
         # NIXL notifications (a push's WRITE landed) travel beside the frames, unordered
-        # with them: keys of their own, no count (the request id they name is what they match)
+        # with them: keys of their own, no count (the request id and the push's number they
+        # name, protocol 14, are what they match)
         self._notif_send, self._notif_recv = (
             hashlib.blake2b(key=k, digest_size=MAC_BYTES, person=b"kvr-notif")
             for k in (send_key, recv_key))

@@ -58,11 +58,15 @@ ERROR = Message("error", EITHER, ("code", "message", "fields"), (),
                 "refused: what, why, which layout fields differ")
 
 # -- requests a decode sends once connected ---------------------------------------------------
-PUSH = Message("push", DECODE, ("request", "timeout", "deadline"), ("src", "dst", "runs", "split"),
-               "write these blocks of yours into mine (ids, or runs)")
-EXPECT = Message("expect", DECODE, ("request", "dst", "timeout", "deadline"), ("copy", "stage"),
+PUSH = Message("push", DECODE, ("request", "number", "timeout", "deadline"),
+               ("src", "dst", "runs", "split"),
+               "write these blocks of yours into mine (ids, or runs); number: this push's, "
+               "unique in the connection, for its notification to name")
+EXPECT = Message("expect", DECODE, ("request", "number", "dst", "timeout", "deadline"),
+                 ("copy", "stage"),
                  "my blocks for a push you will start (copy: send ids, I copy; stage: send "
-                 "ids, I ask you to stage them and READ them through the pools)")
+                 "ids, I ask you to stage them and READ them through the pools); number: as "
+                 "a push's")
 CANCEL = Message("cancel", DECODE, ("request",), (), "drop a push past its deadline")
 SAMENODE = Message("samenode", EITHER, ("request",), (), "asks for the same-node offer; the "
                    "reply carries the offer's fields too", open=True)
@@ -81,8 +85,9 @@ DIGESTS = Message("digests", EITHER, ("request",), ("blocks", "digests"),
 BYE = Message("bye", DECODE, (), (), "the decode closes")
 
 # -- answers a prefill sends ------------------------------------------------------------------
-PUSHED = Message("pushed", PREFILL, ("request",), ("descriptors", "posted"),
-                 "a push's WRITE landed (its NIXL notification, never a frame)")
+PUSHED = Message("pushed", PREFILL, ("request", "number"), ("descriptors", "posted"),
+                 "a push's WRITE landed (its NIXL notification, never a frame); number: its "
+                 "push or expect frame's")
 PUSH_FAILED = Message("push_failed", PREFILL, ("request", "error"), (), "a push was not written")
 CANCELLED = Message("cancelled", PREFILL, ("request", "state"), (), "a cancel's answer")
 READY_IDS = Message("ready", PREFILL, ("request", "posted"), ("src", "src_spans", "ring"),

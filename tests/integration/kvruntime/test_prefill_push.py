@@ -237,6 +237,75 @@ def test_a_notification_without_the_sessions_mac_finishes_nothing(pair):
     assert dst.block_digest(51) == src.block_digest(71)
 
 
+@pytest.mark.parametrize("asked_by", ["prefill", "decode"])
+def test_a_replayed_notification_finishes_no_later_push_of_the_same_id(pair, monkeypatch,
+                                                                        asked_by):
+    """Request ids are the caller's and may come again. A genuine, sealed "pushed"
+    notification of a push that ended, sent again while a later push of the same id waits (as
+    anyone who saw it on the UCX path could), names that earlier push's number (protocol 14):
+    it is ignored, and only the later push's own WRITE finishes the handle. Before, it
+    finished the handle with nothing written."""
+    server, client, peer, src, dst = pair
+    sealed = []
+    encode = frames.encode_notif
+    monkeypatch.setattr(frames, "encode_notif",
+                        lambda *a, **k: sealed.append(encode(*a, **k)) or sealed[-1])
+
+    def push(dst_block, src_block):
+        if asked_by == "decode":
+            return peer.start_push([src_block], [dst_block], request_id="again", timeout=20)
+        handle = peer.expect_push([dst_block], request_id="again", timeout=20)
+        _wait_expected(server, "again")
+        server.start_push("again", [src_block])
+        return handle
+
+    push(52, 72).wait(10)
+    assert dst.block_digest(52) == src.block_digest(72) and len(sealed) == 1
+    server.wait_released("again", 5, peer=client.agent.name)
+    dst.fill_value(0)
+    zero = dst.block_digest(53)
+    if asked_by == "decode":  # the prefill is held back: its WRITE cannot answer first
+        monkeypatch.setattr(server.pushes, "start_write", lambda *a: None)
+        later = peer.start_push([73], [53], request_id="again", timeout=20)
+    else:
+        later = peer.expect_push([53], request_id="again", timeout=20)
+        _wait_expected(server, "again")
+    server.agent.nixl.send_notif(client.agent.name, sealed[0])
+    until = time.monotonic() + 1
+    while time.monotonic() < until:
+        assert not later.done()
+        time.sleep(0.01)
+    assert dst.block_digest(53) == zero
+    if asked_by == "decode":  # its frame was dropped: the close cancels it, the prefill answers
+        return
+    server.start_push("again", [73])
+    later.wait(10)
+    assert dst.block_digest(53) == src.block_digest(73)
+
+
+@pytest.mark.parametrize("number", [None, 0, -1, True, 1.0, "7", 1 << 63])
+@pytest.mark.parametrize("kind", ["push", "expect"])
+def test_a_push_frame_without_a_good_number_ends_its_connection(pair, kind, number):
+    """A "push" or "expect" frame's number is the peer's input: missing, not a positive
+    integer below 2**63 (a bool, a float, text, too large to echo) ends the connection, said
+    in one line, as any malformed frame does; nothing is written or named."""
+    server, client, peer, src, dst = pair
+    message = {"type": kind, "request": "n1", "timeout": 20, "deadline": time.time() + 20,
+               "src" if kind == "push" else "dst": frames.pack_ids([1]),
+               **({"dst": frames.pack_ids([2])} if kind == "push" else {})}
+    if number is not None:
+        message["number"] = number
+    peer.send(message)
+    until = time.monotonic() + 5
+    while not server.stats.refused and time.monotonic() < until:
+        time.sleep(0.01)
+    assert [why for _addr, why in server.stats.refused] == [
+        f"{kind!r} frame field 'number' must be " + (
+            "a positive integer below 2**63, got " + str(number) if type(number) is int
+            else "int, got " + type(number).__name__)]
+    assert not server.expects("n1") and not server.writes.in_flight
+
+
 def test_a_decode_that_leaves_takes_its_named_requests_with_it():
     layout = small()
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
@@ -384,7 +453,7 @@ def test_only_a_decode_that_opened_the_prefills_memory_may_copy_its_pushes(pair)
                                                    time.perf_counter())
     handle2.by_prefill = True
     client.track(handle2)
-    peer.send({"type": "expect", "request": "sly2", "dst": frames.pack_ids([31]),
+    peer.send({"type": "expect", "request": "sly2", "dst": frames.pack_ids([31]), "number": 99,
                 "timeout": 20, "deadline": time.time() + 20, "copy": True})
     with pytest.raises(TransferError, match="has not opened this prefill's memory"):
         handle2.wait(10)
