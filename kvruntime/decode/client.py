@@ -86,6 +86,7 @@ class PrefillPeer:
         # each push over NIXL is numbered in its frame, and its notification must name the
         # number: a replayed notification of an earlier request of the same id names another
         self.push_numbers = itertools.count(1)
+        self.warm_notes = 0  # "warm" notifications it sent at our connect (prefill/warm.py)
         # a close runs once, in the thread that claims it: the client's, or one whose send
         # found the connection gone (the release sender's); the other waits for its end
         self._close_claim = threading.Lock()

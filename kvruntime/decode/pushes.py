@@ -139,6 +139,9 @@ def on_notif(peer, raw) -> str | None:
         message = frames.parse_notif(raw, peer.channel.session)
     except KVRuntimeError as exc:
         return str(exc)
+    if messages.WARM.is_(message):  # the prefill's first active message to us (warm.py)
+        peer.warm_notes += 1
+        return None
     request = message.get("request")
     handle = peer.channel.pending.get(request) if isinstance(request, str) else None
     if not messages.PUSHED.is_(message) or handle is None or handle.op != "push":

@@ -220,6 +220,10 @@ class Agent:
     def remove_remote(self, name: str) -> None:
         self.call("remove_remote_agent", self.nixl.remove_remote_agent, name)
 
+    def notify(self, remote: str, payload: bytes) -> None:
+        """A NIXL notification to agent ``remote``, on its own (no transfer carries it)."""
+        self.call("send_notif", self.nixl.send_notif, remote, payload)
+
     def descriptor_count(self, handle) -> int | None:
         """Descriptors NIXL posted for ``handle`` (after merging), when telemetry exists."""
         if not self.telemetry:

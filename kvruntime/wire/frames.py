@@ -61,7 +61,9 @@ HEADER = struct.Struct(">4sI")
 #     its connect (prefill/warm.py).
 # 14: each "push" and "expect" frame numbers its push ("number", one count a connection), and
 #     its WRITE's notification names that number: a notification replayed from an earlier push
-#     of the same request id (ids are the caller's and may come again) finishes nothing.
+#     of the same request id (ids are the caller's and may come again) finishes nothing. A
+#     prefill that WRITEs into a decode's scratch at its connect also sends it a "warm"
+#     notification, which the decode drops.
 PROTOCOL_VERSION = 14
 MAX_NOTIF = 1024  # bytes of a NIXL notification we read at most (a "pushed" message)
 ID = np.dtype("<i8")

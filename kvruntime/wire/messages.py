@@ -88,6 +88,10 @@ BYE = Message("bye", DECODE, (), (), "the decode closes")
 PUSHED = Message("pushed", PREFILL, ("request", "number"), ("descriptors", "posted"),
                  "a push's WRITE landed (its NIXL notification, never a frame); number: its "
                  "push or expect frame's")
+WARM = Message("warm", PREFILL, (), (),
+               "sent once at a direct decode's connect, beside the WRITE into its scratch "
+               "(prefill/warm.py), so that UCX's first active message to it is not a push's "
+               "answer; a NIXL notification, dropped on arrival")
 PUSH_FAILED = Message("push_failed", PREFILL, ("request", "error"), (), "a push was not written")
 CANCELLED = Message("cancelled", PREFILL, ("request", "state"), (), "a cancel's answer")
 READY_IDS = Message("ready", PREFILL, ("request", "posted"), ("src", "src_spans", "ring"),
@@ -100,7 +104,7 @@ STAGE_QUEUED = Message("stage_queued", PREFILL, ("request", "pool"), ("piece",),
                        "decode whose deadline comes first can say which pool was full")
 
 CATALOG = (HELLO, CHALLENGE, AUTH, WELCOME, INFO, READY, ERROR, PUSH, EXPECT, CANCEL, SAMENODE,
-           STAGE, UNSTAGE, POOL, RELEASE, DIGESTS, BYE, PUSHED, PUSH_FAILED, CANCELLED,
+           STAGE, UNSTAGE, POOL, RELEASE, DIGESTS, BYE, PUSHED, WARM, PUSH_FAILED, CANCELLED,
            READY_IDS, STAGED, STAGE_FAILED, STAGE_QUEUED)
 # What a connected decode may ask (the prefill refuses any other type).
 REQUESTS = {m.type: m for m in (PUSH, EXPECT, CANCEL, SAMENODE, STAGE, UNSTAGE, POOL,

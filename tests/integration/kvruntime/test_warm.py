@@ -7,7 +7,8 @@ loop (a few bytes of host memory go by active messages, so the decode's progress
 while they wait, as a GPU's IPC copy would not need). They check that every region is read
 once, in READs of at most ``BATCH`` regions, then the decode's scratch written once; that
 host memory and a decode the prefill never writes into are not read; and that a READ still in
-flight when the server closes goes with the agent, as a WRITE does.
+flight when the server closes goes with the agent, as a WRITE does; and that the "warm"
+notification sent beside the WRITE reaches the decode, which drops it quietly.
 tests/integration/kvruntime/test_gpu.py checks a CUDA pair."""
 
 import logging
@@ -42,7 +43,8 @@ def mapped(monkeypatch):
 @pytest.mark.parametrize("kind,layers", [(CROSS_LAYER, 2), (PER_LAYER, 10)])
 def test_a_decode_we_may_write_into_is_mapped_at_its_connect(mapped, kind, layers, caplog):
     """Each region read once, then one WRITE into the scratch the decode named (its cache's
-    blocks untouched), with no notification."""
+    blocks untouched), with no notification, and one "warm" notification on its own, which
+    the decode drops."""
     layout = KVLayout(kind, layers, 64, 16, 4, 32, "float16")
     src, dst = KVCache.allocate_host(layout), KVCache.allocate_host(layout)
     src.fill_random(5)
@@ -59,6 +61,10 @@ def test_a_decode_we_may_write_into_is_mapped_at_its_connect(mapped, kind, layer
         assert server.writes.warms.reads == reads and reads == (1 if layers == 2 else 3)
         assert server.writes.warms.writes == 1
         assert server.stats.warm_failed == 0 and not server.writes.warms.pending
+        # beside the WRITE, one "warm" notification, which the decode drops without a word
+        assert server.writes.warms.notes == 1
+        _until(lambda: client.get_finished() is not None and peer.warm_notes == 1,
+               what="the warm notification never came")
         assert dst.block_digests(range(64)) == [dst.block_digests([0])[0]] * 64  # read only
         peer.push([1, 2, 3], [7, 8, 9], timeout=20)
         assert dst.block_digests([7, 8, 9]) == src.block_digests([1, 2, 3])
