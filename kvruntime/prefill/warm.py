@@ -1,7 +1,7 @@
 """A decode's memory mapped by our UCX at its connect, so that our first WRITE into it costs
 what the later ones do: small READs of its cache's regions into a scratch of ours, then a small
-WRITE into the scratch it named in its handshake, posted and polled by the progress loop while
-the decode is still choosing its engine.
+WRITE into the scratch it named in its handshake and a "warm" notification, posted and polled by
+the progress loop while the decode is still choosing its engine.
 
 UCX maps a peer's memory at the first transfer that touches it, inside the call that posts it:
 over CUDA IPC the peer's handle is opened there (2 x H200: the first 64 MiB push's WRITE took
