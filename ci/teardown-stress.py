@@ -6,6 +6,11 @@ three pairings CI's tests make (NIXL through the pools, host-staged, NIXL direct
 PyPI nixl wheel's UCX. Beside a CI run on the 2-core host it crashed 4 times in ~1,470
 iterations (ecf4fa5's kvruntime once in ~860, later commits' 3 times in ~610); with the host
 idle, or beside three busy loops, 0 in 3,200 (with and without UCX_KEEPALIVE_INTERVAL=inf).
+The installer's pinned cpu build (UCX 1.22.0 and NIXL 1.4.0, with debug info: ``. PREFIX/env.sh``
+first, so that ``nixl_cpu`` is the binding) did not crash in 3,980 iterations beside a whole CI
+run (``bash .ci/run`` in a clean clone) nor in 1,860 beside the unit and kvruntime tests; the
+wheel's UCX did not in 1,580 beside kvruntime's integration tests (twelfth session). The crash
+has been seen with the PyPI wheel's UCX only, and only beside a whole CI run.
 Prints progress every 20 iterations; run it with ``ulimit -c unlimited`` to keep a core.
 
     python3 ci/teardown-stress.py [ITERATIONS]
