@@ -11,11 +11,13 @@ variables: a unit test compares the names).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Mapping
 
 from .app import check_app
+from .errors import KVRuntimeError
 
 # variable -> (the Options field it fills, or None for a module's own setting; what it does)
 ENV = {
@@ -87,4 +89,14 @@ class Options:
         if unknown:
             raise TypeError(f"unexpected keyword argument(s): {', '.join(sorted(unknown))}")
         out = replace(options or cls(), **given)
-        return replace(out, app=check_app(out.app))  # a bad descriptor: LayoutError, now
+        # a bad descriptor: LayoutError, now; a bad timeout: said now, not at the first frame
+        return replace(out, app=check_app(out.app), timeout=check_seconds("timeout", out.timeout))
+
+
+def check_seconds(name: str, value) -> float:
+    """A caller's duration ``name``: a finite number of seconds above 0, or KVRuntimeError."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not 0 < value < math.inf):
+        raise KVRuntimeError(f"{name} must be a finite positive number of seconds, got "
+                             f"{value!r}")
+    return value

@@ -42,9 +42,9 @@ from ..host.peercred import peer_uid
 from ..jobs import TransferResult
 from ..memory import KVCache
 from ..nixl.agent import open_agent
-from ..nixl.transfer import Draining, PostedTransfer, Rows, split_runs
+from ..nixl.transfer import Draining, PostedTransfer, Rows, check_split, split_runs
 from ..nixl.transports import offered_transports, shm_am_across_users
-from ..options import Options
+from ..options import Options, check_seconds
 from ..pace import Pace
 from ..plan import Planner, TransferPlan
 from ..pools.staging import StagingPool, resolve_kv_buffer
@@ -134,6 +134,8 @@ class PrefillPeer:
         the road: our copy on the same-node engine; the pools for a host-staged peer or a
         coalesced request; else one READ with the caches' lists."""
         t0 = time.perf_counter()
+        if split is not None:
+            check_split(split)
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
         return self.mover.pull(self, self.make_handle("pull", request_id, plan, timeout, t0),
                                split)
@@ -146,6 +148,7 @@ class PrefillPeer:
         The same-node engine copies it itself, a coalesced one goes as a pull (the outcome is
         the push's)."""
         t0 = time.perf_counter()
+        check_split(split)
         plan, request_id = self._admit(src_blocks, dst_blocks, request_id, timeout)
         self.channel.check_new(request_id)
         return self.mover.push(self, self.make_handle("push", request_id, plan, timeout, t0),
@@ -279,8 +282,7 @@ class PrefillPeer:
 
     def check_request(self, timeout) -> None:
         self.channel.check_usable()
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_seconds("timeout", timeout)
 
     def planner(self) -> Planner:
         if self._planner is None:  # once per peer: the layouts stay what the connect found

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import NixlError, TransferError
+from ..errors import KVRuntimeError, NixlError, TransferError
 from ..jobs import TransferResult
 from ..plan import TransferPlan
 from .agent import Agent
@@ -184,6 +184,19 @@ class PostedTransfer:
                               self.descriptors_posted)
 
 
+# Pieces a run is cut into at most (``split``): more than NIXL's UCX threads buys nothing, and
+# a run of n blocks is cut into n pieces at most whatever is asked.
+MAX_SPLIT = 1024
+
+
+def check_split(split) -> int:
+    """A caller's ``split`` (pieces a run), checked: an integer in 1..MAX_SPLIT."""
+    if isinstance(split, bool) or not isinstance(split, int) or not 0 < split <= MAX_SPLIT:
+        raise KVRuntimeError(f"split must be an integer in 1..{MAX_SPLIT} (pieces a run of "
+                             f"blocks is cut into), got {split!r}")
+    return split
+
+
 def split_runs(descriptors: int, threads: int) -> int:
     """Pieces per run for a READ of ``descriptors`` runs over ``threads`` UCX threads: NIXL
     spreads a request's descriptors over its UCX threads but cannot split one, so host memory
@@ -191,7 +204,7 @@ def split_runs(descriptors: int, threads: int) -> int:
     coalesce probe cuts its one-range READ by this too)."""
     if threads < 2:
         return 1
-    return -(-threads // descriptors)
+    return min(MAX_SPLIT, -(-threads // descriptors))
 
 
 def _state(value) -> str:

@@ -23,8 +23,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..errors import FrameError, KVRuntimeError
-from ..nixl.transfer import Draining, PostedTransfer, Rows
+from ..errors import KVRuntimeError
+from ..nixl.transfer import MAX_SPLIT, Draining, PostedTransfer, Rows
+from ..options import check_seconds
 from ..pace import Pace
 from ..plan import Planner, make_plan
 from ..tp import head_rows
@@ -68,11 +69,7 @@ class _Offer:  # a push started before any decode expected it: posted when one d
 def push_number(message: dict) -> int:
     """A "push" or "expect" frame's number (messages.py), which its WRITE's notification
     names: a positive integer below 2**63."""
-    number = frames.field(message, "number", int)
-    if not 0 < number < 1 << 63:
-        raise FrameError(f"{message.get('type')!r} frame field 'number' must be a positive "
-                         f"integer below 2**63, got {str(number)[:24]}")
-    return number
+    return frames.integer(message, "number", 1, 1 << 63)
 
 
 class Writes:
@@ -335,10 +332,9 @@ class Pushes:
         else:
             runs = None
             src, dst = frames.ids_field(message, "src"), frames.ids_field(message, "dst")
-        timeout = float(frames.field(message, "timeout", (int, float)))
-        deadline = float(frames.field(message, "deadline", (int, float)))
-        split = message.get("split", 1)
-        split = split if isinstance(split, int) and not isinstance(split, bool) and split > 0 else 1
+        timeout = frames.seconds(message, "timeout", positive=True)
+        deadline = frames.seconds(message, "deadline")
+        split = frames.integer(message, "split", 1, MAX_SPLIT + 1, default=1)
         left = deadline - time.time()
         if left <= 0:
             self.stats.late_pushes += 1
@@ -363,8 +359,7 @@ class Pushes:
         posted = time.time()
         if not isinstance(request, str) or not 0 < len(request) <= 256:
             raise KVRuntimeError("request must be a non-empty string of at most 256 chars")
-        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or not timeout > 0:
-            raise KVRuntimeError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_seconds("timeout", timeout)
         if self.staged:
             raise KVRuntimeError("a host-staged prefill pushes nothing directly: its decodes "
                                  "pull from the staging pool")
@@ -471,8 +466,8 @@ class Pushes:
         request = frames.field(message, "request", str)
         dst = frames.ids_field(message, "dst")
         number = push_number(message)
-        timeout = float(frames.field(message, "timeout", (int, float)))
-        left = float(frames.field(message, "deadline", (int, float))) - time.time()
+        timeout = frames.seconds(message, "timeout", positive=True)
+        left = frames.seconds(message, "deadline") - time.time()
         # the decode copies them itself once we say "ready": same-node, or through the pools
         # (it asks us to stage them, as a pull: stages.py)
         pooled = message.get("stage") is True

@@ -43,7 +43,7 @@ from ..layout import KVLayout
 from ..memory import KVCache
 from ..nixl.agent import open_agent
 from ..nixl.transports import offered_transports, shm_am_across_users
-from ..options import Options
+from ..options import Options, check_seconds
 from ..plan import Planner, make_plan
 from ..pools.staging import StagingPool, resolve_kv_buffer
 from ..tp import HeadSlice, direct_slice
@@ -128,10 +128,7 @@ class PrefillServer:
         ``max_connections`` and ``max_handshaking_per_address`` bound what a flood of
         connections can hold; ``max_stage_seconds`` caps how far ahead of its arrival a
         decode's stage may set its deadline (a run never unstaged is freed 5 s after it)."""
-        if (not isinstance(max_stage_seconds, (int, float)) or isinstance(max_stage_seconds, bool)
-                or not max_stage_seconds > 0):
-            raise KVRuntimeError(f"max_stage_seconds must be a positive number of seconds, got "
-                                 f"{max_stage_seconds!r}")
+        check_seconds("max_stage_seconds", max_stage_seconds)
         o = self.options = Options.of(options, shared)
         # the mode asked for, else KVRUNTIME_KV_BUFFER, else by the device (staging.py)
         o = self.options = replace(o, kv_buffer=resolve_kv_buffer(o.kv_buffer, o.device_kind,

@@ -73,7 +73,7 @@ class Stages:
         must go on reading, since the unstage frames that free blocks come through it."""
         request = frames.field(message, "request", str)
         src = frames.ids_field(message, "src")
-        deadline = float(frames.field(message, "deadline", (int, float)))
+        deadline = frames.seconds(message, "deadline")
         piece = _piece(message)
         try:
             if self.pool is None:
@@ -312,7 +312,4 @@ def _heads(value, num_heads: int) -> tuple[int, int]:
 
 def _piece(message: dict) -> int:
     """A stage or unstage's piece of its request (0 when absent), checked."""
-    value = message.get("piece", 0)
-    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 31:
-        raise KVRuntimeError(f"piece {str(value)[:40]!r} is not a piece number")
-    return value
+    return frames.integer(message, "piece", 0, 1 << 31, default=0)

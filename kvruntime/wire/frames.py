@@ -23,6 +23,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import math
 import socket
 import struct
 import time
@@ -216,11 +217,17 @@ def parse_header(header: bytes, max_size: int = DEFAULT_MAX_FRAME) -> int:
     return length
 
 
+def _no_constant(name: str):
+    """Python's JSON reads NaN and Infinity, which JSON has not and our encoder never writes:
+    a peer's number is finite."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
 def parse_payload(payload: bytes) -> Message:
     cut = payload.find(TAIL)
     text, tail = (payload, b"") if cut < 0 else (payload[:cut], payload[cut + 1:])
     try:
-        message = json.loads(text.decode("utf-8"))
+        message = json.loads(text.decode("utf-8"), parse_constant=_no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise FrameError(f"frame payload is not valid UTF-8 JSON: {exc}") from None
     if not isinstance(message, dict):
@@ -438,3 +445,39 @@ def field(message: dict, name: str, kind: type | tuple[type, ...]) -> object:
             f"{' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}"
         )
     return value
+
+
+_REQUIRED = object()
+
+
+def integer(message: dict, name: str, low: int, high: int, default=_REQUIRED) -> int:
+    """An integer field of ``message`` with ``low <= value < high`` (``default`` where the
+    field is absent and one is given), or FrameError naming what is wrong."""
+    if default is not _REQUIRED and name not in message:
+        return default
+    value = field(message, name, int)
+    if not low <= value < high:
+        raise FrameError(f"{message.get('type')!r} frame field {name!r} must be an integer in "
+                         f"{low}..{_bound(high - 1)}, got {str(value)[:24]}")
+    return value
+
+
+def seconds(message: dict, name: str, positive: bool = False) -> float:
+    """A finite number field of ``message`` (a time or a duration, in seconds; above 0 if
+    ``positive``) as a float, or FrameError naming what is wrong."""
+    value = field(message, name, (int, float))
+    try:
+        out = float(value)
+    except OverflowError:  # an integer past a float's range
+        out = math.inf
+    if not math.isfinite(out) or positive and not out > 0:
+        raise FrameError(f"{message.get('type')!r} frame field {name!r} must be a finite "
+                         f"{'positive ' if positive else ''}number of seconds, got "
+                         f"{str(value)[:24]}")
+    return out
+
+
+def _bound(n: int) -> str:
+    """A range's last value as a reader checks it: 2**63-1, not 9223372036854775807."""
+    k = n.bit_length()
+    return f"2**{k}-1" if k > 16 and n == (1 << k) - 1 else str(n)

@@ -302,9 +302,49 @@ def test_a_push_frame_without_a_good_number_ends_its_connection(pair, kind, numb
         time.sleep(0.01)
     assert [why for _addr, why in server.stats.refused] == [
         f"{kind!r} frame field 'number' must be " + (
-            "a positive integer below 2**63, got " + str(number) if type(number) is int
+            "an integer in 1..2**63-1, got " + str(number) if type(number) is int
             else "int, got " + type(number).__name__)]
     assert not server.expects("n1") and not server.writes.in_flight
+
+
+@pytest.mark.parametrize("kind,name,value,why", [
+    ("push", "split", 0, "must be an integer in 1..1024, got 0"),
+    ("push", "split", 1025, "must be an integer in 1..1024, got 1025"),
+    ("push", "split", 2.5, "must be int, got float"),
+    ("push", "split", "2", "must be int, got str"),
+    ("push", "timeout", 0, "must be a finite positive number of seconds, got 0"),
+    ("expect", "timeout", -5, "must be a finite positive number of seconds, got -5"),
+    ("push", "deadline", 10 ** 400, "must be a finite number of seconds, got " + "1" + "0" * 23),
+    ("expect", "deadline", "soon", "must be int or float, got str"),
+], ids=lambda v: str(v)[:12])
+def test_a_push_frame_field_out_of_its_range_ends_its_connection(pair, kind, name, value, why):
+    """A push's split, timeout and deadline are the peer's input too: a split outside
+    1..MAX_SPLIT (before, anything but a positive integer was taken as 1), a timeout that is
+    not a positive number, a deadline past a float's range end the connection, said in one
+    line; nothing is written or named. (NaN and Infinity never get this far: the frame's JSON
+    is refused, test_frames.py.)"""
+    server, client, peer, src, dst = pair
+    message = {"type": kind, "request": "r1", "number": 1, "timeout": 20,
+               "deadline": time.time() + 20, "dst": frames.pack_ids([2]),
+               **({"src": frames.pack_ids([1])} if kind == "push" else {}), name: value}
+    peer.send(message)
+    until = time.monotonic() + 5
+    while not server.stats.refused and time.monotonic() < until:
+        time.sleep(0.01)
+    assert [why for _addr, why in server.stats.refused] == [
+        f"{kind!r} frame field {name!r} {why}"]
+    assert not server.expects("r1") and not server.writes.in_flight
+
+
+def test_a_callers_split_outside_its_range_is_refused_before_anything_is_sent(pair):
+    server, client, peer, src, dst = pair
+    for split in (0, 1025, 2.0, True):
+        for start in (peer.start_push, peer.start_pull):
+            with pytest.raises(KVRuntimeError, match=r"split must be an integer in 1\.\.1024"):
+                start([1], [2], split=split)
+    with pytest.raises(KVRuntimeError, match="timeout must be a finite positive number"):
+        peer.start_push([1], [2], timeout=float("inf"))
+    assert peer.pull([1], [2], split=1024).nbytes and not server.stats.refused
 
 
 def test_a_decode_that_leaves_takes_its_named_requests_with_it():

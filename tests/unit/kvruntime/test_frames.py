@@ -31,10 +31,51 @@ def _raw(payload: bytes, length=None, magic=frames.MAGIC) -> bytes:
     (_raw(b"[1,2]"), "not an object"),
     (_raw(b'{"v":%d}' % frames.PROTOCOL_VERSION), "no string 'type'"),
     (b"KVR", "truncated frame header"),
+    (_raw(b'{"v":%d,"type":"push","timeout":NaN}' % frames.PROTOCOL_VERSION),
+     "NaN is not a JSON number"),
+    (_raw(b'{"v":%d,"type":"push","deadline":-Infinity}' % frames.PROTOCOL_VERSION),
+     "-Infinity is not a JSON number"),
 ])
 def test_malformed(data, msg):
     with pytest.raises(FrameError, match=msg):
         frames.decode_frame(data)
+
+
+@pytest.mark.parametrize("value,low,high,why", [
+    (None, 1, 8, "must be int, got NoneType"),
+    (True, 0, 8, "must be int, got bool"),
+    (2.0, 1, 8, "must be int, got float"),
+    (0, 1, 8, "must be an integer in 1..7, got 0"),
+    (8, 1, 8, "must be an integer in 1..7, got 8"),
+    (1 << 63, 1, 1 << 63, r"must be an integer in 1..2\*\*63-1, got 9223372036854775808"),
+    (10 ** 400, 0, 1 << 31, r"must be an integer in 0..2\*\*31-1, got 10{23}$"),  # cut
+], ids=["missing", "bool", "float", "low", "high", "2**63", "10**400"])
+def test_an_integer_field_out_of_its_range_is_a_frame_error(value, low, high, why):
+    message = {"type": "push"} if value is None else {"type": "push", "n": value}
+    with pytest.raises(FrameError, match="'push' frame field 'n' " + why):
+        frames.integer(message, "n", low, high)
+
+
+def test_an_integer_field_absent_takes_its_default_and_present_is_checked():
+    assert frames.integer({"type": "push"}, "split", 1, 9, default=1) == 1
+    assert frames.integer({"type": "push", "split": 8}, "split", 1, 9, default=1) == 8
+    with pytest.raises(FrameError, match="in 1..8, got 0"):
+        frames.integer({"type": "push", "split": 0}, "split", 1, 9, default=1)
+
+
+@pytest.mark.parametrize("value,positive,why", [
+    ("5", False, "must be int or float, got str"),
+    (False, False, "must be int or float, got bool"),
+    (10 ** 400, False, "must be a finite number of seconds, got 10{23}$"),
+    (float("inf"), False, "must be a finite number of seconds, got inf"),
+    (0, True, "must be a finite positive number of seconds, got 0"),
+    (-2.5, True, "must be a finite positive number of seconds, got -2.5"),
+], ids=["text", "bool", "10**400", "inf", "zero", "negative"])
+def test_a_seconds_field_is_a_finite_number(value, positive, why):
+    with pytest.raises(FrameError, match="'push' frame field 't' " + why):
+        frames.seconds({"type": "push", "t": value}, "t", positive=positive)
+    assert frames.seconds({"type": "push", "t": 3}, "t", positive=True) == 3.0
+    assert frames.seconds({"type": "push", "t": -1e9}, "t") == -1e9
 
 
 def _packed_frame(name: str, ref, tail: bytes) -> "frames.Message":

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvruntime import Options
+from kvruntime.errors import KVRuntimeError
 from kvruntime.options import ENV, environment
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -19,6 +20,13 @@ def test_keyword_arguments_fill_the_options():
     assert Options.of(None, {}) == Options()
     with pytest.raises(TypeError, match="unexpected keyword argument.*: colour"):
         Options.of(None, {"colour": "blue"})
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "5", True, None])
+def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_at_once(timeout):
+    with pytest.raises(KVRuntimeError, match=f"timeout must be a finite positive number of "
+                                             f"seconds, got {re.escape(repr(timeout))}"):
+        Options.of(None, {"timeout": timeout})
 
 
 def test_from_env_reads_its_variables_and_the_caller_overrides():
