@@ -1,14 +1,17 @@
-"""Scattered blocks across two GPUs: the copy engines (one ``cudaMemcpyBatchAsync`` of every
-block, CUDA 12.8+) against kvruntime's gather kernel (engines/gather.py, the SMs of the
-source's GPU storing over NVLink), beside one peer copy of the same bytes in the same run.
-The question it answers: can the same-node engine's random-block requests (4096 random 256 KiB
-blocks: 0.90 of the peer copy with the kernel) reach 0.95 on the copy engines, and from what
-block size down do the copy engines lose to the kernel. No NIXL, no side channel, no second
-process: the bound of the copy itself. With ``--sweep`` it also times the gather kernel's
-variants (tile, warps, cache hints, a persistent grid) at each block size, to show what its
-shape can still win. Prints one JSON object (medians of 9, microseconds).
+"""Scattered blocks across two GPUs (or within one: ``--devices 0 0``): the copy engines (one
+``cudaMemcpyBatchAsync`` of every block, CUDA 12.8+) against kvruntime's gather kernel
+(engines/gather.py, the SMs of the source's GPU storing over NVLink), beside one peer copy of
+the same bytes in the same run (within one GPU, a device copy). The question it answers: can
+the same-node engine's random-block requests (4096 random 256 KiB blocks: 0.90 of the peer
+copy with the kernel) reach 0.95 on the copy engines, and from what block size down do the
+copy engines lose to the kernel. No NIXL, no side channel, no second process: the bound of
+the copy itself. With ``--sweep`` it also times the gather kernel's variants (tile, warps,
+cache hints, a persistent grid) at each block size, to show what its shape can still win
+(NVLink's stores and one GPU's memory want different shapes). Prints one JSON object
+(medians of 9, microseconds).
 
     python3 ci/gpu-copy-engines.py [--total-mib 1024] [--blocks-kib 256 64 16] [--sweep]
+        [--devices SRC DST]
 """
 import argparse
 import ctypes
@@ -87,28 +90,32 @@ def main() -> None:
     ap.add_argument("--blocks-kib", type=int, nargs="+", default=[256, 64, 16])
     ap.add_argument("--iters", type=int, default=9)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--devices", type=int, nargs=2, default=(0, 1), metavar=("SRC", "DST"),
+                    help="the source's and the destination's GPU (0 0: a copy within one)")
     args = ap.parse_args()
-    if torch.cuda.device_count() < 2:
-        raise SystemExit("needs two CUDA devices")
+    if torch.cuda.device_count() <= max(args.devices):
+        raise SystemExit(f"needs CUDA devices {args.devices[0]} and {args.devices[1]}")
+    a, b = (f"cuda:{i}" for i in args.devices)
     from kvruntime.engines.gather import BlockGather
 
     total = args.total_mib << 20
-    src = torch.randint(0, 255, (total,), dtype=torch.uint8, device="cuda:0")
-    dst = torch.zeros(total, dtype=torch.uint8, device="cuda:1")
-    ref = torch.empty(total, dtype=torch.uint8, device="cuda:1")
-    stream = torch.cuda.Stream("cuda:0")
+    src = torch.randint(0, 255, (total,), dtype=torch.uint8, device=a)
+    dst = torch.zeros(total, dtype=torch.uint8, device=b)
+    ref = torch.empty(total, dtype=torch.uint8, device=b)
+    stream = torch.cuda.Stream(a)
     batch = BatchCopy(stream.cuda_stream)
-    out = {"device": torch.cuda.get_device_name(0), "total_mib": args.total_mib,
+    out = {"device": torch.cuda.get_device_name(a), "devices": args.devices,
+           "total_mib": args.total_mib,
            "runtime": batch.version, "rows": []}
 
     def timed(f) -> float:
         times = []
         for _ in range(args.iters):
-            for d in (0, 1):
+            for d in (a, b):
                 torch.cuda.synchronize(d)
             t = time.perf_counter()
             f()
-            for d in (0, 1):
+            for d in (a, b):
                 torch.cuda.synchronize(d)
             times.append((time.perf_counter() - t) * 1e6)
         return round(sorted(times)[len(times) // 2], 1)
@@ -123,7 +130,7 @@ def main() -> None:
         g = torch.Generator().manual_seed(kib)
         src_ids, dst_ids = torch.randperm(n, generator=g), torch.randperm(n, generator=g)
         gather = BlockGather([src], [dst], size, n, n, stream)
-        with torch.cuda.device(0), torch.cuda.stream(stream):
+        with torch.cuda.device(a), torch.cuda.stream(stream):
             gather.warm()
 
         class Plan:  # the two id lists a plan hands the gather, many runs
@@ -134,7 +141,7 @@ def main() -> None:
                 return src_ids.numpy(), dst_ids.numpy()
 
         def kernel():
-            with torch.cuda.device(0), torch.cuda.stream(stream):
+            with torch.cuda.device(a), torch.cuda.stream(stream):
                 gather.copy(Plan)
 
         s0, d0 = src.data_ptr(), dst.data_ptr()
@@ -147,15 +154,15 @@ def main() -> None:
         row = {"block_kib": kib, "blocks": n, "peer_copy_us": timed(peer_copy)}
         dst.zero_()
         row["kernel_us"] = timed(kernel)
-        ok_k = bool(torch.equal(dst.view(n, size)[dst_ids.cuda(1)].cpu(),
-                                src.view(n, size)[src_ids.cuda(0)].cpu()))
+        ok_k = bool(torch.equal(dst.view(n, size)[dst_ids.to(dst.device)].cpu(),
+                                src.view(n, size)[src_ids.to(src.device)].cpu()))
         dst.zero_()
         host = time.perf_counter()
         engines()
         row["batch_call_us"] = round((time.perf_counter() - host) * 1e6, 1)
         row["copy_engines_us"] = timed(engines)
-        ok_b = bool(torch.equal(dst.view(n, size)[dst_ids.cuda(1)].cpu(),
-                                src.view(n, size)[src_ids.cuda(0)].cpu()))
+        ok_b = bool(torch.equal(dst.view(n, size)[dst_ids.to(dst.device)].cpu(),
+                                src.view(n, size)[src_ids.to(src.device)].cpu()))
         row["peer_copy_us"] = min(row["peer_copy_us"], timed(peer_copy))  # before and after
         row["kernel_ratio"] = round(row["peer_copy_us"] / row["kernel_us"], 3)
         row["copy_engines_ratio"] = round(row["peer_copy_us"] / row["copy_engines_us"], 3)
@@ -207,18 +214,18 @@ def sweep(src, dst, size, n, src_ids, dst_ids, stream, timed, reference) -> list
 
     words = size // 8
     sw, dw = src.view(torch.int64), dst.view(torch.int64)
-    ids = torch.cat([src_ids, dst_ids]).to("cuda:0")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ids = torch.cat([src_ids, dst_ids]).to(src.device)
+    sms = torch.cuda.get_device_properties(src.device).multi_processor_count
     rows = []
-    cases = [("tiled", t, w, h, 0) for t in (1024, 2048, 4096) for w in (4, 8, 16)
+    cases = [("tiled", t, w, h, 0) for t in (1024, 2048, 4096, 8192) for w in (4, 8, 16)
              for h in (0, 1) if t <= words]
-    cases += [("persistent", t, w, 0, k) for t in (2048,) for w in (8, 16) for k in (4,)
-              if t <= words]
+    cases += [("persistent", t, w, 0, k) for t in (2048, 4096) for w in (8, 16)
+              for k in (2, 4, 8) if t <= words]
     for kind, tile, warps, hint, per_sm in cases:
         tiles = -(-words // tile)
 
         def run():
-            with torch.cuda.device(0), torch.cuda.stream(stream):
+            with torch.cuda.device(src.device), torch.cuda.stream(stream):
                 if kind == "tiled":
                     tiled[(n, tiles)](sw, dw, ids, n, words, TILE=tile, HINT=hint,
                                       num_warps=warps)
@@ -228,8 +235,8 @@ def sweep(src, dst, size, n, src_ids, dst_ids, stream, timed, reference) -> list
         try:
             dst.zero_()
             us = timed(run)
-            ok = bool(torch.equal(dst.view(n, size)[dst_ids.cuda(1)].cpu(),
-                                  src.view(n, size)[src_ids.cuda(0)].cpu()))
+            ok = bool(torch.equal(dst.view(n, size)[dst_ids.to(dst.device)].cpu(),
+                                  src.view(n, size)[src_ids.to(src.device)].cpu()))
         except Exception as exc:  # a shape this Triton cannot compile: said, not fatal
             rows.append({"kind": kind, "tile": tile, "warps": warps, "hint": hint,
                          "error": str(exc)[-300:]})

@@ -26,6 +26,13 @@ log = logging.getLogger("kvruntime")
 
 # Up to this many runs, per-run copy_ beats building index lists.
 RUN_COPY_MAX = 8
+# The block gather's shape, by where its stores go: (most words a program copies, warps).
+# Within one GPU 8192 words (64 KiB of int64) with 16 warps: 1 GiB as 4096 random 256 KiB
+# blocks on one H200 took 596 us, 0.90 of a device copy_ of the same bytes, against 626-665 us
+# (0.81-0.86) with the NVLink shape (`ci/gpu-copy-engines.py --devices 0 0 --sweep`, 16 KiB
+# blocks alike at 0.88-0.89). Across NVLink 2048 words with 8 warps: no shape was reliably
+# better there (2 x H200, tenth session), and none larger was measured.
+SHAPES = {"local": (8192, 16), "peer": (2048, 8)}
 # Bytes of a head slice one program copies, and the warps that copy them: 8-128 KiB with 4-32
 # warps ran within 3% of this across 2 x H100 (GPU time of the bench's slices)
 HEAD_TILE_BYTES = 16384
@@ -171,10 +178,11 @@ class BlockGather:
         # what each request's launches need, made once: per region the word views, the words
         # of a block, the tile and the tiles per block (the grid's second axis)
         self._launches = []
+        self._shape = "local" if self.same_device else "peer"
         for s, d in zip(src_regions, dst_regions):
             (sw, words), (dw, _) = (_word_view(s[: src_blocks * chunk_bytes], chunk_bytes),
                                     _word_view(d[: dst_blocks * chunk_bytes], chunk_bytes))
-            tile = _tile(words)
+            tile = _tile(words, self._shape)
             self._launches.append((sw, dw, words, tile, -(-words // tile)))
         # the torch fallback's [block][bytes] views
         self._rows = [(s[: src_blocks * chunk_bytes].view(src_blocks, chunk_bytes),
@@ -200,7 +208,7 @@ class BlockGather:
                 # every region's launches kept (_Launches) as a request makes them, the
                 # destination a scratch block: a first request skips Triton's JIT like the rest
                 # (the kernel depends on the arguments' types and alignment, not their values)
-                self._kernels = kernels = _Launches()
+                self._kernels = kernels = _Launches(warps=SHAPES[self._shape][1])
                 scratch = {}
                 stream = self.stream.cuda_stream
                 for region, (sw, dw, words, tile, tiles) in enumerate(self._launches):
@@ -245,7 +253,7 @@ class BlockGather:
         if self.use_triton:
             try:
                 if self._kernels is None:
-                    self._kernels = _Launches()
+                    self._kernels = _Launches(warps=SHAPES[self._shape][1])
                 stream = self.stream.cuda_stream
                 for region, (sw, dw, words, tile, tiles) in enumerate(self._launches):
                     self._kernels.launch(region, (n, tiles), stream,
@@ -363,8 +371,7 @@ def prewarm(cache) -> str:
         chunk = cache.layout.chunk_bytes
         flat = tensors[0].reshape(-1).view(torch.uint8)
         sw, words = _word_view(flat[:chunk], chunk)
-        tile = _tile(words)
-        _warm_on(device, sw, words, tile)
+        _warm_on(device, sw, words, "local")  # a peer on this GPU is gathered here
         # a same-node peer's cache on another GPU of ours is gathered there (work_device): the
         # kernel loaded and peer access on where this process holds a context already (no
         # new context made; a first same-node connect across two H200 spent 7.5 of its 24 ms
@@ -375,7 +382,7 @@ def prewarm(cache) -> str:
             if other == device or not cudart.context_active(index):
                 continue
             if enable_peer_access(other, device) is None:
-                _warm_on(other, torch.empty(words, dtype=sw.dtype, device=other), words, tile)
+                _warm_on(other, torch.empty(words, dtype=sw.dtype, device=other), words, "peer")
                 others.append(str(other))
         return f"gather kernel ready on {', '.join([str(device)] + others)}"
     except Exception as exc:
@@ -383,23 +390,26 @@ def prewarm(cache) -> str:
         return f"not prewarmed: {exc}"
 
 
-def _warm_on(device, source, words: int, tile: int) -> None:
-    """The gather kernel compiled (or loaded) on ``device`` for both specializations requests
-    meet (the destination ids' offset divisible by 16 or not), launched into scratch there."""
+def _warm_on(device, source, words: int, shape: str) -> None:
+    """The gather kernel of ``shape`` (SHAPES) compiled (or loaded) on ``device`` for both
+    specializations requests meet (the destination ids' offset divisible by 16 or not),
+    launched into scratch there."""
     import torch
 
+    tile, warps = _tile(words, shape), SHAPES[shape][1]
     with torch.cuda.device(device):
         ids = torch.zeros(64, dtype=torch.int64, device=device)
         scratch = torch.empty(words, dtype=source.dtype, device=device)
         for dst_at in (16, 18):
             _gather_blocks[(1, -(-words // tile))](source, scratch, ids, dst_at, words,
-                                                  TILE=tile, num_warps=8)
+                                                  TILE=tile, num_warps=warps)
         torch.cuda.synchronize(device)
 
 
-def _tile(words: int) -> int:
-    """Words one program copies: the next power of 2, at most 2048."""
-    return min(2048, _next_power_of_2(words))
+def _tile(words: int, shape: str) -> int:
+    """Words one program of ``shape`` (SHAPES) copies: the next power of 2, at most its
+    tile."""
+    return min(SHAPES[shape][0], _next_power_of_2(words))
 
 
 def _head_tile(rows: int, width: int, tile_words: int) -> tuple:

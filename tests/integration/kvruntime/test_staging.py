@@ -389,7 +389,7 @@ def test_a_stage_deadline_far_ahead_is_capped_by_the_server():
     finally:
         client.close(), server.close()
         src.close(), dst.close()
-    with pytest.raises(KVRuntimeError, match="max_stage_seconds must be a positive"):
+    with pytest.raises(KVRuntimeError, match="max_stage_seconds must be a finite positive"):
         PrefillServer(src, max_stage_seconds=0)
 
 
