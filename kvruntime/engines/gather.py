@@ -27,11 +27,13 @@ log = logging.getLogger("kvruntime")
 # Up to this many runs, per-run copy_ beats building index lists.
 RUN_COPY_MAX = 8
 # The block gather's shape, by where its stores go: (most words a program copies, warps).
-# Within one GPU 8192 words (64 KiB of int64) with 16 warps: 1 GiB as 4096 random 256 KiB
-# blocks on one H200 took 596 us, 0.90 of a device copy_ of the same bytes, against 626-665 us
-# (0.81-0.86) with the NVLink shape (`ci/gpu-copy-engines.py --devices 0 0 --sweep`, 16 KiB
-# blocks alike at 0.88-0.89). Across NVLink 2048 words with 8 warps: no shape was reliably
-# better there (2 x H200, tenth session), and none larger was measured.
+# Within one GPU 8192 words (64 KiB of int64) with 16 warps: timed alone (ids already on the
+# GPU, `ci/gpu-copy-engines.py --devices 0 0 --sweep`, one H200, 1 GiB as 4096 random
+# 256 KiB blocks) every 8192-word shape ran at 0.884-0.900 of a device copy_ of the same
+# bytes, the 2048-word ones at 0.808-0.894. In the request path (bench, interleaved with the
+# old shape on one host) the difference is within its run-to-run spread (0.73-0.82). Across
+# NVLink 2048 words with 8 warps: no shape was reliably better there (2 x H200, tenth
+# session), and none larger was measured.
 SHAPES = {"local": (8192, 16), "peer": (2048, 8)}
 # Bytes of a head slice one program copies, and the warps that copy them: 8-128 KiB with 4-32
 # warps ran within 3% of this across 2 x H100 (GPU time of the bench's slices)
