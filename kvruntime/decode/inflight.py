@@ -26,7 +26,7 @@ import time
 from ..errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
 from ..jobs import Job, TransferResult
 from ..plan import TransferPlan
-from ..wire import messages
+from ..wire import frames, messages
 from .states import DONE, FAIL, FAIL_UNSETTLED, FAILED, FINISH, PENDING, SETTLE, RequestState
 
 # wait(): spin as long as the request should take (pace.py), then nap, doubling up to a cap
@@ -396,10 +396,13 @@ def _push_result(handle: TransferHandle, reply: dict) -> TransferResult:
                time.perf_counter() - handle.started)
     plan = handle.plan
     descriptors = reply.get("descriptors")
-    if not isinstance(descriptors, int) or isinstance(descriptors, bool) or descriptors < 1:
+    if (not isinstance(descriptors, int) or isinstance(descriptors, bool)
+            or not 0 < descriptors < 1 << 31):
         descriptors = plan.descriptor_count
     return TransferResult("WRITE", handle.nbytes, seconds, plan.num_runs, descriptors, None)
 
 
 def _seconds(value) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+    """A positive time a peer sent, or None (absent or not a finite number: frames.finite)."""
+    out = frames.finite(value)
+    return out if out is not None and out > 0 else None

@@ -90,9 +90,9 @@ def copy_ready(peer, handle: TransferHandle, message: dict) -> None:
                 raise KVRuntimeError("no same-node engine serves this peer here, and it was "
                                      "not asked for through the pools")
             plan = ready_plan(peer.planner(), handle.plan, message)
-            posted = message.get("posted")
+            posted = frames.finite(message.get("posted"))  # informs: a bad one is none
             started = None
-            if isinstance(posted, (int, float)) and not isinstance(posted, bool):
+            if posted is not None:
                 # its start on our clock: one host's wall clock, read on both sides
                 started = time.perf_counter() - max(0.0, time.time() - posted)
             handle.replan(plan, started)  # from here it is our copy's, as a pull's

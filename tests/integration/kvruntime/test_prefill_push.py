@@ -284,6 +284,27 @@ def test_a_replayed_notification_finishes_no_later_push_of_the_same_id(pair, mon
     assert dst.block_digest(53) == src.block_digest(73)
 
 
+@pytest.mark.parametrize("posted,descriptors", [(10 ** 400, 10 ** 400), ("soon", -3),
+                                                (-1.5, True)], ids=["huge", "text", "negative"])
+def test_a_notifications_informing_fields_out_of_range_are_as_good_as_absent(
+        pair, monkeypatch, posted, descriptors):
+    """A "pushed" notification's "posted" (when the prefill started the push) and
+    "descriptors" only inform its result: past a float's range, text or negative they are
+    read as absent (the push is timed from the caller's start, its descriptors are the
+    plan's), and the push finishes. (Before: an integer past a float's range raised
+    OverflowError out of the caller's poll, and the push never finished.)"""
+    server, client, peer, src, dst = pair
+    encode = frames.encode_notif
+    monkeypatch.setattr(frames, "encode_notif", lambda notify, session: encode(
+        {**notify, "posted": posted, "descriptors": descriptors}, session))
+    handle = peer.expect_push([44], request_id="inform", timeout=20)
+    _wait_expected(server, "inform")
+    server.start_push("inform", [64])
+    result = handle.wait(10)
+    assert dst.block_digest(44) == src.block_digest(64)
+    assert 0 < result.seconds < 20 and result.descriptors == 1
+
+
 @pytest.mark.parametrize("number", [None, 0, -1, True, 1.0, "7", 1 << 63])
 @pytest.mark.parametrize("kind", ["push", "expect"])
 def test_a_push_frame_without_a_good_number_ends_its_connection(pair, kind, number):
