@@ -95,8 +95,12 @@ class Options:
 
 def check_seconds(name: str, value) -> float:
     """A caller's duration ``name``: a finite number of seconds above 0, or KVRuntimeError."""
-    if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not 0 < value < math.inf):
+    try:  # an integer past a float's range is no duration either: a deadline adds it
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
+            0 < float(value) < math.inf)
+    except OverflowError:
+        ok = False
+    if not ok:
         raise KVRuntimeError(f"{name} must be a finite positive number of seconds, got "
                              f"{value!r}")
     return value

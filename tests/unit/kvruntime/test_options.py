@@ -22,7 +22,8 @@ def test_keyword_arguments_fill_the_options():
         Options.of(None, {"colour": "blue"})
 
 
-@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), "5", True, None])
+@pytest.mark.parametrize("timeout", [0, -1, float("inf"), float("nan"), 10 ** 400, "5", True,
+                                     None], ids=str)
 def test_a_timeout_that_is_not_a_finite_positive_number_is_refused_at_once(timeout):
     with pytest.raises(KVRuntimeError, match=f"timeout must be a finite positive number of "
                                              f"seconds, got {re.escape(repr(timeout))}"):
