@@ -11,13 +11,12 @@ variables: a unit test compares the names).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Mapping
 
 from .app import check_app
-from .errors import KVRuntimeError
+from .numbers import check_seconds
 
 # variable -> (the Options field it fills, or None for a module's own setting; what it does)
 ENV = {
@@ -92,15 +91,3 @@ class Options:
         # a bad descriptor: LayoutError, now; a bad timeout: said now, not at the first frame
         return replace(out, app=check_app(out.app), timeout=check_seconds("timeout", out.timeout))
 
-
-def check_seconds(name: str, value) -> float:
-    """A caller's duration ``name``: a finite number of seconds above 0, or KVRuntimeError."""
-    try:  # an integer past a float's range is no duration either: a deadline adds it
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (
-            0 < float(value) < math.inf)
-    except OverflowError:
-        ok = False
-    if not ok:
-        raise KVRuntimeError(f"{name} must be a finite positive number of seconds, got "
-                             f"{value!r}")
-    return value

@@ -44,7 +44,8 @@ from ..memory import KVCache
 from ..nixl.agent import open_agent
 from ..nixl.transfer import Draining, PostedTransfer, Rows, check_split, split_runs
 from ..nixl.transports import offered_transports, shm_am_across_users
-from ..options import Options, check_seconds
+from ..numbers import check_seconds
+from ..options import Options
 from ..pace import Pace
 from ..plan import Planner, TransferPlan
 from ..pools.staging import StagingPool, resolve_kv_buffer

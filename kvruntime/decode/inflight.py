@@ -25,8 +25,9 @@ import time
 
 from ..errors import KVRuntimeError, TransferError, TransferTimeout, WaitTimeout
 from ..jobs import Job, TransferResult
+from ..numbers import finite
 from ..plan import TransferPlan
-from ..wire import frames, messages
+from ..wire import messages
 from .states import DONE, FAIL, FAIL_UNSETTLED, FAILED, FINISH, PENDING, SETTLE, RequestState
 
 # wait(): spin as long as the request should take (pace.py), then nap, doubling up to a cap
@@ -403,6 +404,6 @@ def _push_result(handle: TransferHandle, reply: dict) -> TransferResult:
 
 
 def _seconds(value) -> float | None:
-    """A positive time a peer sent, or None (absent or not a finite number: frames.finite)."""
-    out = frames.finite(value)
+    """A positive time a peer sent, or None (absent or not a finite number)."""
+    out = finite(value)
     return out if out is not None and out > 0 else None

@@ -19,6 +19,7 @@ import logging
 import time
 
 from ..errors import KVRuntimeError, TransferError
+from ..numbers import finite
 from ..plan import Planner, TransferPlan, make_plan, spans_ids
 from ..wire import frames, messages
 from .inflight import PENDING, TransferHandle
@@ -90,7 +91,7 @@ def copy_ready(peer, handle: TransferHandle, message: dict) -> None:
                 raise KVRuntimeError("no same-node engine serves this peer here, and it was "
                                      "not asked for through the pools")
             plan = ready_plan(peer.planner(), handle.plan, message)
-            posted = frames.finite(message.get("posted"))  # informs: a bad one is none
+            posted = finite(message.get("posted"))  # informs: a bad one is none
             started = None
             if posted is not None:
                 # its start on our clock: one host's wall clock, read on both sides

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from ..errors import KVRuntimeError
 from ..nixl.transfer import MAX_SPLIT, Draining, PostedTransfer, Rows
-from ..options import check_seconds
+from ..numbers import check_seconds
 from ..pace import Pace
 from ..plan import Planner, make_plan
 from ..tp import head_rows

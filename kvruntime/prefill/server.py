@@ -43,7 +43,8 @@ from ..layout import KVLayout
 from ..memory import KVCache
 from ..nixl.agent import open_agent
 from ..nixl.transports import offered_transports, shm_am_across_users
-from ..options import Options, check_seconds
+from ..numbers import check_seconds
+from ..options import Options
 from ..plan import Planner, make_plan
 from ..pools.staging import StagingPool, resolve_kv_buffer
 from ..tp import HeadSlice, direct_slice

@@ -23,7 +23,6 @@ import binascii
 import hashlib
 import hmac
 import json
-import math
 import socket
 import struct
 import time
@@ -31,6 +30,7 @@ import time
 import numpy as np
 
 from ..errors import FrameError, PeerError, ProtocolVersionError
+from ..numbers import finite
 from . import messages
 
 MAGIC = b"KVRT"
@@ -466,25 +466,12 @@ def seconds(message: dict, name: str, positive: bool = False) -> float:
     """A finite number field of ``message`` (a time or a duration, in seconds; above 0 if
     ``positive``) as a float, or FrameError naming what is wrong."""
     value = field(message, name, (int, float))
-    out = finite(value)
+    out = finite(value)  # numbers.py
     if out is None or positive and not out > 0:
         raise FrameError(f"{message.get('type')!r} frame field {name!r} must be a finite "
                          f"{'positive ' if positive else ''}number of seconds, got "
                          f"{str(value)[:24]}")
     return out
-
-
-def finite(value) -> float | None:
-    """A peer's number as a finite float; None for anything else (a bool, text, an integer
-    past a float's range). Where a field only informs (a push's start, its descriptors), it
-    is read so, and a bad one is as good as absent."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    try:
-        out = float(value)
-    except OverflowError:
-        return None
-    return out if math.isfinite(out) else None
 
 
 def _bound(n: int) -> str:

@@ -78,13 +78,6 @@ def test_a_seconds_field_is_a_finite_number(value, positive, why):
     assert frames.seconds({"type": "push", "t": -1e9}, "t") == -1e9
 
 
-@pytest.mark.parametrize("value,out", [(3, 3.0), (-2.5, -2.5), (10 ** 400, None), (True, None),
-                                       ("1", None), (None, None), (float("nan"), None),
-                                       (float("-inf"), None)], ids=str)
-def test_a_number_that_only_informs_is_finite_or_none(value, out):
-    assert frames.finite(value) == out
-
-
 def _packed_frame(name: str, ref, tail: bytes) -> "frames.Message":
     """A frame whose field ``name`` names ``ref`` in a packed tail of ``tail`` bytes."""
     head = json.dumps({"v": frames.PROTOCOL_VERSION, "type": "push", name: ref}).encode()

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[3]
 # kvruntime's folders, lowest floor first: a module imports only from its own folder and the
 # floors below. Folders on one floor are siblings and never import each other.
 FLOORS = [
-    ("",),  # the root: the model (errors, options, layout, plan, tp, memory, jobs, native)
+    ("",),  # the root: the model (errors, numbers, options, layout, plan, tp, memory, jobs,
+    #         native)
     ("host",),  # this host's calls: CUDA runtime, another process's memory, timer slack, peercred
     ("wire",),  # the side channel: frames, messages, handshake, channel, listener, mailbox
     ("nixl",),  # NIXL and UCX: binding, agent, transports, UCX's log, NICs, registration, transfer
