@@ -54,6 +54,11 @@ DECODE_STEPS = COMMON_STEPS + (
     ("kvruntime.nixl.registration", "Registration", "prepare_peer", "prepare peer list"),
     ("kvruntime.engines.choice", None, "choose", "engine choice (+lane probe, +route)"),
     ("kvruntime.engines.coalesce", None, "open_route", "coalesce route (+probe)"),
+    # inside the route: its pool READ warmed, then the probe's READs and gathers
+    ("kvruntime.engines.coalesce", None, "warm", "coalesce: pool READ warmed"),
+    ("kvruntime.engines.coalesce", None, "probe", "coalesce: probe"),
+    ("kvruntime.engines.coalesce", None, "_read", "coalesce: a connect-time READ"),
+    ("kvruntime.pools.staging", "StagingPool", "gather", "pool gather"),
     ("kvruntime.engines.engine", "SameNodeEngine", "rehearse", "rehearse"),
     # inside a same-node choice: the proof, then the prefill's memory opened
     ("kvruntime.engines.samenode", None, "prove_same_node", "same-node proof: token"),
