@@ -434,6 +434,14 @@ class DecodeClient:
             self.staging, self.pool, self.registration = coalescing.open_pools(
                 stack, self.agent, cache, o.kv_buffer, self.coalesce, o.staging_blocks)
             registered = self.staging.cache if self.staging else cache
+            # what our gather into our pool costs, for auto's model: the client's, measured
+            # once now, not by each connect's probe (coalesce.py)
+            self.gather_cost = None
+            if self.coalesce == "auto" and self.staging is None:
+                start = time.perf_counter()
+                self.gather_cost = coalescing.measure_gather(self.pool, cache.layout)
+                log.info("%s: our gather into the pool: %s in %.1f ms", self.agent.name,
+                         self.gather_cost, (time.perf_counter() - start) * 1e3)
             stack.callback(self._probe.close)
             stack.callback(self.releaser.close)
             stack.callback(self._drain)

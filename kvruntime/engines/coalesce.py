@@ -11,11 +11,12 @@ peers; here only what a direct peer adds: the pool of a ``kv_buffer="device"`` s
 registration, the "pool" offer that tells the decode where the prefill's pool is, and the
 choice per request.
 
-``coalesce="auto"`` chooses by a model fed by a probe at connect (``Model``): what one more
-descriptor costs on this pair (a READ of k scattered descriptors against one of the same
-bytes), what a gathered byte costs here (a gather of the same blocks into our pool) and one
-side-channel round trip; a request goes coalesced when its descriptors would cost more than
-its gathered bytes and the round trip. ``"always"`` and ``"never"`` force either; every
+``coalesce="auto"`` chooses by a model (``Model``) of what one more descriptor costs on this
+pair (a READ of k scattered descriptors against one of the same bytes, probed at connect),
+what a gathered byte costs here (our gather into our pool: the client's, measured once at its
+start, ``measure_gather``) and one side-channel round trip (the least of the handshake's first
+exchange and the "pool" one); a request goes coalesced when its descriptors would cost more
+than its gathered bytes and the round trip. ``"always"`` and ``"never"`` force either; every
 ``TransferResult`` says which ran (``coalesced``) and why (``coalesce_reason``).
 """
 
@@ -155,6 +156,54 @@ def route_from(reply: dict, pool: StagingPool) -> PoolRoute:
     return PoolRoute(pool, tuple(region), reply["mem_type"], units, "nixl")
 
 
+@dataclass(frozen=True)
+class GatherCost:
+    """What our gather into our pool costs (the scatter taken as the same): the client's pool,
+    not a pair's, so measured once at the client's start (``measure_gather``)."""
+
+    gbps: float
+    fixed_us: float  # whatever its bytes (launches, its wait)
+
+
+def measure_gather(pool: StagingPool | None, layout) -> GatherCost | None:
+    """Our gather of every other block of the cache (``layout``: scattered, as requests are)
+    into the pool, at two sizes, best of three each: the rate from their difference, the fixed
+    cost from what is left of the small one. At the client's start, for ``coalesce="auto"``:
+    every connect's probe reads it (it was six gathers of each connect: 2-4 ms of a 2-core
+    host's 15-28 ms first handshake). None without a pool or when the cache or the pool is too
+    small to gather two blocks."""
+    if pool is None:
+        return None
+    blocks = min(max(2, PROBE_GATHER_BYTES[pool.memory] // layout.block_bytes),
+                 layout.num_blocks // 2, pool.units // layout.num_kv_heads)
+    if blocks < 2:
+        return None
+    units = blocks * layout.num_kv_heads
+    start = pool.try_acquire(units)
+    if start is None:
+        return None
+    try:
+        def gather(n: int) -> float:
+            ids = list(range(0, 2 * n, 2))
+            times = []
+            for _ in range(3):
+                t = time.perf_counter()
+                pool.gather(ids, start)
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        small = max(1, blocks // 4)
+        t_small, t_large = gather(small), gather(blocks)
+    finally:
+        pool.release(start, units)
+    if t_large > t_small:
+        rate = (blocks - small) * layout.block_bytes / (t_large - t_small)
+        fixed = max(0.0, t_small - small * layout.block_bytes / rate)
+    else:  # too small to tell them apart: all of it counted as rate
+        rate, fixed = blocks * layout.block_bytes / t_large, 0.0
+    return GatherCost(rate / 1e9, fixed * 1e6)
+
+
 @dataclass
 class Model:
     """What this pair's transfers cost, from the connect-time probe (``probe``)."""
@@ -217,24 +266,23 @@ def warm(peer, route: PoolRoute) -> bool:
 
 def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
     """Measure this pair at connect: a READ of ``PROBE_BLOCKS`` scattered pieces of the peer's
-    cache into our pool against a READ of the same bytes in one piece (best of three each),
-    and our gather of as many blocks into the pool. None when our pool is busy (another
-    peer's requests hold it) or the peer's cache is too small to scatter the pieces."""
+    cache into our pool against a READ of the same bytes in one piece (best of three each);
+    with our gather (the client's ``gather_cost``) and ``round_trip``, the model. None when
+    our pool is busy (another peer's requests hold it), the peer's cache is too small to
+    scatter the pieces, or our gather was not measured."""
     import numpy as np
 
     from ..nixl.transfer import split_runs
 
     pool, client = route.pool, peer.client
+    gathered = client.gather_cost
     theirs = peer.info.layout  # what NIXL sees of the peer: its cache's layout
     piece = theirs.chunk_bytes
     k = min(PROBE_BLOCKS[pool.memory], theirs.num_blocks // 2)
     units = -(-k * piece // pool.layout.block_bytes)
-    ours = client.cache.layout
-    gather_blocks = min(max(k, PROBE_GATHER_BYTES[pool.memory] // ours.block_bytes),
-                        ours.num_blocks // 2, pool.units // ours.num_kv_heads)
-    if k < 2 or units > pool.units or gather_blocks < 1:
+    if gathered is None or k < 2 or units > pool.units:
         return None
-    start = pool.try_acquire(max(units, gather_blocks * ours.num_kv_heads))
+    start = pool.try_acquire(units)
     if start is None:
         return None
     try:
@@ -263,32 +311,14 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
                           np.full(n, device, dtype=np.uint64)], axis=1)
         t_many = min(read(mine, scattered) for _ in range(3))
         t_one = min(read(one, whole) for _ in range(3))
-        # every other block (scattered, as requests are), at two sizes: the rate from their
-        # difference, the fixed cost from what is left of the small one
-        def gather(n: int) -> float:
-            blocks = list(range(0, 2 * n, 2))
-            times = []
-            for _ in range(3):
-                t = time.perf_counter()
-                pool.gather(blocks, start)
-                times.append(time.perf_counter() - t)
-            return min(times)
-
-        small = max(1, gather_blocks // 4)
-        t_small, t_large = gather(small), gather(gather_blocks)
-        extra = (gather_blocks - small) * ours.block_bytes
-        if gather_blocks > small and t_large > t_small:
-            rate = extra / (t_large - t_small)
-            fixed = max(0.0, t_small - small * ours.block_bytes / rate)
-        else:  # too small to tell them apart: all of it counted as rate
-            rate, fixed = gather_blocks * ours.block_bytes / t_large, 0.0
-        wire = k * piece / t_one
-        if pool.memory == "host":  # a request's bytes are cold: no faster than the wire's copy
-            rate = min(rate, wire)
-        return Model(max(0.0, (t_many - t_one) / (k - n) * 1e6), wire / 1e9,
-                     rate / 1e9, round_trip * 1e6, fixed * 1e6, EXPOSED[pool.memory])
     finally:
-        pool.release(start, max(units, gather_blocks * ours.num_kv_heads))
+        pool.release(start, units)
+    wire_gbps = k * piece / t_one / 1e9
+    gbps = gathered.gbps
+    if pool.memory == "host":  # a request's bytes are cold: no faster than the wire's copy
+        gbps = min(gbps, wire_gbps)
+    return Model(max(0.0, (t_many - t_one) / (k - n) * 1e6), wire_gbps, gbps,
+                 round_trip * 1e6, gathered.fixed_us, EXPOSED[pool.memory])
 
 
 def open_route(peer) -> tuple[PoolRoute | None, Model | None, str]:
@@ -300,12 +330,11 @@ def open_route(peer) -> tuple[PoolRoute | None, Model | None, str]:
     if client.pool is None:
         return None, None, "coalesce='never'"
     try:
-        round_trip = None
-        for _ in range(3 if client.coalesce == "auto" else 1):  # auto's: the best of three
-            t = time.perf_counter()
-            reply = peer.channel.call(messages.POOL, client.timeout)
-            seconds = time.perf_counter() - t
-            round_trip = seconds if round_trip is None else min(round_trip, seconds)
+        t = time.perf_counter()
+        reply = peer.channel.call(messages.POOL, client.timeout)
+        # one round trip: the least of this exchange and the handshake's first (each is a
+        # frame the prefill only answers)
+        round_trip = min(time.perf_counter() - t, peer.info.round_trip or float("inf"))
         route = route_from(reply, client.pool)
     except KVRuntimeError as exc:
         if peer.broken:

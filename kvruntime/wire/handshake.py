@@ -68,6 +68,10 @@ class PeerInfo:
     scratch: tuple[int, int, int] | None = None
     # the connection's frame keys, set on the info a handshake returns (never sent)
     session: frames.Session | None = field(default=None, compare=False, repr=False)
+    # seconds of the handshake's first exchange (hello out, challenge in: the prefill only
+    # reads and answers), measured by the decode on the info it returns (never sent): one
+    # side-channel round trip, which the coalescing model needs (engines/coalesce.py)
+    round_trip: float | None = field(default=None, compare=False, repr=False)
 
     @property
     def cache_layout(self) -> KVLayout:
@@ -318,9 +322,11 @@ def client_handshake(
     client_nonce = os.urandom(NONCE_BYTES)
     hello = messages.HELLO.build(layout=local.layout.to_dict(), nonce=frames.b64(client_nonce),
                                  kv_buffer=local.kv_buffer, app=local.app)
+    sent = time.perf_counter()
     frames.write_frame(sock, hello, timeout)
     transcript.add(hello)
     challenge = _expect_or_raise(frames.read_frame(sock, timeout), messages.CHALLENGE.type)
+    round_trip = time.perf_counter() - sent
     _nonce(challenge)
     transcript.add(challenge)
     if challenge.get("auth") and secret is None:
@@ -349,7 +355,7 @@ def client_handshake(
         admit(peer)
     _expect_or_raise(frames.read_frame(sock, timeout, session=session, unsealed_error=True),
                      messages.READY.type)
-    return replace(peer, session=session)
+    return replace(peer, session=session, round_trip=round_trip)
 
 
 def _expect_or_raise(message: dict, type_: str) -> dict:

@@ -97,6 +97,12 @@ def test_auto_chooses_by_the_probe_and_says_why(prefill):
             peer = client.connect("127.0.0.1", ports[0])
             model = peer.coalesce_model
             assert model is not None and model.descriptor_us >= 0 and model.gather_gbps > 0
+            # our gather: the client's, measured at its start; the round trip no longer than
+            # the handshake's first exchange (the least of it and the "pool" one)
+            assert client.gather_cost is not None
+            assert model.gather_fixed_us == client.gather_cost.fixed_us
+            assert model.gather_gbps <= client.gather_cost.gbps  # host: at most the wire's
+            assert 0 < model.round_trip_us <= peer.info.round_trip * 1e6
             one = peer.pull(list(range(8)), list(range(8)), timeout=30)  # one run: direct
             assert not one.coalesced and one.coalesce_reason.startswith("auto: 4 descriptors")
             src = random.Random(1).sample(range(128), 100)

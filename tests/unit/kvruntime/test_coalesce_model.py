@@ -46,3 +46,30 @@ def test_host_pools_count_three_copies_and_keep_cma_requests_direct():
                 exposed=3.0)
     assert not Model(**host).choose(4096, 64 * MIB)[0]
     assert Model(**host).choose(32768, 64 * MIB)[0]
+
+
+def test_our_gather_is_measured_on_the_clients_pool_and_not_where_it_cannot_be():
+    """measure_gather (at a client's start, for auto): a rate and a fixed cost from a real
+    host pool's gathers of the cache; None without a pool, with every unit of it held (the
+    units it held are back after), or with a cache too small to gather two blocks."""
+    from kvruntime.engines.coalesce import make_pool, measure_gather
+    from kvruntime.layout import PER_LAYER, KVLayout
+    from kvruntime.memory import KVCache
+
+    layout = KVLayout(PER_LAYER, 2, 64, 16, 4, 64, "float16")
+    cache = KVCache.allocate_host(layout)
+    pool = make_pool(cache, 16)
+    try:
+        cost = measure_gather(pool, layout)
+        assert cost is not None and cost.gbps > 0 and cost.fixed_us >= 0
+        assert measure_gather(None, layout) is None
+        held = pool.try_acquire(pool.units)
+        assert held is not None and measure_gather(pool, layout) is None
+        pool.release(held, pool.units)
+        assert pool.try_acquire(pool.units) == held  # nothing kept by the measure
+        pool.release(held, pool.units)
+        tiny = KVLayout(PER_LAYER, 2, 3, 16, 4, 64, "float16")
+        assert measure_gather(pool, tiny) is None
+    finally:
+        pool.close()
+        cache.close()

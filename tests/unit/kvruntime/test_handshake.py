@@ -51,6 +51,38 @@ def test_success_exchanges_both_infos():
     assert out["server"].agent == "d" and out["server"].layout.num_blocks == 99
 
 
+def test_the_decode_times_the_first_exchange_alone_and_never_sends_it(monkeypatch):
+    """The decode's info comes back with ``round_trip``: hello out to challenge in, what the
+    coalescing model takes for one side-channel round trip. Forced: the prefill takes 50 ms
+    to make its challenge's nonce (counted) and its admit sleeps 300 ms (after the exchange:
+    not counted); the prefill's info has none; to_dict never carries it."""
+    import time as clock
+
+    import kvruntime.wire.handshake as hs
+
+    real = hs.os.urandom
+
+    def urandom(n):  # the prefill's nonce (its connection thread), made slowly
+        if threading.current_thread().name == "prefill":
+            clock.sleep(0.05)
+        return real(n)
+
+    monkeypatch.setattr(hs.os, "urandom", urandom)
+    a, b = socket.socketpair()
+    out = {}
+    t = threading.Thread(name="prefill", target=lambda: out.update(server=serve_handshake(
+        a, info("p"), None, 5.0, lambda peer: clock.sleep(0.3))))
+    t.start()
+    start = clock.perf_counter()
+    got = client_handshake(b, info("d"), None, 5.0)
+    whole = clock.perf_counter() - start
+    t.join(5)
+    a.close(), b.close()
+    assert 0.05 <= got.round_trip <= whole - 0.3
+    assert out["server"].round_trip is None
+    assert "round_trip" not in got.to_dict()
+
+
 def test_both_sides_admit_at_once():
     """The decode adds the prefill's agent while the prefill adds its own, not after the
     prefill's ready: forced here by the prefill's admit, which returns (and so lets its ready
