@@ -15,8 +15,10 @@ clock for every process of a host), and the receiver notes the time it read it. 
   and polls (the prefill's progress loop when idle);
 - ``spinning`` (the reference): the receiver polls its socket without sleeping.
 
-Prints one JSON object: each mode's median and 90th percentile one-way µs, and the wake-up's
-cost (blocked median minus spinning median). It measures; it asserts nothing.
+Prints one JSON object: each mode's median and 90th percentile one-way µs, the sender's own
+``sendall`` (median µs: where the kernel wakes the receiver in the sender's call, a sleeping
+receiver costs the sender too), and the wake-up's cost (blocked median minus spinning median).
+It measures; it asserts nothing.
 
     python3 ci/wake-latency.py [--messages 400] [--gap-ms 2]
 """
@@ -32,13 +34,17 @@ import time
 MSG = struct.Struct("<qq")  # send time (ns), sequence
 
 
-def _sender(port: int, n: int, gap: float) -> None:
+def _sender(port: int, n: int, gap: float, sends) -> None:
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    took = []
     for i in range(n):
         time.sleep(gap)
-        sock.sendall(MSG.pack(time.perf_counter_ns(), i))
+        t = time.perf_counter_ns()
+        sock.sendall(MSG.pack(t, i))
+        took.append((time.perf_counter_ns() - t) / 1e3)
     sock.close()
+    sends.put(took)
 
 
 def _recv_exact(sock, n: int) -> bytes:
@@ -58,7 +64,9 @@ def _recv_exact(sock, n: int) -> bytes:
 def measure(mode: str, n: int, gap: float) -> list:
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
-    child = mp.get_context("spawn").Process(target=_sender, args=(port, n, gap))
+    ctx = mp.get_context("spawn")
+    sends = ctx.Queue()
+    child = ctx.Process(target=_sender, args=(port, n, gap, sends))
     child.start()
     sock, _ = listener.accept()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -81,8 +89,9 @@ def measure(mode: str, n: int, gap: float) -> list:
         stop.set()
         sock.close()
         listener.close()
+        took = sends.get(timeout=30)
         child.join()
-    return out[n // 10:]  # the first tenth: connection and caches settling
+    return out[n // 10:], took[n // 10:]  # the first tenth: connection and caches settling
 
 
 def main() -> int:
@@ -95,9 +104,11 @@ def main() -> int:
     report = {"tool": "wake-latency", "messages": args.messages, "gap_ms": args.gap_ms,
               "modes": {}}
     for mode in ("spinning", "blocked", "blocked_beside_naps"):
-        us = sorted(measure(mode, args.messages, args.gap_ms / 1e3))
+        us, took = measure(mode, args.messages, args.gap_ms / 1e3)
+        us = sorted(us)
         report["modes"][mode] = {"median_us": round(statistics.median(us), 1),
-                                 "p90_us": round(us[int(0.9 * (len(us) - 1))], 1)}
+                                 "p90_us": round(us[int(0.9 * (len(us) - 1))], 1),
+                                 "send_median_us": round(statistics.median(took), 1)}
     m = report["modes"]
     report["wake_cost_us"] = round(m["blocked"]["median_us"] - m["spinning"]["median_us"], 1)
     report["wake_cost_beside_naps_us"] = round(
