@@ -55,6 +55,14 @@ EXPOSED = {"device": 1.0, "host": 3.0}
 # a host of few cores does not pass for their cost (cpu-2 with 32 and 2 UCX threads: 106 us a
 # descriptor in one connect, 3.3 in the next)
 PROBE_BLOCKS = {"device": 32, "host": 256}
+# The most of each chunk the probe's descriptor READs take, by pool memory (None: the whole
+# chunk). What they measure is a descriptor's own cost (cma's process_vm_readv call, its
+# post), which its bytes do not change; on host memory 256 cross-layer chunks of 256 KiB were
+# 64 MiB a READ and the bytes' noise passed for 0.0-11.1 us a descriptor from one connect to
+# the next on the 2-core host (4.1-5.3 in four connects with 32 KiB of each; with 16 KiB a
+# per-layer connect once read 0.0). The wire's rate (the cap on a host gather's: a request's
+# bytes are cold) is still read from the whole chunks in one range.
+PROBE_PIECE_BYTES = {"device": None, "host": 32 << 10}
 # The probe's largest gather, by pool memory: large enough that a device gather's fixed cost
 # (launches, the wait) does not pass for its rate (2 x H100: 32 blocks of 256 KiB measured
 # 50 GB/s, and auto kept 1 GiB of random blocks direct, 4.5 x slower than coalesced), small
@@ -266,10 +274,12 @@ def warm(peer, route: PoolRoute) -> bool:
 
 def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
     """Measure this pair at connect: a READ of ``PROBE_BLOCKS`` scattered pieces of the peer's
-    cache into our pool against a READ of the same bytes in one piece (best of three each);
-    with our gather (the client's ``gather_cost``) and ``round_trip``, the model. None when
-    our pool is busy (another peer's requests hold it), the peer's cache is too small to
-    scatter the pieces, or our gather was not measured."""
+    cache into our pool (every other chunk, at most ``PROBE_PIECE_BYTES`` of each) against a
+    READ of the same bytes in one piece, and the wire's rate from the whole chunks in one piece
+    (best of three each; that last is the one before where pieces are whole); with our gather
+    (the client's ``gather_cost``) and ``round_trip``, the model. None when our pool is busy
+    (another peer's requests hold it), the peer's cache is too small to scatter the pieces,
+    or our gather was not measured."""
     import numpy as np
 
     from ..nixl.transfer import split_runs
@@ -289,9 +299,11 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
         local = pool.cache.regions[0]
         at = local.address + start * pool.layout.block_bytes
         address, _length, device = peer.info.regions[0]
-        scattered = np.array([[address + 2 * i * piece, piece, device] for i in range(k)],
+        cap = PROBE_PIECE_BYTES[pool.memory]
+        small = piece if cap is None else min(piece, cap)
+        scattered = np.array([[address + 2 * i * piece, small, device] for i in range(k)],
                              dtype=np.uint64)
-        mine = np.array([[at + i * piece, piece, local.device_id] for i in range(k)],
+        mine = np.array([[at + i * small, small, local.device_id] for i in range(k)],
                         dtype=np.uint64)
 
         def read(local_rows, remote_rows) -> float:
@@ -303,17 +315,21 @@ def probe(peer, route: PoolRoute, round_trip: float) -> Model | None:
         # (cpu-2, 2 threads: 7.4-8.0 us a descriptor in two connects of three, against 1.8
         # for a request's 4096)
         n = max(1, min(k // 2, split_runs(1, peer.read_threads)))
-        cut = np.linspace(0, k * piece, n + 1).astype(np.uint64)
-        lengths = np.diff(cut)
-        one = np.stack([at + cut[:-1], lengths,
-                        np.full(n, local.device_id, dtype=np.uint64)], axis=1)
-        whole = np.stack([address + cut[:-1], lengths,
-                          np.full(n, device, dtype=np.uint64)], axis=1)
+
+        def in_one(nbytes: int) -> tuple:
+            cut = np.linspace(0, nbytes, n + 1).astype(np.uint64)
+            lengths = np.diff(cut)
+            return (np.stack([at + cut[:-1], lengths,
+                              np.full(n, local.device_id, dtype=np.uint64)], axis=1),
+                    np.stack([address + cut[:-1], lengths,
+                              np.full(n, device, dtype=np.uint64)], axis=1))
+
         t_many = min(read(mine, scattered) for _ in range(3))
-        t_one = min(read(one, whole) for _ in range(3))
+        t_one = min(read(*in_one(k * small)) for _ in range(3))
+        t_wire = t_one if small == piece else min(read(*in_one(k * piece)) for _ in range(3))
     finally:
         pool.release(start, units)
-    wire_gbps = k * piece / t_one / 1e9
+    wire_gbps = k * piece / t_wire / 1e9
     gbps = gathered.gbps
     if pool.memory == "host":  # a request's bytes are cold: no faster than the wire's copy
         gbps = min(gbps, wire_gbps)

@@ -113,6 +113,39 @@ def test_auto_chooses_by_the_probe_and_says_why(prefill):
         cache.close()
 
 
+def test_the_probe_reads_part_of_each_large_chunk_and_the_wire_from_whole_ones(prefill,
+                                                                              monkeypatch):
+    """Host memory, cross-layer chunks of 64 KiB: the probe's descriptor READs take 32 KiB of
+    every other chunk (PROBE_PIECE_BYTES) and the same bytes in one range, and the wire's rate
+    is read from the whole chunks in one range (three READs each, after the warm one); the
+    model comes of them."""
+    from kvruntime.engines import coalesce
+
+    layout = KVLayout(CROSS_LAYER, 2, 96, 16, 4, 128, "float16")
+    assert layout.chunk_bytes == 64 << 10
+    reads = []
+    real = coalesce._read
+
+    def read(peer, local_rows, remote_rows, remote_mem):
+        reads.append([int(n) for n in remote_rows[:, 1]])
+        return real(peer, local_rows, remote_rows, remote_mem)
+
+    monkeypatch.setattr(coalesce, "_read", read)
+    with prefill([layout], seed=3) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl") as client:  # coalesce="auto"
+            peer = client.connect("127.0.0.1", ports[0])
+            model = peer.coalesce_model
+            k = 48  # PROBE_BLOCKS["host"], at most half the peer's blocks
+            probe = reads[1:]  # after the warm READ of one unit
+            assert len(probe) == 9
+            assert all(r == [32 << 10] * k for r in probe[:3])  # scattered, part of each
+            assert all(sum(r) == k * (32 << 10) for r in probe[3:6])  # the same bytes, in one
+            assert all(sum(r) == k * (64 << 10) for r in probe[6:])  # the whole chunks
+            assert model is not None and model.wire_gbps > 0 and model.descriptor_us >= 0
+        cache.close()
+
+
 @pytest.mark.parametrize("op", ["pull", "push", "prefill_push"])
 def test_a_request_larger_than_the_pools_moves_in_pieces(pushing_prefill, op):
     """40 units against a prefill pool of 32 and a decode pool of 64: two pieces of 8 and 2
