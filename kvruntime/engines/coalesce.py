@@ -370,8 +370,9 @@ def open_route(peer) -> tuple[PoolRoute | None, Model | None, str]:
     except KVRuntimeError as exc:
         log.info("%s: coalescing probe: %s", peer.name, exc)
     return route, model, ("auto: by the connect-time probe" if model else
-                          "direct: the connect-time probe could not run (our pool busy, or "
-                          "the peer's cache too small)")
+                          "direct: the connect-time probe could not run (our pool busy, the "
+                          "peer's cache too small, or our gather unmeasured at our start: our "
+                          "cache under four blocks or our pool under two)")
 
 
 def choose(peer, handle, *, mode: str, route: PoolRoute | None, model: Model | None,

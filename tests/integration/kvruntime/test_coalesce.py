@@ -113,6 +113,24 @@ def test_auto_chooses_by_the_probe_and_says_why(prefill):
         cache.close()
 
 
+def test_a_cache_too_small_to_measure_our_gather_leaves_auto_direct_and_says_why(prefill):
+    """Our gather is measured at the client's start (measure_gather): a cache of three blocks
+    cannot gather two scattered ones, so there is none, the connect's probe cannot make a
+    model, and auto's requests go direct saying so."""
+    layout = KVLayout(PER_LAYER, 2, 3, 16, 4, 64, "float16")
+    with prefill([layout], seed=4) as (_p, ports):
+        cache = KVCache.allocate_host(layout)
+        with DecodeClient(cache, engine="nixl") as client:  # coalesce="auto"
+            assert client.gather_cost is None
+            peer = client.connect("127.0.0.1", ports[0])
+            assert peer.coalesce_model is None
+            result = peer.pull([0, 2], [2, 0], timeout=30)
+            assert not result.coalesced
+            assert "our gather unmeasured at our start" in result.coalesce_reason
+            assert peer.digests([0, 2]) == cache.block_digests([2, 0])
+        cache.close()
+
+
 def test_the_probe_reads_part_of_each_large_chunk_and_the_wire_from_whole_ones(prefill,
                                                                               monkeypatch):
     """Host memory, cross-layer chunks of 64 KiB: the probe's descriptor READs take 32 KiB of
