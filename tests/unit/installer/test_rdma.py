@@ -65,7 +65,9 @@ def test_every_platform_builds_rdma_and_the_dry_run_says_so():
         assert "the host's rdma-core" in text and "ibv_reg_dmabuf_mr" in text
 
 
+@pytest.mark.build  # after ci/test.sh's system packages: `ci/test.sh --quick` installs none
 def test_this_host_can_build_the_recipes_rdma():
     """CI installs libibverbs-dev and librdmacm-dev (ci/test.sh); a host without them would get
-    the one line above before anything builds."""
+    the one line above before anything builds. Marked build: it runs with the tests of the
+    pinned builds, once the system packages are in, never in the quick run, which needs none."""
     assert rdma.host_problems(recipe.load("cpu").components["ucx"]["with"]) == []
