@@ -23,6 +23,7 @@ id. NIXL calls take the agent lock for one call at a time, never for a transfer'
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
@@ -59,6 +60,9 @@ from .inflight import PENDING, TransferHandle
 from .port import ClientPort
 
 log = logging.getLogger(__name__)
+
+# the sessions of forgotten peers kept to tell a late notification from a forged one
+RETIRED_SESSIONS = 8
 _request_ids = itertools.count()
 
 
@@ -415,6 +419,10 @@ class DecodeClient:
         # agents of closed peers whose removal waits for their drained copies (NIXL's remote
         # metadata, the rkeys a READ in flight uses, must outlive it)
         self._leaving: set[str] = set()
+        # the sessions of the last peers forgotten: a notification one of them sealed that
+        # lands after we connected again is late, not forged (pushes.of_an_earlier_connection)
+        self._retired: collections.deque = collections.deque(maxlen=RETIRED_SESSIONS)
+        self.late_notifs = 0
         self.staging: StagingPool | None = None
         # the pool requests go through: the host-staged one, or a direct side's for coalesced
         # NIXL transfers (coalesce.py), registered beside the cache
@@ -595,14 +603,22 @@ class DecodeClient:
                 return
             for agent, notes in (notifs or {}).items():
                 peer = next((p for p in list(self._peers.values()) if p.agent == agent), None)
-                if peer is None:
-                    log.warning("ignoring %d NIXL notification(s) from %s: not a peer of ours",
-                                len(notes), agent)
-                    continue
-                ignored = [why for why in map(peer.on_notif, notes) if why]
+                late, ignored = 0, []
+                for note in notes:
+                    why = peer.on_notif(note) if peer else "not a peer of ours"
+                    if why is None:
+                        continue
+                    if pushed.of_an_earlier_connection(self._retired, agent, note):
+                        late += 1
+                    else:
+                        ignored.append(why)
+                if late:
+                    self.late_notifs += late
+                    log.debug("%s: dropped %d notification(s) of an earlier connection",
+                              agent, late)
                 if ignored:  # one line a poll: a flood of them is not a flood of lines
-                    log.warning("%s: ignored %d notification(s): %s", peer.name, len(ignored),
-                                ignored[0])
+                    log.warning("%s: ignored %d notification(s): %s",
+                                peer.name if peer else agent, len(ignored), ignored[0])
         finally:
             self._progress_lock.release()
 
@@ -610,6 +626,7 @@ class DecodeClient:
     def forget(self, peer: PrefillPeer) -> None:
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
+            self._retired.append((peer.agent, peer.channel.session))
         if self.draining.holds(peer.agent):  # removed once its copies in flight end
             self._leaving.add(peer.agent)
         elif peer.agent in self.registration.peers:

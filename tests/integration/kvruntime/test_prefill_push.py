@@ -15,7 +15,7 @@ from kvruntime.errors import KVRuntimeError, TransferError, TransferTimeout
 from kvruntime.layout import CROSS_LAYER, PER_LAYER, KVLayout
 from kvruntime.memory import KVCache
 from kvruntime.prefill.server import PrefillServer
-from kvruntime.wire import frames
+from kvruntime.wire import frames, messages
 
 pytestmark = pytest.mark.integration
 
@@ -235,6 +235,42 @@ def test_a_notification_without_the_sessions_mac_finishes_nothing(pair):
     server.start_push("real2", [71])
     handle.wait(10)
     assert dst.block_digest(51) == src.block_digest(71)
+
+
+def _poll_until(client, done, seconds=10.0):
+    until = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < until, "the notification never came"
+        client.progress_worker()
+        time.sleep(0.005)
+
+
+def test_a_notification_of_an_earlier_connection_is_late_not_forged(pair, caplog):
+    """A prefill posts a sealed "warm" notification at each connect of a device-memory decode
+    (prefill/warm.py); a decode that connects again at once gets it after its new session's
+    keys are in place (2 x H200: a bench's ten handshakes in a row logged "failed its MAC
+    (forged or changed on the way)" three times). Forced here on host memory, where no warm is
+    sent: one sealed with the first connection's session, sent after the second connect, is
+    counted as late and not warned of; one sealed with a session the decode never held is
+    still called forged, and the new connection's pushes land."""
+    server, client, first, src, dst = pair
+    old = server._peers[client.agent.name].info.session  # the prefill's side of it
+    peer = client.connect(*server.address)
+    assert server._peers[client.agent.name].info.session is not old
+    send, me = server.agent.nixl.send_notif, client.agent.name
+    with caplog.at_level(logging.WARNING, logger="kvruntime"):
+        send(me, frames.encode_notif(messages.WARM.build(), old))
+        _poll_until(client, lambda: client.late_notifs == 1)
+        assert "notification" not in caplog.text
+        stranger = frames.Session(b"s" * 32, b"r" * 32)
+        send(me, frames.encode_notif(messages.WARM.build(), stranger))
+        _poll_until(client, lambda: "failed its MAC" in caplog.text)
+    assert client.late_notifs == 1
+    handle = peer.expect_push([52], request_id="after", timeout=20)
+    _wait_expected(server, "after")
+    server.start_push("after", [72])
+    handle.wait(10)
+    assert dst.block_digest(52) == src.block_digest(72)
 
 
 @pytest.mark.parametrize("asked_by", ["prefill", "decode"])
