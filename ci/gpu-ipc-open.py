@@ -50,7 +50,7 @@ def exporter(sizes, count: int, handles, done) -> None:
             check(lib.cudaMalloc(ctypes.byref(ptr), ctypes.c_size_t(mib << 20)), "cudaMalloc")
             check(lib.cudaIpcGetMemHandle(ctypes.byref(handle), ptr), "cudaIpcGetMemHandle")
             held.append(ptr)
-            handles.put((mib, bytes(handle.reserved)))
+            handles.put((mib, bytes(handle)))  # all 64 bytes (a field would stop at a NUL)
     handles.put(None)
     done.get()
 
@@ -76,8 +76,7 @@ def main() -> None:
         device = args.open_on[n % len(args.open_on)]
         check(lib.cudaSetDevice(device), "cudaSetDevice")
         check(lib.cudaFree(None), "cudaFree (the context made)")  # not timed below
-        handle, ptr = Handle(), ctypes.c_void_p()
-        handle.reserved = raw
+        handle, ptr = Handle.from_buffer_copy(raw), ctypes.c_void_p()
         t0 = time.perf_counter()
         check(lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), handle, LAZY_PEER_ACCESS),
               "cudaIpcOpenMemHandle")
